@@ -1,0 +1,234 @@
+"""The engine: requests in, scores out.
+
+request -> DocTree (layout) -> passes (packer) -> forward + readouts (runner) -> ScoreResponse.
+floor values (the same queries over empty content) are scored once per
+(presentation, query, options) in a DocTree of their own and cached, never per document.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .. import __version__
+from ..errors import ContextLengthError, ModelNotFoundError, SpinfError
+from ..models.loader import DEFAULT_MODEL, Checkpoint, load_checkpoint
+from ..protocol import (
+    CombinationScore,
+    OptionScore,
+    Query,
+    QueryScore,
+    ScoreRequest,
+    ScoreResponse,
+    Usage,
+)
+from ..templates import Combination, expand_grid, parse_template
+from .layout import Branch, DocTree, FlatDoc
+from .packer import pack
+from .presentation import Presenter, choose_mode
+from .runner import DocScores, ModelRunner
+
+KERNEL_VERSION = "cpu-sdpa-tiled-1"
+
+
+@dataclass
+class EngineSettings:
+    max_pass_tokens: int = 8192
+    max_combinations: int = 1024     # per query
+    floor_cache_size: int = 100_000
+    presentation: str = "auto"       # auto | raw | chat
+
+
+@dataclass
+class _Prepared:
+    request: ScoreRequest
+    grids: list[list[Combination]]   # per query
+    tree: DocTree
+    flat: FlatDoc | None = None
+
+
+def _pick_device(device: str | None) -> torch.device:
+    if device:
+        return torch.device(device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+class Engine:
+    def __init__(self, checkpoint: Checkpoint, device: str | None = None,
+                 dtype: torch.dtype | None = None, settings: EngineSettings | None = None):
+        from ..models.gemma3 import Gemma3Config, Gemma3Model
+
+        self.checkpoint = checkpoint
+        self.settings = settings or EngineSettings()
+        self.device = _pick_device(device)
+        self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        self.config = Gemma3Config.from_hf(checkpoint.config)
+        with torch.device("meta"):
+            model = Gemma3Model(self.config)
+        model = model.to_empty(device=self.device).to(self.dtype)
+        with torch.no_grad():
+            model.load_hf_weights(checkpoint.weights)
+        self.model = model.eval()
+        self.pad_id = checkpoint.config.get("pad_token_id") or 0
+        self.runner = ModelRunner(self.model, self.device, self.dtype, self.pad_id)
+        mode = choose_mode(self.settings.presentation, checkpoint.name, checkpoint.chat_template)
+        self.presenter = Presenter(checkpoint.tokenizer, checkpoint.bos_token_id, mode,
+                                   checkpoint.chat_template)
+        self.fingerprint = self._fingerprint()
+        self._floor: OrderedDict[tuple, list[DocScores]] = OrderedDict()
+
+    @classmethod
+    def load(cls, model: str | None = None, *, device: str | None = None,
+             dtype: torch.dtype | None = None, settings: EngineSettings | None = None) -> Engine:
+        return cls(load_checkpoint(model), device=device, dtype=dtype, settings=settings)
+
+    @property
+    def model_name(self) -> str:
+        return self.checkpoint.name
+
+    def _fingerprint(self) -> str:
+        device_class = (torch.cuda.get_device_name(self.device) if self.device.type == "cuda"
+                        else "cpu")
+        parts = [self.checkpoint.weights_digest, str(self.dtype), __version__, KERNEL_VERSION,
+                 device_class, self.presenter.mode]
+        return "fp_" + hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+    # ---- public API -------------------------------------------------------------------
+
+    def score(self, request: dict | ScoreRequest) -> ScoreResponse:
+        result = self.score_batch([request])[0]
+        if isinstance(result, SpinfError):
+            raise result
+        return result
+
+    def score_batch(self, requests: Sequence[dict | ScoreRequest]
+                    ) -> list[ScoreResponse | SpinfError]:
+        """Score many requests packed together; a bad request yields its error in place."""
+        prepared: list[_Prepared | SpinfError] = []
+        for raw in requests:
+            try:
+                prepared.append(self._prepare(raw))
+            except SpinfError as err:
+                prepared.append(err)
+        good = [p for p in prepared if isinstance(p, _Prepared)]
+        floor_keys = self._score_missing_floors(good)
+        results = self._run([p.flat for p in good])
+        out: list[ScoreResponse | SpinfError] = []
+        it = iter(results)
+        for p in prepared:
+            out.append(p if isinstance(p, SpinfError)
+                       else self._respond(p, next(it), floor_keys[id(p)]))
+        return out
+
+    # ---- request -> DocTree -----------------------------------------------------------
+
+    def _check_model(self, name: str | None) -> None:
+        aliases = {self.model_name, self.model_name.split("/")[-1]}
+        if self.model_name == DEFAULT_MODEL:
+            aliases.add("gemma-3-270m")
+        if name is not None and name not in aliases:
+            raise ModelNotFoundError(
+                f"model {name!r} is not served here; this engine serves {self.model_name!r}",
+                param="model")
+
+    def _branches(self, queries: list[Query], grids: list[list[Combination]]) -> list[Branch]:
+        enc = self.presenter.encode
+        return [Branch(list(enc(c.prefix)), [list(enc(o)) for o in q.options])
+                for q, grid in zip(queries, grids) for c in grid]
+
+    def _grid(self, query: Query, index: int) -> list[Combination]:
+        template = parse_template(query.template, param=f"scoring.queries.{index}.template")
+        return expand_grid(template, query.values, max_combinations=self.settings.max_combinations,
+                           param=f"scoring.queries.{index}.values")
+
+    def _prepare(self, raw: dict | ScoreRequest) -> _Prepared:
+        request = ScoreRequest.parse(raw)
+        self._check_model(request.model)
+        if request.packs:
+            from ..errors import InvalidRequestError
+            raise InvalidRequestError("prompt packs are not available on this server yet",
+                                      param="packs", code="unsupported_packs")
+        queries = request.scoring.queries
+        grids = [self._grid(q, i) for i, q in enumerate(queries)]
+        messages = [{"role": m.role, "content": m.text()} for m in request.content_messages()]
+        tree = DocTree(self.presenter.root_ids(messages), self._branches(queries, grids))
+        flat = tree.flatten(self.pad_id)
+        limit = self.config.max_position_embeddings
+        if flat.max_position >= limit:
+            raise ContextLengthError(
+                f"content plus the longest question is {flat.max_position + 1} tokens; "
+                f"the model's context is {limit} tokens", param="messages")
+        return _Prepared(request, grids, tree, flat)
+
+    # ---- floor ------------------------------------------------------------------------
+
+    def _floor_key(self, query: Query) -> tuple:
+        return (self.presenter.mode, query.template,
+                json.dumps(query.values, sort_keys=True), tuple(query.options))
+
+    def _score_missing_floors(self, prepared: list[_Prepared]) -> dict[int, list[tuple]]:
+        """Per prepared request, its queries' floor keys; scores any missing floor first."""
+        keys: dict[int, list[tuple]] = {}
+        missing: dict[tuple, FlatDoc] = {}
+        floor_root = self.presenter.floor_root_ids()
+        for p in prepared:
+            qkeys = []
+            for q, grid in zip(p.request.scoring.queries, p.grids):
+                key = self._floor_key(q)
+                qkeys.append(key)
+                if key not in self._floor and key not in missing:
+                    tree = DocTree(list(floor_root), self._branches([q], [grid]))
+                    missing[key] = tree.flatten(self.pad_id)
+            keys[id(p)] = qkeys
+        if missing:
+            for key, scores in zip(missing, self._run(list(missing.values()))):
+                self._floor[key] = scores
+        for qkeys in keys.values():
+            for key in qkeys:
+                self._floor.move_to_end(key)
+        while len(self._floor) > self.settings.floor_cache_size:
+            self._floor.popitem(last=False)
+        return keys
+
+    # ---- passes -----------------------------------------------------------------------
+
+    def _run(self, docs: list[FlatDoc]) -> list[DocScores]:
+        results: list[DocScores | None] = [None] * len(docs)
+        for p in pack(docs, self.settings.max_pass_tokens):
+            for i, scores in zip(p.docs, self.runner.run([docs[i] for i in p.docs])):
+                results[i] = scores
+        return results
+
+    # ---- DocScores -> response --------------------------------------------------------
+
+    def _respond(self, p: _Prepared, scores: DocScores, floor_keys: list[tuple]) -> ScoreResponse:
+        query_scores, b = [], 0
+        for q, grid, fkey in zip(p.request.scoring.queries, p.grids, floor_keys):
+            floor = self._floor[fkey]
+            combos = []
+            for ci, combo in enumerate(grid):
+                lp = scores.logprobs[b]
+                probs = torch.softmax(lp.double(), 0)
+                floor_probs = torch.softmax(floor.logprobs[ci].double(), 0)
+                combos.append(CombinationScore(
+                    values=combo.values,
+                    options=[OptionScore(text=o, logprob=float(lp[k]), p=float(probs[k]),
+                                         floor_p=float(floor_probs[k]))
+                             for k, o in enumerate(q.options)],
+                    residual=scores.residual[b]))
+                b += 1
+            query_scores.append(QueryScore(id=q.id, combinations=combos))
+        scored = sum(len(o) for br in p.tree.branches for o in br.options)
+        return ScoreResponse(
+            id=f"score-{uuid.uuid4().hex}", created=int(time.time()), model=self.model_name,
+            system_fingerprint=self.fingerprint,
+            usage=Usage(prompt_tokens=p.flat.tokens, scored_tokens=scored,
+                        total_tokens=p.flat.tokens + scored),
+            queries=query_scores)

@@ -1,0 +1,63 @@
+"""How content is shown to the model, and cached tokenisation.
+
+``raw`` (base models): the messages' text joined by blank lines. ``chat`` (instruct models):
+the checkpoint's chat template, without a generation prompt. Either way the root of a DocTree
+is BOS + the presented content; template prefixes and options are tokenised on their own, with
+no BOS, and their ids concatenated after it.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from ..errors import InvalidRequestError
+
+INSTRUCT_NAME = re.compile(r"(-it\b|instruct|chat)", re.IGNORECASE)
+
+
+def choose_mode(requested: str, model_name: str, chat_template: str | None) -> str:
+    if requested == "auto":
+        return "chat" if chat_template and INSTRUCT_NAME.search(model_name) else "raw"
+    if requested == "chat" and not chat_template:
+        raise InvalidRequestError(f"model {model_name} has no chat template", param="presentation")
+    if requested not in ("raw", "chat"):
+        raise InvalidRequestError(f"unknown presentation {requested!r}", param="presentation")
+    return requested
+
+
+def _raise(message: str):
+    raise InvalidRequestError(f"chat template: {message}", param="messages")
+
+
+class Presenter:
+    def __init__(self, tokenizer, bos_id: int, mode: str, chat_template: str | None = None,
+                 bos_text: str = "<bos>", eos_text: str = "<eos>"):
+        self.tokenizer, self.bos_id, self.mode = tokenizer, bos_id, mode
+        self.bos_text, self.eos_text = bos_text, eos_text
+        self._template = None
+        if mode == "chat":
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise
+            self._template = env.from_string(chat_template)
+        self.encode = lru_cache(maxsize=65536)(self._encode)
+
+    def _encode(self, text: str) -> tuple[int, ...]:
+        return tuple(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def present(self, messages: list[dict]) -> str:
+        """Presented text of ``[{"role", "content": str}, ...]``; empty content for the floor."""
+        if self.mode == "raw":
+            return "\n\n".join(m["content"] for m in messages)
+        text = self._template.render(messages=messages, add_generation_prompt=False,
+                                     bos_token=self.bos_text, eos_token=self.eos_text)
+        return text.removeprefix(self.bos_text)   # BOS is added as an id, never as text
+
+    def root_ids(self, messages: list[dict]) -> list[int]:
+        text = self.present(messages)
+        return [self.bos_id, *self.tokenizer.encode(text, add_special_tokens=False).ids]
+
+    def floor_root_ids(self) -> list[int]:
+        return self.root_ids([{"role": "user", "content": ""}])

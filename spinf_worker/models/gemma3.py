@@ -1,0 +1,220 @@
+"""Gemma 3 text stack over packed ``[tokens, dim]`` activations.
+
+Scaled embeddings, sandwich RMSNorms (``1 + w``), qk-norm, GQA, local (sliding window, local
+RoPE base) and global layers, tied LM head. Every linear layer goes through the tiled,
+batch-invariant matmul; attention follows the read-once tree rule (kernels/attention.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..kernels.attention import AttentionPlan, packed_tree_attention
+from ..kernels.matmul import READOUT_TILE, tiled_linear
+
+
+@dataclass
+class Gemma3Config:
+    vocab_size: int = 262144
+    hidden_size: int = 640
+    intermediate_size: int = 2048
+    num_layers: int = 18
+    num_heads: int = 4
+    num_kv_heads: int = 1
+    head_dim: int = 256
+    rms_norm_eps: float = 1e-6
+    query_pre_attn_scalar: float = 256
+    sliding_window: int = 512
+    layer_types: tuple[str, ...] = ()
+    rope_global_base: float = 1_000_000.0
+    rope_local_base: float = 10_000.0
+    rope_global_linear_factor: float = 1.0
+    max_position_embeddings: int = 32768
+    final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None
+    tie_word_embeddings: bool = True
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> Gemma3Config:
+        cfg = cfg.get("text_config", cfg)
+        n_layers = cfg["num_hidden_layers"]
+        layer_types = cfg.get("layer_types") or [
+            "full_attention" if (i + 1) % cfg.get("sliding_window_pattern", 6) == 0
+            else "sliding_attention" for i in range(n_layers)]
+        # transformers 5 keeps RoPE settings per layer type; older configs keep flat keys.
+        rope = cfg.get("rope_parameters") or {}
+        full = rope.get("full_attention") or {}
+        local = rope.get("sliding_attention") or {}
+        scaling = cfg.get("rope_scaling") or full
+        factor = scaling.get("factor", 1.0) if scaling.get("rope_type", "default") == "linear" else 1.0
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=n_layers,
+            num_heads=cfg["num_attention_heads"],
+            num_kv_heads=cfg["num_key_value_heads"],
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            query_pre_attn_scalar=cfg.get("query_pre_attn_scalar", 256),
+            sliding_window=cfg.get("sliding_window") or 4096,
+            layer_types=tuple(layer_types),
+            rope_global_base=full.get("rope_theta", cfg.get("rope_theta", 1_000_000.0)),
+            rope_local_base=local.get("rope_theta", cfg.get("rope_local_base_freq", 10_000.0)),
+            rope_global_linear_factor=factor,
+            max_position_embeddings=cfg.get("max_position_embeddings", 32768),
+            final_logit_softcapping=cfg.get("final_logit_softcapping"),
+            attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", True),
+        )
+
+
+class RMSNorm(nn.Module):
+    """Gemma's RMSNorm: computed in fp32, scaled by ``1 + w``, row-wise."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).type_as(x)
+
+
+class Linear(nn.Module):
+    """Bias-free linear layer through the batch-invariant tiled matmul."""
+
+    def __init__(self, d_in: int, d_out: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(d_out, d_in))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return tiled_linear(x, self.weight)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, base: float, linear_factor: float,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float,
+                                            device=positions.device) / head_dim))
+    freqs = positions.float()[:, None] * (inv_freq / linear_factor)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: Gemma3Config, sliding: bool):
+        super().__init__()
+        self.cfg, self.sliding = cfg, sliding
+        hd = cfg.head_dim
+        self.q_proj = Linear(cfg.hidden_size, cfg.num_heads * hd)
+        self.k_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * hd)
+        self.v_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * hd)
+        self.o_proj = Linear(cfg.num_heads * hd, cfg.hidden_size)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                plan: AttentionPlan) -> torch.Tensor:
+        t, hd = x.shape[0], self.cfg.head_dim
+        q = self.q_norm(self.q_proj(x).view(t, -1, hd))
+        k = self.k_norm(self.k_proj(x).view(t, -1, hd))
+        v = self.v_proj(x).view(t, -1, hd)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        o = packed_tree_attention(q, k, v, plan, sliding=self.sliding,
+                                  scale=self.cfg.query_pre_attn_scalar ** -0.5,
+                                  softcap=self.cfg.attn_logit_softcapping)
+        return self.o_proj(o.reshape(t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: Gemma3Config):
+        super().__init__()
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: Gemma3Config, sliding: bool):
+        super().__init__()
+        self.sliding = sliding
+        self.self_attn = Attention(cfg, sliding)
+        self.mlp = MLP(cfg)
+        eps = cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
+        self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps)
+        self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps)
+
+    def forward(self, x, rope, plan):
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, plan))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class Gemma3Model(nn.Module):
+    """``forward`` returns the final-norm hidden states of every packed token;
+    ``readout_logprobs`` applies the LM head to the few rows that predict option tokens."""
+
+    def __init__(self, cfg: Gemma3Config):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, t == "sliding_attention") for t in cfg.layer_types)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                plan: AttentionPlan) -> torch.Tensor:
+        cfg = self.cfg
+        x = self.embed_tokens(input_ids)
+        x = x * torch.tensor(math.sqrt(cfg.hidden_size), dtype=x.dtype)
+        ropes = {
+            True: rope_cos_sin(positions, cfg.head_dim, cfg.rope_local_base, 1.0, x.dtype),
+            False: rope_cos_sin(positions, cfg.head_dim, cfg.rope_global_base,
+                                cfg.rope_global_linear_factor, x.dtype),
+        }
+        for layer in self.layers:
+            x = layer(x, ropes[layer.sliding], plan)
+        return self.norm(x)
+
+    def readout_logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary log-softmax in fp32 for ``[n, dim]`` rows, ``n % READOUT_TILE == 0``."""
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        logits = tiled_linear(hidden, head, READOUT_TILE).float()
+        if self.cfg.final_logit_softcapping is not None:
+            cap = self.cfg.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
+        return torch.log_softmax(logits, dim=-1)
+
+    def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Load HF-named tensors (``model.layers.0.self_attn.q_proj.weight`` ...)."""
+        own = self.state_dict()
+        missing = []
+        for name, param in own.items():
+            src = weights.get("model." + name, weights.get(name))
+            if src is None:
+                missing.append(name)
+                continue
+            if src.shape != param.shape:
+                raise ValueError(f"weight {name}: checkpoint shape {tuple(src.shape)}, "
+                                 f"model shape {tuple(param.shape)}")
+            param.copy_(src)
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
