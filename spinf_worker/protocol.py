@@ -1,0 +1,313 @@
+"""Request and response models for scoring, shared by the API tier and the engine.
+
+``ScoreRequest.parse`` is the one entry point for untrusted input: every validation failure
+becomes an ``InvalidRequestError`` whose ``param`` is the dotted path of the offending field
+(``scoring.queries.0.options``), ready for the OpenAI error shape.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    PrivateAttr,
+    Tag,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from spinf_worker import templates
+from spinf_worker.errors import InvalidRequestError, SpinfError
+
+DEFAULT_MAX_COMBINATIONS = 4096  # grid cap at parse time; the engine may apply a stricter one
+MAX_QUERIES = 1024
+MAX_QUERY_ID_LENGTH = 128
+
+# Our validators raise PydanticCustomError carrying the InvalidRequestError under this context
+# key; `parse` takes message, code and (relative) param from it. Pydantic substitutes context
+# keys written in braces into its own copy of the message, which user text could trigger, so
+# the exact message is read from the carried error, never from pydantic's copy.
+_CARRIED = "spinf_error"
+_OUR_ERROR = "spinf_invalid_request"
+
+# Union branch labels that pydantic puts into error locations; they are not request fields.
+_CONTENT_TAGS = {"string_content", "part_list"}
+_PART_TAGS = {"text_part", "image_url_part", "input_audio_part"}
+
+
+def _invalid(message: str, *, param: str | None = None,
+             code: str | None = None) -> PydanticCustomError:
+    """An error raised inside a validator; ``param`` is relative to the model raising it."""
+    return _carry(InvalidRequestError(message, param=param, code=code))
+
+
+def _carry(error: InvalidRequestError) -> PydanticCustomError:
+    return PydanticCustomError(_OUR_ERROR, error.message, {_CARRIED: error})
+
+
+# ---- request ---------------------------------------------------------------------------
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ImageUrlPart(BaseModel):
+    type: Literal["image_url"]
+    image_url: dict[str, Any]
+
+
+class InputAudioPart(BaseModel):
+    type: Literal["input_audio"]
+    input_audio: dict[str, Any]
+
+
+def _part_tag(value: Any) -> str | None:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return {"text": "text_part", "image_url": "image_url_part",
+            "input_audio": "input_audio_part"}.get(kind)
+
+
+ContentPart = Annotated[
+    Annotated[TextPart, Tag("text_part")]
+    | Annotated[ImageUrlPart, Tag("image_url_part")]
+    | Annotated[InputAudioPart, Tag("input_audio_part")],
+    Discriminator(_part_tag, custom_error_type="invalid_content_part",
+                  custom_error_message="content part type must be 'text', 'image_url' or "
+                                       "'input_audio'"),
+]
+
+# A callable discriminator validates only the branch that matches the input, so a bad list
+# reports the list's problem rather than also "not a valid string".
+Content = Annotated[
+    Annotated[str, Tag("string_content")] | Annotated[list[ContentPart], Tag("part_list")],
+    Discriminator(lambda value: "string_content" if isinstance(value, str) else "part_list"),
+]
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # OpenAI messages carry fields we do not use
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Content
+
+    def text(self, *, param: str = "messages") -> str:
+        """The message as plain text: string content, or its text parts joined with "".
+
+        ``param`` names this message in the error (the caller knows its index)."""
+        if isinstance(self.content, str):
+            return self.content
+        pieces = []
+        for part in self.content:
+            if not isinstance(part, TextPart):
+                raise InvalidRequestError("this model reads text only", param=param,
+                                          code="unsupported_content")
+            pieces.append(part.text)
+        return "".join(pieces)
+
+
+class Query(BaseModel):
+    """One question. Its template is checked at parse time, so a bad template fails the
+    request before any work is queued."""
+
+    model_config = ConfigDict(extra="forbid")  # a misspelt field must not be silently dropped
+
+    id: str = Field(min_length=1, max_length=MAX_QUERY_ID_LENGTH)
+    template: str
+    options: list[str] | None = None
+    values: dict[str, list[str]] = Field(default_factory=dict)
+
+    _parsed: templates.Template | None = PrivateAttr(default=None)
+
+    @property
+    def parsed_template(self) -> templates.Template:
+        if self._parsed is None:  # built without validation (model_construct)
+            self._parsed = templates.parse_template(self.template)
+        return self._parsed
+
+    @model_validator(mode="after")
+    def _check(self) -> Query:
+        try:
+            parsed = templates.parse_template(self.template, param="template")
+            templates.check_scored_template(parsed, param="template")
+        except InvalidRequestError as error:
+            raise _carry(error) from None
+        self._check_options()
+        try:
+            templates.check_grid(parsed, self.values, max_combinations=DEFAULT_MAX_COMBINATIONS,
+                                 param="values")
+        except InvalidRequestError as error:
+            raise _carry(error) from None
+        self._parsed = parsed
+        return self
+
+    def _check_options(self) -> None:
+        if self.options is None:
+            raise _invalid(f"query {self.id!r} has a scored slot {{?}} and needs options",
+                           param="options", code="missing_options")
+        if not self.options:
+            raise _invalid(f"options of query {self.id!r} must not be empty", param="options")
+        seen: set[str] = set()
+        for index, option in enumerate(self.options):
+            if option == "":
+                raise _invalid(f"option {index} of query {self.id!r} is empty",
+                               param=f"options.{index}")
+            if option in seen:
+                raise _invalid(f"duplicate option {option!r} in query {self.id!r}",
+                               param=f"options.{index}", code="duplicate_option")
+            seen.add(option)
+
+
+class Scoring(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    queries: list[Query] = Field(min_length=1, max_length=MAX_QUERIES)
+
+    @model_validator(mode="after")
+    def _unique_ids(self) -> Scoring:
+        first_index: dict[str, int] = {}
+        for index, query in enumerate(self.queries):
+            if query.id in first_index:
+                raise _invalid(
+                    f"duplicate query id {query.id!r} (queries {first_index[query.id]} and "
+                    f"{index})", param=f"queries.{index}.id", code="duplicate_query_id")
+            first_index[query.id] = index
+        return self
+
+
+class PackRef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = Field(min_length=1)
+    version: str | None = None
+    categories: list[str] | None = None
+
+
+class ScoreRequest(BaseModel):
+    # OpenAI clients send fields such as `user` or `temperature`; they mean nothing here.
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    messages: list[Message] | None = None
+    text: str | None = None  # shorthand for one user message; exactly one of messages/text
+    scoring: Scoring
+    packs: list[PackRef] = Field(default_factory=list)  # parsed here, judged by the engine
+    custom_id: str | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _messages_not_empty(cls, messages: list[Message] | None) -> list[Message] | None:
+        if messages is not None and not messages:
+            raise _invalid("messages must not be empty")
+        return messages
+
+    @model_validator(mode="after")
+    def _one_content_source(self) -> ScoreRequest:
+        if self.messages is None and self.text is None:
+            raise _invalid("give the content as 'messages' or 'text'", param="messages",
+                           code="missing_content")
+        if self.messages is not None and self.text is not None:
+            raise _invalid("give either 'messages' or 'text', not both", param="text")
+        return self
+
+    def content_messages(self) -> list[Message]:
+        """The content as messages; ``text`` becomes a single user message."""
+        if self.messages is not None:
+            return list(self.messages)
+        return [Message(role="user", content=self.text)]
+
+    @classmethod
+    def parse(cls, data: dict | ScoreRequest) -> ScoreRequest:
+        """Validate untrusted input; any failure is an ``InvalidRequestError``."""
+        if isinstance(data, ScoreRequest):
+            return data
+        try:
+            return cls.model_validate(data)
+        except ValidationError as error:
+            raise _to_invalid_request(error) from None
+
+
+def _to_invalid_request(error: ValidationError) -> InvalidRequestError:
+    """Report the first validation problem; the OpenAI error shape holds one param."""
+    problems = error.errors(include_url=False)
+    first = problems[0]
+    path = [str(step) for step in first["loc"] if step not in _CONTENT_TAGS | _PART_TAGS]
+    carried = (first.get("ctx") or {}).get(_CARRIED) if first["type"] == _OUR_ERROR else None
+    if carried is not None and carried.param:
+        path.append(carried.param)
+    param = ".".join(path) or None
+    message = carried.message if carried is not None else _describe(first, param)
+    code = carried.code if carried is not None else None
+    if len(problems) > 1:
+        message += f" (and {len(problems) - 1} more problem{'s' if len(problems) > 2 else ''})"
+    return InvalidRequestError(message, param=param, code=code)
+
+
+def _describe(problem: dict, param: str | None) -> str:
+    if problem["type"] == "model_type" and not problem["loc"]:
+        return "the request body must be a JSON object"
+    if problem["type"] == "extra_forbidden":
+        return f"unknown field {param!r}"
+    return f"{param}: {problem['msg']}" if param else problem["msg"]
+
+
+# ---- response --------------------------------------------------------------------------
+
+
+class OptionScore(BaseModel):
+    text: str
+    logprob: float  # summed over the option's tokens
+    p: float  # softmax over the given options
+    floor_p: float  # p for the same question with empty content
+
+
+class CombinationScore(BaseModel):
+    values: dict[str, str]
+    options: list[OptionScore]
+    residual: float  # 1 - sum(exp(logprob)): mass outside the options
+
+
+class QueryScore(BaseModel):
+    id: str
+    combinations: list[CombinationScore]
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    scored_tokens: int
+    total_tokens: int
+
+
+class ScoreResponse(BaseModel):
+    id: str
+    object: Literal["score"] = "score"
+    created: int
+    model: str
+    system_fingerprint: str
+    usage: Usage
+    queries: list[QueryScore]
+    packs: list[dict] = Field(default_factory=list)
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """The OpenAI error shape ``{"error": {...}}``."""
+
+    error: ErrorBody
+
+    @classmethod
+    def from_error(cls, error: SpinfError) -> ErrorResponse:
+        return cls.model_validate(error.to_openai())

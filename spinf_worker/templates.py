@@ -1,0 +1,235 @@
+"""The query template language, parsed into parts and expanded into a grid of prompts.
+
+A template is text appended after the presented content:
+
+- ``{?}`` is the scored slot: options are scored as continuations of the text before it.
+- ``{name}`` is a placeholder (``name`` an identifier) filled from the query's ``values``.
+- ``{*}``, ``{n}`` and ``{$}`` are extraction slots (span, number, money). The parser knows
+  them so templates can be checked; scoring rejects them until extraction exists.
+- ``{{`` and ``}}`` stand for literal braces. Any other brace is an error.
+
+Because ``{n}`` is a slot, no placeholder can be called ``n``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from itertools import product
+
+from spinf_worker.errors import InvalidRequestError
+
+SCORED = "?"
+EXTRACTION_KINDS = ("*", "n", "$")
+SLOT_KINDS = (SCORED, *EXTRACTION_KINDS)
+
+
+@dataclass(frozen=True)
+class Literal:
+    text: str
+
+
+@dataclass(frozen=True)
+class Placeholder:
+    name: str
+
+
+@dataclass(frozen=True)
+class Slot:
+    kind: str  # one of SLOT_KINDS
+
+
+Part = Literal | Placeholder | Slot
+
+
+@dataclass(frozen=True)
+class Template:
+    source: str
+    parts: tuple[Part, ...]
+
+    @property
+    def placeholders(self) -> tuple[str, ...]:
+        """Distinct placeholder names, in order of first appearance."""
+        names = (part.name for part in self.parts if isinstance(part, Placeholder))
+        return tuple(dict.fromkeys(names))
+
+    @property
+    def slots(self) -> tuple[Slot, ...]:
+        return tuple(part for part in self.parts if isinstance(part, Slot))
+
+
+@dataclass(frozen=True)
+class Combination:
+    values: dict[str, str]  # placeholder name -> chosen value ({} when the template has none)
+    prefix: str  # the template text before {?}, placeholders filled, escapes resolved
+
+
+def parse_template(source: str, *, param: str = "template") -> Template:
+    """Split ``source`` into literal text, placeholders and slots.
+
+    Adjacent literal text (including resolved ``{{``/``}}``) is merged into one ``Literal``.
+    """
+    parts: list[Part] = []
+    text: list[str] = []  # literal text not yet flushed into a Literal part
+
+    def flush() -> None:
+        if text:
+            parts.append(Literal("".join(text)))
+            text.clear()
+
+    i = 0
+    while i < len(source):
+        char = source[i]
+        if char == "{" and source.startswith("{{", i):
+            text.append("{")
+            i += 2
+        elif char == "}" and source.startswith("}}", i):
+            text.append("}")
+            i += 2
+        elif char == "}":
+            raise _template_error(
+                f"unexpected '}}' at offset {i}; write '}}}}' for a literal brace", param)
+        elif char == "{":
+            end = _closing_brace(source, i)
+            if end is None:
+                raise _template_error(
+                    f"unclosed '{{' at offset {i}; write '{{{{' for a literal brace", param)
+            flush()
+            parts.append(_field(source[i + 1:end], offset=i, param=param))
+            i = end + 1
+        else:
+            text.append(char)
+            i += 1
+    flush()
+    return Template(source=source, parts=tuple(parts))
+
+
+def _closing_brace(source: str, start: int) -> int | None:
+    """Offset of the '}' closing the '{' at ``start``, or None when another '{' or the end
+    comes first (braces do not nest)."""
+    for j in range(start + 1, len(source)):
+        if source[j] == "}":
+            return j
+        if source[j] == "{":
+            return None
+    return None
+
+
+def _field(inner: str, *, offset: int, param: str) -> Placeholder | Slot:
+    if inner in SLOT_KINDS:
+        return Slot(inner)
+    if inner.isidentifier():
+        return Placeholder(inner)
+    problem = "empty '{}'" if inner == "" else f"invalid placeholder '{{{inner}}}'"
+    raise _template_error(
+        f"{problem} at offset {offset}; use {{?}}, {{*}}, {{n}}, {{$}}, {{name}} with an "
+        "identifier name, or '{{' and '}}' for literal braces", param)
+
+
+def _template_error(message: str, param: str) -> InvalidRequestError:
+    return InvalidRequestError(f"template: {message}", param=param, code="invalid_template")
+
+
+def check_scored_template(template: Template, *, param: str = "template") -> None:
+    """Require exactly one ``{?}``, no extraction slots, and no placeholder used only after
+    ``{?}`` (text after the scored slot is ignored, so such a placeholder would only repeat
+    the same question)."""
+    for slot in template.slots:
+        if slot.kind in EXTRACTION_KINDS:
+            raise InvalidRequestError(
+                f"template uses the extraction slot {{{slot.kind}}}; extraction slots "
+                "({*}, {n}, {$}) are not supported yet", param=param, code="unsupported_slot")
+    scored = sum(1 for slot in template.slots if slot.kind == SCORED)
+    if scored == 0:
+        raise InvalidRequestError("template has no scored slot {?}", param=param,
+                                  code="invalid_template")
+    if scored > 1:
+        raise InvalidRequestError(
+            f"template has {scored} scored slots; exactly one is allowed", param=param,
+            code="invalid_template")
+    before = set(_placeholders_before_scored(template))
+    for name in template.placeholders:
+        if name not in before:
+            raise InvalidRequestError(
+                f"placeholder {{{name}}} appears only after {{?}}; text after the scored slot "
+                "is ignored", param=param, code="invalid_template")
+
+
+def check_grid(template: Template, values: dict[str, list[str]], *, max_combinations: int,
+               param: str = "values") -> int:
+    """Check ``values`` against the template's placeholders and return the grid size.
+
+    The size is computed from the list lengths, so an oversized grid fails without being built.
+    """
+    names = template.placeholders
+    for key in values:
+        if key not in names:
+            raise InvalidRequestError(
+                f"values has {key!r} but the template has no placeholder {{{key}}}",
+                param=f"{param}.{key}", code="unknown_placeholder")
+    for name in names:
+        choices = values.get(name)
+        if not choices:
+            raise InvalidRequestError(f"placeholder {{{name}}} has no values",
+                                      param=f"{param}.{name}", code="missing_values")
+        seen: set[str] = set()
+        for index, choice in enumerate(choices):
+            if not isinstance(choice, str):
+                raise InvalidRequestError(f"values for {{{name}}} must be strings",
+                                          param=f"{param}.{name}.{index}")
+            if choice in seen:
+                raise InvalidRequestError(
+                    f"duplicate value {choice!r} for placeholder {{{name}}}",
+                    param=f"{param}.{name}.{index}", code="duplicate_value")
+            seen.add(choice)
+    size = math.prod(len(values[name]) for name in names)
+    if size > max_combinations:
+        raise InvalidRequestError(
+            f"values expand to {size} combinations; at most {max_combinations} are allowed",
+            param=param, code="grid_too_large")
+    return size
+
+
+def expand_grid(template: Template, values: dict[str, list[str]], *, max_combinations: int,
+                param: str = "values", template_param: str = "template") -> list[Combination]:
+    """Every combination of placeholder values, with the text each one scores after.
+
+    Enforces the scored-query rules (``check_scored_template``) and the values rules
+    (``check_grid``) first. Text after ``{?}`` is ignored for scoring. The grid is the
+    cartesian product in order of first appearance: the first placeholder varies slowest.
+    """
+    check_scored_template(template, param=template_param)
+    check_grid(template, values, max_combinations=max_combinations, param=param)
+    names = template.placeholders
+    before = _parts_before_scored(template)
+    combinations = []
+    for chosen in product(*(values[name] for name in names)):
+        filled = dict(zip(names, chosen, strict=True))
+        prefix = "".join(
+            filled[part.name] if isinstance(part, Placeholder) else part.text for part in before)
+        combinations.append(Combination(values=filled, prefix=prefix))
+    return combinations
+
+
+def scored_prefix_combinations(template_source: str, values: dict[str, list[str]], *,
+                               max_combinations: int, param: str = "values",
+                               template_param: str = "template") -> list[Combination]:
+    """Parse a scored query's template and expand it (see ``expand_grid``)."""
+    template = parse_template(template_source, param=template_param)
+    return expand_grid(template, values, max_combinations=max_combinations, param=param,
+                       template_param=template_param)
+
+
+def _parts_before_scored(template: Template) -> list[Literal | Placeholder]:
+    before: list[Literal | Placeholder] = []
+    for part in template.parts:
+        if isinstance(part, Slot):
+            if part.kind == SCORED:
+                break
+            continue
+        before.append(part)
+    return before
+
+
+def _placeholders_before_scored(template: Template) -> list[str]:
+    return [part.name for part in _parts_before_scored(template) if isinstance(part, Placeholder)]

@@ -1,0 +1,303 @@
+import copy
+
+import pytest
+
+from spinf_worker.errors import InvalidRequestError
+from spinf_worker.protocol import (
+    DEFAULT_MAX_COMBINATIONS,
+    MAX_QUERIES,
+    CombinationScore,
+    ErrorResponse,
+    Message,
+    OptionScore,
+    QueryScore,
+    ScoreRequest,
+    ScoreResponse,
+    TextPart,
+    Usage,
+)
+from spinf_worker.templates import Placeholder, Slot
+
+TOPIC = {"id": "topic",
+         "template": "\n\nTopic (billing, technical, account, shipping, or cancellation):{?}",
+         "options": [" billing", " technical", " account", " shipping", " cancellation"]}
+REFUND = {"id": "refund", "template": "\n\nIs the customer asking for a refund?\nAnswer:{?}",
+          "options": [" yes", " no"]}
+MONTH = {"id": "month", "template": "\n\nQ: Which month was charged twice?\nA: \"{*}\""}
+
+SPEC_EXAMPLE = {
+    "model": "google/gemma-3-270m",
+    "messages": [{"role": "user", "content": "Customer support message:\nI was charged twice "
+                                             "for September, please refund one of the charges."}],
+    "scoring": {"queries": [TOPIC, REFUND, MONTH]},
+    "packs": [{"id": "spinf/moderation"}],
+}
+
+
+def spec_request_without_extraction():
+    data = copy.deepcopy(SPEC_EXAMPLE)
+    data["scoring"]["queries"] = data["scoring"]["queries"][:2]
+    return data
+
+
+def minimal(**changes):
+    data = {"text": "doc", "scoring": {"queries": [copy.deepcopy(REFUND)]}}
+    data.update(changes)
+    return data
+
+
+def with_query(**fields):
+    return minimal(scoring={"queries": [{**REFUND, **fields}]})
+
+
+def parse_error(data) -> InvalidRequestError:
+    with pytest.raises(InvalidRequestError) as caught:
+        ScoreRequest.parse(data)
+    return caught.value
+
+
+# ---- the SPEC example ------------------------------------------------------------------
+
+
+def test_spec_example_parses_without_the_extraction_query():
+    request = ScoreRequest.parse(spec_request_without_extraction())
+    assert request.model == "google/gemma-3-270m"
+    assert [q.id for q in request.scoring.queries] == ["topic", "refund"]
+    assert request.scoring.queries[1].options == [" yes", " no"]
+    assert request.packs[0].id == "spinf/moderation"
+    assert request.packs[0].version is None
+    assert request.content_messages()[0].text().startswith("Customer support message:\nI was")
+
+
+def test_spec_example_extraction_query_fails_as_unsupported_slot():
+    error = parse_error(SPEC_EXAMPLE)
+    assert error.code == "unsupported_slot"
+    assert error.param == "scoring.queries.2.template"
+    assert "{*}" in error.message
+
+
+def test_parsed_template_is_kept_on_the_query():
+    request = ScoreRequest.parse(with_query(template="Is {x} ok?{?}", values={"x": ["a"]}))
+    parts = request.scoring.queries[0].parsed_template.parts
+    assert Placeholder("x") in parts and Slot("?") in parts
+
+
+def test_parse_returns_an_already_parsed_request_unchanged():
+    request = ScoreRequest.parse(minimal())
+    assert ScoreRequest.parse(request) is request
+
+
+# ---- content ---------------------------------------------------------------------------
+
+
+def test_text_is_shorthand_for_one_user_message():
+    messages = ScoreRequest.parse(minimal(text="hello")).content_messages()
+    assert [(m.role, m.text()) for m in messages] == [("user", "hello")]
+
+
+def test_messages_are_returned_in_order():
+    request = ScoreRequest.parse(minimal(text=None, messages=[
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]))
+    assert [(m.role, m.text()) for m in request.content_messages()] == [
+        ("system", "be brief"), ("user", "hi")]
+
+
+def test_neither_messages_nor_text():
+    error = parse_error({"scoring": minimal()["scoring"]})
+    assert error.param == "messages"
+    assert "'messages' or 'text'" in error.message
+
+
+def test_both_messages_and_text():
+    error = parse_error(minimal(messages=[{"role": "user", "content": "x"}]))
+    assert error.param == "text"
+    assert "not both" in error.message
+
+
+def test_empty_messages():
+    error = parse_error(minimal(text=None, messages=[]))
+    assert error.param == "messages"
+    assert error.message == "messages must not be empty"
+
+
+def test_text_parts_are_joined():
+    message = Message(role="user", content=[{"type": "text", "text": "a"},
+                                            {"type": "text", "text": "b"}])
+    assert isinstance(message.content[0], TextPart)
+    assert message.text() == "ab"
+
+
+@pytest.mark.parametrize("part", [
+    {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}},
+    {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
+])
+def test_media_parts_parse_but_are_not_readable_as_text(part):
+    message = Message(role="user", content=[{"type": "text", "text": "a"}, part])
+    with pytest.raises(InvalidRequestError) as caught:
+        message.text(param="messages.0.content")
+    assert caught.value.message == "this model reads text only"
+    assert caught.value.code == "unsupported_content"
+    assert caught.value.param == "messages.0.content"
+
+
+def test_unknown_content_part_type_points_at_the_part():
+    error = parse_error(minimal(text=None, messages=[
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "video"}]}]))
+    assert error.param == "messages.0.content.1"
+    assert "content part type" in error.message
+
+
+def test_bad_text_part_points_at_its_field_without_union_labels():
+    error = parse_error(minimal(text=None, messages=[
+        {"role": "user", "content": [{"type": "text", "text": 5}]}]))
+    assert error.param == "messages.0.content.0.text"
+
+
+def test_bad_role():
+    error = parse_error(minimal(text=None, messages=[{"role": "tool", "content": "x"}]))
+    assert error.param == "messages.0.role"
+
+
+# ---- queries ---------------------------------------------------------------------------
+
+
+def test_duplicate_query_ids():
+    error = parse_error(minimal(scoring={"queries": [REFUND, TOPIC, REFUND]}))
+    assert error.param == "scoring.queries.2.id"
+    assert "duplicate query id 'refund'" in error.message
+    assert error.code == "duplicate_query_id"
+
+
+@pytest.mark.parametrize("query_id", ["", "x" * 129])
+def test_query_id_length(query_id):
+    assert parse_error(with_query(id=query_id)).param == "scoring.queries.0.id"
+
+
+def test_query_id_of_128_chars_is_fine():
+    ScoreRequest.parse(with_query(id="x" * 128))
+
+
+def test_no_queries():
+    assert parse_error(minimal(scoring={"queries": []})).param == "scoring.queries"
+
+
+def test_too_many_queries():
+    queries = [{**REFUND, "id": f"q{i}"} for i in range(MAX_QUERIES + 1)]
+    assert parse_error(minimal(scoring={"queries": queries})).param == "scoring.queries"
+
+
+def test_scored_query_without_options():
+    query = {k: v for k, v in REFUND.items() if k != "options"}
+    error = parse_error(minimal(scoring={"queries": [query]}))
+    assert error.param == "scoring.queries.0.options"
+    assert "needs options" in error.message
+
+
+def test_empty_options():
+    assert parse_error(with_query(options=[])).param == "scoring.queries.0.options"
+
+
+def test_empty_option_text():
+    error = parse_error(with_query(options=[" yes", ""]))
+    assert error.param == "scoring.queries.0.options.1"
+    assert "empty" in error.message
+
+
+def test_duplicate_options():
+    error = parse_error(with_query(options=[" yes", " no", " yes"]))
+    assert error.message == "duplicate option ' yes' in query 'refund'"
+    assert error.param == "scoring.queries.0.options.2"
+
+
+def test_options_differing_only_in_whitespace_are_distinct():
+    ScoreRequest.parse(with_query(options=["yes", " yes"]))
+
+
+def test_misspelt_query_field_fails_loudly():
+    error = parse_error(with_query(option=[" yes"]))
+    assert error.param == "scoring.queries.0.option"
+    assert "unknown field" in error.message
+
+
+def test_unknown_top_level_fields_are_ignored():
+    request = ScoreRequest.parse(minimal(user="u-1", temperature=0.0, custom_id="doc-7"))
+    assert request.custom_id == "doc-7"
+    assert not hasattr(request, "temperature")
+
+
+def test_bad_template_fails_at_parse_time_with_its_path():
+    error = parse_error(with_query(template="Answer: {x"))
+    assert error.param == "scoring.queries.0.template"
+    assert "unclosed '{' at offset 8" in error.message
+
+
+def test_messages_quoting_braces_are_reported_verbatim():
+    # pydantic fills "{key}" from an error's context into its copy of the message
+    error = parse_error(with_query(template="{spinf_error}{?}"))
+    assert error.message == "placeholder {spinf_error} has no values"
+
+
+def test_values_errors_point_into_values():
+    error = parse_error(with_query(template="In {region}?{?}", values={"regoin": ["EU"]}))
+    assert error.param == "scoring.queries.0.values.regoin"
+    error = parse_error(with_query(template="In {region}?{?}"))
+    assert error.param == "scoring.queries.0.values.region"
+    assert error.message == "placeholder {region} has no values"
+
+
+def test_grid_cap_applies_at_parse_time():
+    many = [str(i) for i in range(DEFAULT_MAX_COMBINATIONS + 1)]
+    error = parse_error(with_query(template="{x}{?}", values={"x": many}))
+    assert error.code == "grid_too_large"
+    assert error.param == "scoring.queries.0.values"
+
+
+def test_missing_scoring():
+    error = parse_error({"text": "doc"})
+    assert error.param == "scoring"
+    assert "Field required" in error.message
+
+
+def test_body_that_is_not_an_object():
+    error = parse_error(["not", "an", "object"])
+    assert error.param is None
+    assert "JSON object" in error.message
+
+
+def test_packs_are_parsed_not_judged():
+    request = ScoreRequest.parse(minimal(packs=[
+        {"id": "spinf/moderation", "version": "1.2", "categories": ["spam"]}]))
+    assert request.packs[0].categories == ["spam"]
+
+
+def test_pack_without_id():
+    assert parse_error(minimal(packs=[{"version": "1"}])).param == "packs.0.id"
+
+
+def test_several_problems_report_the_first_and_count_the_rest():
+    error = parse_error({"text": 5, "scoring": {"queries": [{"id": "a"}]}})
+    assert error.param == "text"
+    assert "more problem" in error.message
+
+
+# ---- responses -------------------------------------------------------------------------
+
+
+def test_response_serialises_in_the_spec_shape():
+    response = ScoreResponse(
+        id="score-1", created=1764500000, model="m", system_fingerprint="fp",
+        usage=Usage(prompt_tokens=10, scored_tokens=4, total_tokens=14),
+        queries=[QueryScore(id="refund", combinations=[CombinationScore(
+            values={}, residual=0.44, options=[
+                OptionScore(text=" yes", logprob=-0.9, p=0.72, floor_p=0.6),
+                OptionScore(text=" no", logprob=-1.86, p=0.28, floor_p=0.4)])])])
+    dumped = response.model_dump()
+    assert dumped["object"] == "score"
+    assert dumped["packs"] == []
+    assert dumped["queries"][0]["combinations"][0]["options"][0] == {
+        "text": " yes", "logprob": -0.9, "p": 0.72, "floor_p": 0.6}
+
+
+def test_error_response_matches_the_openai_shape():
+    error = InvalidRequestError("bad", param="scoring.queries.0.options", code="duplicate_option")
+    assert ErrorResponse.from_error(error).model_dump() == error.to_openai()
