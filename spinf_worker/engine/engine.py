@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import __version__
-from ..errors import ContextLengthError, ModelNotFoundError, SpinfError
+from ..errors import ContextLengthError, InvalidRequestError, ModelNotFoundError, SpinfError
 from ..models.loader import DEFAULT_MODEL, Checkpoint, load_checkpoint
 from ..protocol import (
     CombinationScore,
@@ -29,7 +29,7 @@ from ..protocol import (
     ScoreResponse,
     Usage,
 )
-from ..templates import Combination, expand_grid, parse_template
+from ..templates import Combination, expand_grid
 from .layout import Branch, DocTree, FlatDoc
 from .packer import pack
 from .presentation import Presenter, choose_mode
@@ -144,20 +144,21 @@ class Engine:
                 for q, grid in zip(queries, grids) for c in grid]
 
     def _grid(self, query: Query, index: int) -> list[Combination]:
-        template = parse_template(query.template, param=f"scoring.queries.{index}.template")
-        return expand_grid(template, query.values, max_combinations=self.settings.max_combinations,
-                           param=f"scoring.queries.{index}.values")
+        where = f"scoring.queries.{index}"
+        return expand_grid(query.parsed_template, query.values,
+                           max_combinations=self.settings.max_combinations,
+                           param=f"{where}.values", template_param=f"{where}.template")
 
     def _prepare(self, raw: dict | ScoreRequest) -> _Prepared:
         request = ScoreRequest.parse(raw)
         self._check_model(request.model)
         if request.packs:
-            from ..errors import InvalidRequestError
             raise InvalidRequestError("prompt packs are not available on this server yet",
                                       param="packs", code="unsupported_packs")
         queries = request.scoring.queries
         grids = [self._grid(q, i) for i, q in enumerate(queries)]
-        messages = [{"role": m.role, "content": m.text()} for m in request.content_messages()]
+        messages = [{"role": m.role, "content": m.text(param=f"messages.{i}.content")}
+                    for i, m in enumerate(request.content_messages())]
         tree = DocTree(self.presenter.root_ids(messages), self._branches(queries, grids))
         flat = tree.flatten(self.pad_id)
         limit = self.config.max_position_embeddings
