@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from collections.abc import Iterator
@@ -65,23 +66,20 @@ def cmd_score(args: argparse.Namespace) -> int:
         settings.max_pass_tokens = args.max_pass_tokens
     engine = Engine.load(args.model, device=args.device, settings=settings)
     total = None if args.input == "-" else sum(1 for _ in _read_lines(args.input))
-    out = sys.stdout if args.output == "-" else open(args.output, "w", encoding="utf-8")
+    sink = (contextlib.nullcontext(sys.stdout) if args.output == "-"
+            else open(args.output, "w", encoding="utf-8"))  # noqa: SIM115 (closed by with)
     failed = 0
-    try:
-        with tqdm(total=total, unit="doc", file=sys.stderr, disable=args.quiet) as bar:
-            chunk: list[str] = []
-            for line in _read_lines(args.input):
-                chunk.append(line)
-                if len(chunk) == CHUNK_DOCS:
-                    failed += _score_chunk(engine, chunk, scoring, out)
-                    bar.update(len(chunk))
-                    chunk = []
-            if chunk:
+    with sink as out, tqdm(total=total, unit="doc", file=sys.stderr, disable=args.quiet) as bar:
+        chunk: list[str] = []
+        for line in _read_lines(args.input):
+            chunk.append(line)
+            if len(chunk) == CHUNK_DOCS:
                 failed += _score_chunk(engine, chunk, scoring, out)
                 bar.update(len(chunk))
-    finally:
-        if out is not sys.stdout:
-            out.close()
+                chunk = []
+        if chunk:
+            failed += _score_chunk(engine, chunk, scoring, out)
+            bar.update(len(chunk))
     if failed:
         print(f"{failed} line(s) failed; see their error lines in the output", file=sys.stderr)
     return 0

@@ -30,17 +30,21 @@ class FlatDoc:
 
     input_ids: torch.Tensor      # [length] (padded to ROW_TILE)
     positions: torch.Tensor      # [length]
-    node: torch.Tensor           # [length] tree node per row, -1 for padding
-    ancestors: torch.Tensor      # [nodes, nodes] bool: column node is row node or its ancestor
+    root: int                    # rows [0, root) hold the root
+    tokens: int                  # real (unpadded) rows; [root, tokens) are branch tokens
+    path_rows: torch.Tensor      # [branch tokens, L]: own-path rows (branch, option), causal
+    path_ok: torch.Tensor        # [branch tokens, L] bool: which path entries are real
     readout_rows: torch.Tensor   # [n_readouts padded to READOUT_TILE] row within the document
     # terms[b][o] = [(readout index, token id), ...]: option o of branch b's logprob summands
     terms: list[list[list[tuple[int, int]]]]
-    tokens: int                  # real (unpadded) tokens
-    max_position: int
 
     @property
     def length(self) -> int:
         return int(self.input_ids.shape[0])
+
+    @property
+    def max_position(self) -> int:
+        return int(self.positions[: self.tokens].max())
 
 
 @dataclass
@@ -51,55 +55,54 @@ class DocTree:
     def flatten(self, pad_id: int) -> FlatDoc:
         ids: list[int] = list(self.root)
         pos: list[int] = list(range(len(self.root)))
-        node: list[int] = [0] * len(self.root)
-        parents: list[int] = [-1]
+        paths: list[list[int]] = []          # per branch token: rows it attends to outside the root
         readout_rows: list[int] = []
         terms: list[list[list[tuple[int, int]]]] = []
 
-        def add_node(parent: int, tokens: list[int], start_pos: int) -> int:
-            nid = len(parents)
-            parents.append(parent)
-            ids.extend(tokens)
-            pos.extend(range(start_pos, start_pos + len(tokens)))
-            node.extend([nid] * len(tokens))
-            return nid
+        def add_node(tokens: list[int], start_pos: int, parent_path: list[int]) -> list[int]:
+            """Append a node's tokens; returns the node's full path (parent path + own rows)."""
+            path = list(parent_path)
+            for j, tok in enumerate(tokens):
+                path.append(len(ids))
+                paths.append(list(path))
+                ids.append(tok)
+                pos.append(start_pos + j)
+            return path
 
         for br in self.branches:
-            b_node = add_node(0, br.prefix, len(self.root))
+            branch_path = add_node(br.prefix, len(self.root), [])
             # The first option token is predicted by the last template token (the root's
             # last token when the template has no text before its slot).
-            first_row = len(ids) - 1 if br.prefix else len(self.root) - 1
+            first_row = branch_path[-1] if branch_path else len(self.root) - 1
             first_pos = pos[first_row]
             readout_rows.append(first_row)
             shared = len(readout_rows) - 1
             br_terms = []
             for opt in br.options:
                 opt_terms = [(shared, opt[0])]
-                if len(opt) > 1:
-                    add_node(b_node, opt[:-1], first_pos + 1)
-                    sub_start = len(ids) - (len(opt) - 1)
-                    for j, tok in enumerate(opt[1:]):
-                        readout_rows.append(sub_start + j)
-                        opt_terms.append((len(readout_rows) - 1, tok))
+                option_path = add_node(opt[:-1], first_pos + 1, branch_path)
+                for row, tok in zip(option_path[len(branch_path):], opt[1:]):
+                    readout_rows.append(row)
+                    opt_terms.append((len(readout_rows) - 1, tok))
                 br_terms.append(opt_terms)
             terms.append(br_terms)
 
-        n_nodes = len(parents)
-        ancestors = torch.eye(n_nodes, dtype=torch.bool)
-        for nid in range(1, n_nodes):   # parents precede children: one pass fills closure
-            ancestors[nid] |= ancestors[parents[nid]]
-            ancestors[nid, nid] = True
-
         tokens = len(ids)
+        width = max((len(p) for p in paths), default=1)
+        path_rows = torch.zeros(len(paths), width, dtype=torch.long)
+        path_ok = torch.zeros(len(paths), width, dtype=torch.bool)
+        for i, path in enumerate(paths):
+            path_rows[i, : len(path)] = torch.tensor(path)
+            path_ok[i, : len(path)] = True
         pad = -tokens % ROW_TILE
         rpad = -len(readout_rows) % READOUT_TILE
         return FlatDoc(
             input_ids=torch.tensor(ids + [pad_id] * pad, dtype=torch.long),
             positions=torch.tensor(pos + [0] * pad, dtype=torch.long),
-            node=torch.tensor(node + [-1] * pad, dtype=torch.long),
-            ancestors=ancestors,
+            root=len(self.root),
+            tokens=tokens,
+            path_rows=path_rows,
+            path_ok=path_ok,
             readout_rows=torch.tensor(readout_rows + [0] * rpad, dtype=torch.long),
             terms=terms,
-            tokens=tokens,
-            max_position=max(pos),
         )

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels.attention import AttentionPlan, DocSpan, tree_mask
+from ..kernels.attention import AttentionPlan, DocSpan
 from .layout import FlatDoc
 
 READOUT_CHUNK = 256   # LM-head rows at a time (a multiple of READOUT_TILE)
@@ -25,16 +25,26 @@ class ModelRunner:
                  pad_id: int):
         self.model, self.device, self.dtype, self.pad_id = model, device, dtype, pad_id
 
+    def span(self, doc: FlatDoc, start: int) -> DocSpan:
+        """Attention metadata of one document placed at ``start``."""
+        dev, window = self.device, self.model.cfg.sliding_window
+        span = DocSpan(start, doc.root, doc.tokens, doc.path_rows.to(dev), doc.path_ok.to(dev))
+        if doc.max_position >= window:
+            root_pos = torch.arange(doc.root)
+            branch_pos = doc.positions[doc.root:doc.tokens]
+            path_pos = doc.positions[doc.path_rows]
+            span.root_window = ((root_pos[:, None] >= root_pos[None, :])
+                                & (root_pos[:, None] - root_pos[None, :] < window)).to(dev)
+            span.branch_root_window = (branch_pos[:, None] - root_pos[None, :] < window).to(dev)
+            span.path_window = (doc.path_ok & (branch_pos[:, None] - path_pos < window)).to(dev)
+        return span
+
     @torch.inference_mode()
     def run(self, docs: list[FlatDoc]) -> list[DocScores]:
         """Run the documents as one packed pass."""
-        cfg = self.model.cfg
         spans, start = [], 0
         for doc in docs:
-            full = tree_mask(doc.node, doc.positions, doc.ancestors, None)
-            local = (tree_mask(doc.node, doc.positions, doc.ancestors, cfg.sliding_window)
-                     if doc.max_position >= cfg.sliding_window else full)
-            spans.append(DocSpan(start, doc.length, full.to(self.device), local.to(self.device)))
+            spans.append(self.span(doc, start))
             start += doc.length
         ids = torch.cat([d.input_ids for d in docs]).to(self.device)
         pos = torch.cat([d.positions for d in docs]).to(self.device)

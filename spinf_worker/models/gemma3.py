@@ -134,8 +134,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(t, -1, hd)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         o = packed_tree_attention(q, k, v, plan, sliding=self.sliding,
-                                  scale=self.cfg.query_pre_attn_scalar ** -0.5,
-                                  softcap=self.cfg.attn_logit_softcapping)
+                                  scale=self.cfg.query_pre_attn_scalar ** -0.5)
         return self.o_proj(o.reshape(t, -1))
 
 
@@ -173,6 +172,8 @@ class Gemma3Model(nn.Module):
 
     def __init__(self, cfg: Gemma3Config):
         super().__init__()
+        if cfg.attn_logit_softcapping is not None:
+            raise ValueError("attention logit soft-capping is not supported by this stack")
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
