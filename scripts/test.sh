@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The project's test command (README): the whole suite on the CPU.
+# The project's test command: the whole suite on the CPU, inside .venv (scripts/setup.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-exec python -m pytest -q "$@"
+exec .venv/bin/python -m pytest -q "$@"

@@ -23,3 +23,13 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, tile: int = ROW_TILE) ->
     n_tiles = rows // tile
     out = torch.bmm(x.view(n_tiles, tile, k), weight.t().unsqueeze(0).expand(n_tiles, -1, -1))
     return out.view(rows, -1)
+
+
+def tiled_head(x: torch.Tensor, weight: torch.Tensor, tile: int = READOUT_TILE) -> torch.Tensor:
+    """``x @ weight.T`` for a wide ``weight`` (the LM head): one ``[tile, K]`` product per tile.
+
+    A batched product would copy the broadcast head once per tile; a loop of identical
+    products reads it in place and keeps the fixed shape."""
+    if x.shape[0] % tile:
+        raise ValueError(f"{x.shape[0]} rows is not a multiple of the {tile}-row tile")
+    return torch.cat([x[i:i + tile] @ weight.t() for i in range(0, x.shape[0], tile)])
