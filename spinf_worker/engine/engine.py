@@ -35,7 +35,7 @@ from .packer import pack
 from .presentation import Presenter, choose_mode
 from .runner import DocScores, ModelRunner
 
-KERNEL_VERSION = "cpu-sdpa-tiled-1"
+KERNEL_VERSION = "tree-split-mm-tiles-1"
 
 
 @dataclass
@@ -97,6 +97,7 @@ class Engine:
         device_class = (torch.cuda.get_device_name(self.device) if self.device.type == "cuda"
                         else "cpu")
         parts = [self.checkpoint.weights_digest, str(self.dtype), __version__, KERNEL_VERSION,
+                 f"threads={torch.get_num_threads()}",
                  device_class, self.presenter.mode]
         return "fp_" + hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 

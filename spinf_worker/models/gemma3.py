@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.attention import AttentionPlan, packed_tree_attention
-from ..kernels.matmul import READOUT_TILE, tiled_head, tiled_linear
+from ..kernels.matmul import READOUT_TILE, tiled_linear
 
 
 @dataclass
@@ -198,7 +198,7 @@ class Gemma3Model(nn.Module):
     def readout_logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary log-softmax in fp32 for ``[n, dim]`` rows, ``n % READOUT_TILE == 0``."""
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = tiled_head(hidden, head, READOUT_TILE).float()
+        logits = tiled_linear(hidden, head, READOUT_TILE).float()
         if self.cfg.final_logit_softcapping is not None:
             cap = self.cfg.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap
