@@ -1,0 +1,56 @@
+"""The offline CLI end to end on the default model, in a subprocess like a user runs it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_score_file_end_to_end(tmp_path, default_checkpoint):
+    lines = [
+        json.dumps({"id": "a", "text": "I was charged twice for September. Please refund one."}),
+        "{not json",
+        json.dumps({"custom_id": "b", "messages": [{"role": "user", "content": "The app crashes."}],
+                    "scoring": {"queries": [{"id": "bug", "template": "\n\nIs this a bug report?{?}",
+                                             "options": [" Yes", " No"]}]}}),
+        json.dumps({"id": "c", "text": "Hello", "scoring": {"queries": [
+            {"id": "bad", "template": "no slot here", "options": [" a"]}]}}),
+        json.dumps({"id": "d", "text": "Where is my parcel? It is five days late."}),
+    ]
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out.jsonl"
+    proc = subprocess.run(
+        [sys.executable, "-m", "spinf_worker.cli", "score", str(src), "-o", str(out),
+         "--queries", str(ROOT / "fixtures" / "support_queries.json"), "--device", "cpu"],
+        capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r.get("custom_id") for r in rows] == ["a", None, "b", "c", "d"]
+    assert "JSON" in rows[1]["error"]["message"]
+    assert rows[3]["error"]["type"] == "invalid_request_error"
+    assert rows[3]["error"]["param"] == "scoring.queries.0.template"
+    assert "2 line(s) failed" in proc.stderr
+    assert "doc" in proc.stderr                     # the progress bar
+    first = rows[0]
+    assert first["object"] == "score" and first["model"] == "google/gemma-3-270m"
+    assert [q["id"] for q in first["queries"]] == ["topic", "refund", "urgent", "mentions"]
+    topic = first["queries"][0]["combinations"][0]
+    assert sum(o["p"] for o in topic["options"]) == pytest.approx(1.0, abs=1e-6)
+    assert len(first["queries"][3]["combinations"]) == 4
+    assert [q["id"] for q in rows[2]["queries"]] == ["bug"]
+    # the same document through the Python API gives the same numbers
+    from spinf_worker.engine import Engine
+
+    engine = Engine(default_checkpoint, device="cpu")
+    direct = engine.score({"text": "I was charged twice for September. Please refund one.",
+                           "scoring": json.loads((ROOT / "fixtures" / "support_queries.json").read_text())})
+    assert [o.logprob for o in direct.queries[1].combinations[0].options] == \
+           [o["logprob"] for o in first["queries"][1]["combinations"][0]["options"]]
