@@ -1,0 +1,68 @@
+"""Redis key names (docs/QUEUE.md). One hash tag, so Redis Cluster keeps them in one slot."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GROUP = "workers"
+DISPATCHERS = "dispatchers"
+
+
+@dataclass(frozen=True)
+class Keys:
+    prefix: str = "spinf"
+
+    @property
+    def base(self) -> str:
+        return f"{self.prefix}:{{q}}"
+
+    @property
+    def interactive(self) -> str:
+        return f"{self.base}:jobs:interactive"
+
+    @property
+    def bulk(self) -> str:
+        return f"{self.base}:jobs:bulk"
+
+    @property
+    def streams(self) -> tuple[str, str]:
+        """Work streams, in the order workers read them."""
+        return (self.interactive, self.bulk)
+
+    @property
+    def dead(self) -> str:
+        return f"{self.base}:dead"
+
+    @property
+    def workers(self) -> str:
+        return f"{self.base}:workers"
+
+    @property
+    def stats(self) -> str:
+        return f"{self.base}:stats"
+
+    @property
+    def callbacks(self) -> str:
+        return f"{self.base}:callbacks"
+
+    def job(self, job_id: str) -> str:
+        return f"{self.base}:job:{job_id}"
+
+    def result(self, job_id: str) -> str:
+        return f"{self.base}:result:{job_id}"
+
+    def reply(self, instance: str) -> str:
+        return f"{self.base}:reply:{instance}"
+
+    def idempotency(self, key: str) -> str:
+        return f"{self.base}:idem:{key}"
+
+    def batch(self, batch_id: str) -> str:
+        return f"{self.base}:batch:{batch_id}"
+
+    def batch_lines(self, batch_id: str, kind: str) -> str:
+        """kind: "out" or "err"."""
+        return f"{self.base}:batch:{batch_id}:{kind}"
+
+    def file(self, file_id: str) -> str:
+        return f"{self.base}:file:{file_id}"
