@@ -34,6 +34,8 @@ class FlatDoc:
     tokens: int                  # real (unpadded) rows; [root, tokens) are branch tokens
     path_rows: torch.Tensor      # [branch tokens, L]: own-path rows (branch, option), causal
     path_ok: torch.Tensor        # [branch tokens, L] bool: which path entries are real
+    branch_of: torch.Tensor      # [length] branch index per row, -1 for root and padding
+    option_of: torch.Tensor      # [length] option sub-branch index per row, -1 elsewhere
     readout_rows: torch.Tensor   # [n_readouts padded to READOUT_TILE] row within the document
     # terms[b][o] = [(readout index, token id), ...]: option o of branch b's logprob summands
     terms: list[list[list[tuple[int, int]]]]
@@ -56,10 +58,14 @@ class DocTree:
         ids: list[int] = list(self.root)
         pos: list[int] = list(range(len(self.root)))
         paths: list[list[int]] = []          # per branch token: rows it attends to outside the root
+        branch_of: list[int] = [-1] * len(self.root)
+        option_of: list[int] = [-1] * len(self.root)
+        n_options = 0
         readout_rows: list[int] = []
         terms: list[list[list[tuple[int, int]]]] = []
 
-        def add_node(tokens: list[int], start_pos: int, parent_path: list[int]) -> list[int]:
+        def add_node(tokens: list[int], start_pos: int, parent_path: list[int], branch: int,
+                     option: int) -> list[int]:
             """Append a node's tokens; returns the node's full path (parent path + own rows)."""
             path = list(parent_path)
             for j, tok in enumerate(tokens):
@@ -67,10 +73,12 @@ class DocTree:
                 paths.append(list(path))
                 ids.append(tok)
                 pos.append(start_pos + j)
+                branch_of.append(branch)
+                option_of.append(option)
             return path
 
-        for br in self.branches:
-            branch_path = add_node(br.prefix, len(self.root), [])
+        for b, br in enumerate(self.branches):
+            branch_path = add_node(br.prefix, len(self.root), [], b, -1)
             # The first option token is predicted by the last template token (the root's
             # last token when the template has no text before its slot).
             first_row = branch_path[-1] if branch_path else len(self.root) - 1
@@ -80,7 +88,8 @@ class DocTree:
             br_terms = []
             for opt in br.options:
                 opt_terms = [(shared, opt[0])]
-                option_path = add_node(opt[:-1], first_pos + 1, branch_path)
+                option_path = add_node(opt[:-1], first_pos + 1, branch_path, b, n_options)
+                n_options += len(opt) > 1
                 for row, tok in zip(option_path[len(branch_path):], opt[1:]):
                     readout_rows.append(row)
                     opt_terms.append((len(readout_rows) - 1, tok))
@@ -103,6 +112,8 @@ class DocTree:
             tokens=tokens,
             path_rows=path_rows,
             path_ok=path_ok,
+            branch_of=torch.tensor(branch_of + [-1] * pad, dtype=torch.int32),
+            option_of=torch.tensor(option_of + [-1] * pad, dtype=torch.int32),
             readout_rows=torch.tensor(readout_rows + [0] * rpad, dtype=torch.long),
             terms=terms,
         )

@@ -9,7 +9,8 @@ import torch
 from ..kernels.attention import AttentionPlan, DocSpan
 from .layout import FlatDoc
 
-READOUT_CHUNK = 256   # LM-head rows at a time (a multiple of READOUT_TILE)
+READOUT_CHUNK = 1024  # LM-head rows at a time (a multiple of READOUT_TILE)
+PASS_BUCKET = 4096    # CUDA passes are padded to a multiple of this
 
 
 @dataclass
@@ -39,36 +40,80 @@ class ModelRunner:
             span.path_window = (doc.path_ok & (branch_pos[:, None] - path_pos < window)).to(dev)
         return span
 
+    def flex_plan(self, docs: list[FlatDoc], rows: int):
+        """CUDA: per-row tree tensors of the pass (padded to ``rows``) -> block masks."""
+        from ..kernels.flex_tree import TreeTokens, build_flex_plan
+
+        doc_id, branch, option, pos = [], [], [], []
+        n_branches = n_options = 0
+        for i, doc in enumerate(docs):
+            real = torch.arange(doc.length) < doc.tokens
+            doc_id.append(torch.where(real, i, -1))
+            branch.append(torch.where(doc.branch_of >= 0, doc.branch_of + n_branches, -1))
+            option.append(torch.where(doc.option_of >= 0, doc.option_of + n_options, -1))
+            pos.append(doc.positions)
+            n_branches += len(doc.terms)
+            n_options += int(doc.option_of.max()) + 1
+        pad = rows - sum(d.length for d in docs)
+        fill = torch.full((pad,), -1)
+        tokens = TreeTokens(*(torch.cat([*parts, fill if j < 3 else torch.zeros(pad)])
+                              .to(torch.int32).to(self.device)
+                              for j, parts in enumerate((doc_id, branch, option, pos))))
+        return build_flex_plan(tokens, self.model.cfg.sliding_window)
+
     @torch.inference_mode()
     def run(self, docs: list[FlatDoc]) -> list[DocScores]:
         """Run the documents as one packed pass."""
-        spans, start = [], 0
+        starts, start = [], 0
         for doc in docs:
-            spans.append(self.span(doc, start))
+            starts.append(start)
             start += doc.length
-        ids = torch.cat([d.input_ids for d in docs]).to(self.device)
-        pos = torch.cat([d.positions for d in docs]).to(self.device)
-        hidden = self.model(ids, pos, AttentionPlan(spans))
-        return [self._read(doc, hidden[span.start + doc.readout_rows.to(self.device)])
-                for doc, span in zip(docs, spans)]
+        rows = start
+        ids = [d.input_ids for d in docs]
+        pos = [d.positions for d in docs]
+        if self.device.type == "cuda":
+            # A few fixed pass sizes, so compiled attention kernels are reused.
+            rows = -(-start // PASS_BUCKET) * PASS_BUCKET
+            ids.append(torch.full((rows - start,), self.pad_id))
+            pos.append(torch.zeros(rows - start, dtype=torch.long))
+            plan = AttentionPlan([], flex=self.flex_plan(docs, rows))
+        else:
+            plan = AttentionPlan([self.span(d, s) for d, s in zip(docs, starts)])
+        hidden = self.model(torch.cat(ids).to(self.device), torch.cat(pos).to(self.device), plan)
+        return self._read(docs, starts, hidden)
 
-    def _read(self, doc: FlatDoc, rows: torch.Tensor) -> DocScores:
-        # Gather every (readout, token) summand; the LM head runs in bounded row chunks.
-        flat = [term for branch in doc.terms for opt in branch for term in opt]
-        readout = torch.tensor([r for r, _ in flat], dtype=torch.long)
-        token = torch.tensor([t for _, t in flat], dtype=torch.long)
-        values = torch.empty(len(flat), dtype=torch.float32)
-        for lo in range(0, rows.shape[0], READOUT_CHUNK):
-            logprobs = self.model.readout_logprobs(rows[lo:lo + READOUT_CHUNK]).cpu()
-            hit = (readout >= lo) & (readout < lo + READOUT_CHUNK)
-            values[hit] = logprobs[readout[hit] - lo, token[hit]]
-        out, i = DocScores([], []), 0
-        for branch in doc.terms:
-            sums = []
-            for opt in branch:
-                sums.append(values[i:i + len(opt)].sum())
-                i += len(opt)
-            lp = torch.stack(sums)
-            out.logprobs.append(lp)
-            out.residual.append(float(1.0 - lp.double().exp().sum()))
+    def _read(self, docs: list[FlatDoc], starts: list[int], hidden: torch.Tensor
+              ) -> list[DocScores]:
+        """LM head on every document's readout rows (each document's block padded to the
+        readout tile), then the (readout, token) summands gathered on the device."""
+        rows, readout, token, base = [], [], [], 0
+        for doc, start in zip(docs, starts):
+            rows.append(start + doc.readout_rows)
+            for branch in doc.terms:
+                for opt in branch:
+                    for r, t in opt:
+                        readout.append(base + r)
+                        token.append(t)
+            base += doc.readout_rows.shape[0]
+        rows_t = torch.cat(rows).to(self.device)
+        readout_t = torch.tensor(readout, device=self.device)
+        token_t = torch.tensor(token, device=self.device)
+        values = torch.empty(len(readout), dtype=torch.float32, device=self.device)
+        for lo in range(0, rows_t.shape[0], READOUT_CHUNK):
+            logprobs = self.model.readout_logprobs(hidden[rows_t[lo:lo + READOUT_CHUNK]])
+            hit = (readout_t >= lo) & (readout_t < lo + READOUT_CHUNK)
+            values[hit] = logprobs[readout_t[hit] - lo, token_t[hit]]
+        values = values.cpu()
+        out, i = [], 0
+        for doc in docs:
+            scores = DocScores([], [])
+            for branch in doc.terms:
+                sums = []
+                for opt in branch:
+                    sums.append(values[i:i + len(opt)].sum())
+                    i += len(opt)
+                lp = torch.stack(sums)
+                scores.logprobs.append(lp)
+                scores.residual.append(float(1.0 - lp.double().exp().sum()))
+            out.append(scores)
         return out

@@ -37,12 +37,17 @@ class DocSpan:
 
 @dataclass
 class AttentionPlan:
-    docs: list[DocSpan]
+    docs: list[DocSpan]          # CPU: one span per document
+    flex: object | None = None   # CUDA: a flex_tree.FlexPlan for the whole pass
 
 
 def packed_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan,
                           *, sliding: bool, scale: float) -> torch.Tensor:
     """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq, D]; padding rows come out as zeros."""
+    if plan.flex is not None:
+        from .flex_tree import flex_tree_attention
+
+        return flex_tree_attention(q, k, v, plan.flex, sliding=sliding, scale=scale)
     out = torch.zeros_like(q)
     for doc in plan.docs:
         base = doc.start

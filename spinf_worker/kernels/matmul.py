@@ -26,3 +26,21 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, tile: int = ROW_TILE) ->
     for i in range(0, rows, tile):
         torch.mm(x[i:i + tile], w_t, out=out[i:i + tile])
     return out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None,
+           *, tile: int = ROW_TILE, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A bias-free linear layer, batch-invariant on every device.
+
+    CPU: fixed-shape library products, tile after tile. CUDA: the fixed-tiling Triton GEMM;
+    with an fp8 weight (``weight_scale`` set) the activations are quantised per token."""
+    if not x.is_cuda:
+        return tiled_linear(x, weight, tile)
+    from ..quant.fp8 import quantize_rows
+    from .triton_matmul import matmul
+
+    if weight_scale is None:
+        return matmul(x, weight, out_dtype=out_dtype)
+    xq, x_scale = quantize_rows(x)
+    return matmul(xq, weight, a_scale=x_scale, w_scale=weight_scale,
+                  out_dtype=out_dtype or x.dtype)

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.attention import AttentionPlan, packed_tree_attention
-from ..kernels.matmul import READOUT_TILE, tiled_linear
+from ..kernels.matmul import READOUT_TILE, linear
+from ..quant.fp8 import quantize_weight
 
 
 @dataclass
@@ -83,20 +84,31 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            from ..kernels.rowwise import gemma_rmsnorm
+
+            return gemma_rmsnorm(x, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (xf * (1.0 + self.weight.float())).type_as(x)
 
 
 class Linear(nn.Module):
-    """Bias-free linear layer through the batch-invariant tiled matmul."""
+    """Bias-free linear layer through the batch-invariant matmul (bf16/fp32, or fp8 W8A8)."""
 
     def __init__(self, d_in: int, d_out: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(d_out, d_in))
+        self.weight_scale: torch.Tensor | None = None
+
+    def to_fp8(self) -> None:
+        """Per-output-channel fp8 weights, computed once at load."""
+        w8, scale = quantize_weight(self.weight.data)
+        self.weight = nn.Parameter(w8, requires_grad=False)
+        self.weight_scale = scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return tiled_linear(x, self.weight)
+        return linear(x, self.weight, self.weight_scale)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, base: float, linear_factor: float,
@@ -198,11 +210,17 @@ class Gemma3Model(nn.Module):
     def readout_logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary log-softmax in fp32 for ``[n, dim]`` rows, ``n % READOUT_TILE == 0``."""
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = tiled_linear(hidden, head, READOUT_TILE).float()
+        logits = linear(hidden, head, tile=READOUT_TILE, out_dtype=torch.float32).float()
         if self.cfg.final_logit_softcapping is not None:
             cap = self.cfg.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap
         return torch.log_softmax(logits, dim=-1)
+
+    def to_fp8(self) -> None:
+        """W8A8 for every linear layer of the body; embeddings and the LM head stay as they are."""
+        for module in self.modules():
+            if isinstance(module, Linear) and module is not self.lm_head:
+                module.to_fp8()
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Load HF-named tensors (``model.layers.0.self_attn.q_proj.weight`` ...)."""

@@ -1,0 +1,24 @@
+"""fp8 (e4m3) W8A8: per-output-channel weight scales computed once at load, per-token
+activation scales computed per pass. A per-tensor activation scale would take its max over
+the whole pass and so mix documents; a per-token one depends on the token's own row only."""
+
+from __future__ import annotations
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] -> (fp8 [N, K], fp32 scale [N])."""
+    w = weight.float()
+    scale = w.abs().amax(dim=1).clamp(min=1e-12) / FP8_MAX
+    return (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] -> (fp8 [M, K], fp32 scale [M]). Max and division are exact per row."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=1).clamp(min=1e-12) / FP8_MAX
+    return (xf / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
