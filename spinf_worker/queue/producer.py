@@ -1,0 +1,120 @@
+"""Putting scoring jobs on the work streams, and reading back what became of them."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+
+from redis.asyncio import Redis
+from redis.exceptions import ResponseError
+
+from .keys import GROUP, Keys
+from .settings import ServiceSettings
+
+PRIORITIES = ("interactive", "bulk")
+# job hash fields stored as integers (the rest are strings; `error` is JSON)
+_INT_FIELDS = ("created_at", "started_at", "finished_at", "deadline_ms", "callback_attempts")
+
+
+@dataclass
+class Submission:
+    request: dict                      # a validated ScoreRequest body (JSON-able dict)
+    priority: str = "interactive"      # "interactive" | "bulk"
+    callback: str | None = None
+    idempotency_key: str | None = None
+    batch_id: str | None = None
+    custom_id: str | None = None
+    deadline_s: float | None = None    # seconds from now
+    reply_to: str | None = None        # the waiting API instance's id (replies.py)
+
+
+def new_job_id() -> str:
+    return f"job_{uuid.uuid4().hex}"
+
+
+def decode_job(job_id: str, fields: dict[str, str]) -> dict:
+    job: dict = {"id": job_id, **fields}
+    for name in _INT_FIELDS:
+        if name in job:
+            job[name] = int(float(job[name]))
+    if "error" in job:
+        job["error"] = json.loads(job["error"])
+    return job
+
+
+class Producer:
+    def __init__(self, redis: Redis, keys: Keys, settings: ServiceSettings):
+        self.redis = redis
+        self.keys = keys
+        self.settings = settings
+
+    def _stream(self, priority: str) -> str:
+        if priority not in PRIORITIES:
+            raise ValueError(f"priority must be one of {PRIORITIES}, not {priority!r}")
+        return self.keys.interactive if priority == "interactive" else self.keys.bulk
+
+    async def submit(self, sub: Submission) -> tuple[str, bool]:
+        """Enqueue one job; returns (job id, created). A known idempotency key returns the
+        job it already named, and nothing is enqueued."""
+        stream = self._stream(sub.priority)
+        job_id = new_job_id()
+        ttl = self.settings.result_ttl_s
+        if sub.idempotency_key is not None:
+            key = self.keys.idempotency(sub.idempotency_key)
+            # SET NX decides the race between two submissions with the same key
+            if not await self.redis.set(key, job_id, nx=True, ex=ttl):
+                existing = await self.redis.get(key)
+                if existing is not None:
+                    return existing, False
+                # the key expired in between: claim it for this submission
+                await self.redis.set(key, job_id, ex=ttl)
+
+        now = time.time()
+        deadline_ms = (int((now + sub.deadline_s) * 1000) if sub.deadline_s is not None
+                       else None)
+        job = {"status": "queued", "created_at": int(now), "priority": sub.priority,
+               "model": sub.request.get("model"), "batch_id": sub.batch_id,
+               "custom_id": sub.custom_id, "callback": sub.callback, "deadline_ms": deadline_ms}
+        entry = {"job": job_id, "payload": json.dumps(sub.request, separators=(",", ":")),
+                 "enqueued_ms": int(now * 1000), "deadline_ms": deadline_ms,
+                 "reply": self.keys.reply(sub.reply_to) if sub.reply_to else None,
+                 "batch": sub.batch_id, "custom_id": sub.custom_id, "callback": sub.callback}
+        # One transaction, job hash first: a worker that sees the entry finds the hash.
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(self.keys.job(job_id), mapping=_present(job))
+            pipe.expire(self.keys.job(job_id), ttl)
+            pipe.xadd(stream, _present(entry))   # never trimmed: that could drop work
+            await pipe.execute()
+        return job_id, True
+
+    async def backlog(self) -> int:
+        """Entries waiting or in flight across both work streams."""
+        total = 0
+        for stream in self.keys.streams:
+            try:
+                groups = await self.redis.xinfo_groups(stream)
+            except ResponseError:            # no stream yet
+                groups = []
+            group = next((g for g in groups if g["name"] == GROUP), None)
+            if group is None or group.get("lag") is None:
+                # no group yet, or Redis cannot tell the lag: acked entries are deleted, so
+                # the length is what is left to do
+                total += await self.redis.xlen(stream)
+            else:
+                total += int(group["lag"]) + int(group["pending"])
+        return total
+
+    async def get_job(self, job_id: str) -> dict | None:
+        fields = await self.redis.hgetall(self.keys.job(job_id))
+        return decode_job(job_id, fields) if fields else None
+
+    async def get_result(self, job_id: str) -> dict | None:
+        raw = await self.redis.get(self.keys.result(job_id))
+        return json.loads(raw) if raw is not None else None
+
+
+def _present(fields: dict) -> dict:
+    """Redis stores no None: leave those fields out."""
+    return {k: v for k, v in fields.items() if v is not None}

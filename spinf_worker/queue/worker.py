@@ -1,0 +1,634 @@
+"""The queue worker: reads work entries from Redis Streams, scores them in packed passes,
+stores results and tells whoever waits (docs/QUEUE.md).
+
+One worker drives one engine. While a pass runs on a thread, the event loop reads and parses
+the entries of the next pass, heartbeats, keeps the entries it holds from looking idle, and
+reclaims entries of dead workers with XAUTOCLAIM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import signal
+import socket
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import structlog
+from redis.asyncio import Redis
+from redis.exceptions import RedisError, ResponseError
+
+from ..errors import SpinfError
+from ..kernels.matmul import ROW_TILE
+from ..protocol import ScoreRequest, ScoreResponse
+from .keys import GROUP, Keys
+from .settings import ServiceSettings
+
+log = structlog.get_logger()
+
+IDLE_BLOCK_MS = 250          # an idle worker notices `stop` and reclaimed entries this often
+REPLY_MAXLEN = 1000          # reply streams hold hints only; the results are durable
+REPLY_TTL_S = 3600           # the reply stream of an API instance that went away expires
+MAX_RETRY_DELAY_S = 5.0      # Redis unreachable: wait up to this long between attempts
+PRUNE_CONSUMER_IDLE_MS = 3_600_000   # consumers this quiet with nothing pending are gone
+CHAT_OVERHEAD_TOKENS = 8     # role markers a chat template adds around each message
+
+EXPIRED_ERROR = {"message": "deadline passed before the job was scored",
+                 "type": "timeout_error", "param": None, "code": "deadline_exceeded"}
+
+
+def dead_letter_error(deliveries: int) -> dict:
+    return {"message": f"the job could not be processed ({deliveries} attempts) and was set "
+                       "aside", "type": "server_error", "param": None, "code": "dead_letter"}
+
+
+def error_result(error: SpinfError) -> dict:
+    return {"status_code": error.status, "error": error.to_openai()["error"]}
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+@dataclass
+class Entry:
+    """One work entry as read from a stream, parsed."""
+
+    stream: str
+    id: str
+    fields: dict[str, str]
+    arrived: float = field(default_factory=time.monotonic)
+    deliveries: int = 1
+    request: ScoreRequest | None = None
+    error: SpinfError | None = None   # the request's own fault: a final answer, not retried
+    failure: str | None = None        # could not even be read: retried, then dead-lettered
+    rows: int = 0                     # estimated rows in a pass
+
+    @property
+    def job(self) -> str:
+        return self.fields.get("job", "")
+
+    def expired(self, at_ms: int) -> bool:
+        deadline = self.fields.get("deadline_ms")
+        return deadline is not None and int(float(deadline)) <= at_ms
+
+
+def estimate_rows(encode: Callable[[str], Sequence[int]], request: ScoreRequest) -> int:
+    """A cheap guess of the rows a request takes in a pass (content, then every combination
+    of every query with its options), padded like the engine pads documents."""
+    tokens = 1   # BOS
+    for message in request.content_messages():
+        with contextlib.suppress(SpinfError):       # the engine reports it properly
+            tokens += len(encode(message.text())) + CHAT_OVERHEAD_TOKENS
+    for query in request.scoring.queries:
+        combinations = math.prod(len(v) for v in query.values.values()) if query.values else 1
+        per_combination = len(encode(query.template))
+        per_combination += sum(len(encode(option)) for option in query.options or ())
+        tokens += combinations * per_combination
+    return -(-tokens // ROW_TILE) * ROW_TILE
+
+
+def _encoder(engine) -> Callable[[str], Sequence[int]]:
+    presenter = getattr(engine, "presenter", None)
+    if presenter is not None:
+        return presenter.encode
+    return lambda text: range(len(text) // 4 + 1)    # about four characters a token
+
+
+class Worker:
+    def __init__(self, engine, redis: Redis, keys: Keys, settings: ServiceSettings,
+                 name: str | None = None):
+        self.engine = engine
+        self.redis = redis
+        self.keys = keys
+        self.settings = settings
+        self.name = name or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.passes = 0                       # score_batch calls made
+        self.log = log.bind(worker=self.name)
+        self._encode = _encoder(engine)
+        # entry ids this worker holds (read, not yet acked or given up on): kept looking busy
+        self._held: dict[str, set[str]] = {s: set() for s in keys.streams}
+        self._ready: list[Entry] = []         # parsed, waiting for a pass
+        self._claimed: list[tuple[str, str, dict]] = []   # from XAUTOCLAIM, not parsed yet
+        self._inflight: asyncio.Task | None = None
+        # own pending entries still to re-read on start: the last id read, None when done
+        self._history: dict[str, str | None] = {s: "0-0" for s in keys.streams}
+        self._claim_cursor: dict[str, str] = {s: "0-0" for s in keys.streams}
+
+    @property
+    def budget(self) -> int:
+        return self.engine.settings.max_pass_tokens
+
+    # ---- lifecycle ---------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Work until ``stop`` is set; then finish the pass in flight, hand back entries not
+        started, and leave."""
+        await self._create_groups()
+        self.log.info("worker started", model=self.engine.model_name, budget=self.budget)
+        chores = [asyncio.create_task(self._heartbeat_loop(stop)),
+                  asyncio.create_task(self._claim_loop(stop))]
+        stopped = asyncio.create_task(stop.wait())
+        try:
+            await self._work(stop, stopped)
+        finally:
+            stopped.cancel()
+            if self._inflight is not None:
+                await self._inflight
+            for chore in chores:
+                chore.cancel()
+            await asyncio.gather(*chores, return_exceptions=True)
+            await self._leave()
+            self.log.info("worker stopped", passes=self.passes)
+
+    async def _create_groups(self) -> None:
+        for stream in self.keys.streams:
+            try:
+                await self.redis.xgroup_create(stream, GROUP, id="0", mkstream=True)
+            except ResponseError as err:
+                if "BUSYGROUP" not in str(err):
+                    raise
+
+    async def _leave(self) -> None:
+        unstarted = [(e.stream, e.id, e.fields) for e in self._ready] + self._claimed
+        self._ready, self._claimed = [], []
+        try:
+            await self._release(unstarted)
+            await self.redis.hdel(self.keys.workers, self.name)
+            for stream in self.keys.streams:
+                consumers = await self.redis.xinfo_consumers(stream, GROUP)
+                if any(c["name"] == self.name and c["pending"] == 0 for c in consumers):
+                    await self.redis.xgroup_delconsumer(stream, GROUP, self.name)
+        except RedisError as err:
+            self.log.warning("could not tidy up on exit", error=str(err))
+
+    async def _release(self, entries: list[tuple[str, str, dict]]) -> None:
+        """Give entries this worker read but never started back to the group: add a copy for
+        any worker to read and drop the original, in one transaction."""
+        if not entries:
+            return
+        async with self.redis.pipeline(transaction=True) as pipe:
+            for stream, entry_id, fields in entries:
+                pipe.xadd(stream, fields)
+                pipe.xack(stream, GROUP, entry_id)
+                pipe.xdel(stream, entry_id)
+            await pipe.execute()
+        for stream, entry_id, _ in entries:
+            self._held[stream].discard(entry_id)
+        self.log.info("handed back unstarted entries", count=len(entries))
+
+    # ---- the main loop -----------------------------------------------------------------
+
+    async def _work(self, stop: asyncio.Event, stopped: asyncio.Task) -> None:
+        delay = 0.0
+        while not stop.is_set():
+            try:
+                await self._step(stopped)
+                delay = 0.0
+            except RedisError as err:
+                if isinstance(err, ResponseError) and "NOGROUP" in str(err):
+                    self.log.warning("consumer group missing; creating it again")
+                    with contextlib.suppress(RedisError):
+                        await self._create_groups()
+                        continue
+                delay = min(MAX_RETRY_DELAY_S, max(0.1, delay * 2))
+                self.log.warning("redis unavailable", error=str(err), retry_in_s=delay)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), delay)
+
+    async def _step(self, stopped: asyncio.Task) -> None:
+        """One turn: start a pass when one is due, else read more entries."""
+        if self._inflight is not None and self._inflight.done():
+            self._inflight = None
+        if self._claimed:
+            claimed, self._claimed = self._claimed, []
+            await self._admit(claimed, redelivered=True)
+        rows = sum(e.rows for e in self._ready)
+        full = rows >= self.budget
+        waited_ms = (time.monotonic() - min(e.arrived for e in self._ready)) * 1000 \
+            if self._ready else 0.0
+        due = bool(self._ready) and (full or waited_ms >= self.settings.max_wait_ms)
+        if due and self._inflight is None:
+            self._dispatch()
+            return
+        if full:   # the next pass is complete: wait for the one in flight
+            await asyncio.wait({self._inflight, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            return
+        if self._ready and not due:
+            block_ms = max(1, int(self.settings.max_wait_ms - waited_ms))
+        else:
+            block_ms = IDLE_BLOCK_MS
+        count = min(self.settings.read_count,
+                    max(1, math.ceil((self.budget - rows) / ROW_TILE)))
+        if self._inflight is None:
+            raw, from_history = await self._read(count, block_ms)
+        else:  # read what is there for the next pass, but don't sit on a finished one
+            raw, from_history = await self._read(count, None)
+            if not raw:
+                await asyncio.wait({self._inflight, stopped},
+                                   timeout=min(block_ms, self.settings.max_wait_ms) / 1000)
+        if raw:
+            await self._admit(raw, redelivered=from_history)
+
+    async def _read(self, count: int, block_ms: int | None
+                    ) -> tuple[list[tuple[str, str, dict]], bool]:
+        """Up to ``count`` entries: own pending ones first (after a restart), then new ones,
+        interactive before bulk. Returns (entries, whether they are re-deliveries)."""
+        for stream, last in self._history.items():
+            if last is None:
+                continue
+            reply = await self.redis.xreadgroup(GROUP, self.name, {stream: last}, count=count)
+            entries = reply[0][1] if reply else []
+            self._history[stream] = entries[-1][0] if len(entries) == count else None
+            if entries:
+                return self._hold(stream, entries), True
+        for stream in self.keys.streams:
+            reply = await self.redis.xreadgroup(GROUP, self.name, {stream: ">"}, count=count)
+            if reply:
+                return self._hold(stream, reply[0][1]), False
+        if block_ms is None:
+            return [], False
+        reply = await self.redis.xreadgroup(GROUP, self.name, dict.fromkeys(self.keys.streams, ">"),
+                                            count=count, block=block_ms)
+        return [e for stream, entries in reply or () for e in self._hold(stream, entries)], False
+
+    def _hold(self, stream: str, entries: list) -> list[tuple[str, str, dict]]:
+        self._held[stream].update(entry_id for entry_id, _ in entries)
+        return [(stream, entry_id, fields or {}) for entry_id, fields in entries]
+
+    # ---- admitting entries -------------------------------------------------------------
+
+    def _parse(self, stream: str, entry_id: str, fields: dict) -> Entry:
+        entry = Entry(stream, entry_id, fields)
+        try:
+            if not entry.job:
+                raise ValueError("entry has no job id")
+            body = json.loads(fields["payload"])
+            try:
+                entry.request = ScoreRequest.parse(body)
+                entry.rows = estimate_rows(self._encode, entry.request)
+            except SpinfError as err:
+                entry.error = err
+        except Exception as err:   # a damaged entry; retried like any failure, then dead
+            entry.failure = f"{type(err).__name__}: {err}"
+        return entry
+
+    async def _admit(self, raw: list[tuple[str, str, dict]], redelivered: bool) -> None:
+        """Parse entries (on a thread) and sort them: ready for a pass, answered at once
+        (request errors, expired, already done), dead-lettered, or failed."""
+        try:
+            await self._sort_in(raw, redelivered)
+        except BaseException:
+            # whatever did not reach the ready list is left to be reclaimed
+            ready = {e.id for e in self._ready}
+            for stream, entry_id, _ in raw:
+                if entry_id not in ready:
+                    self._held[stream].discard(entry_id)
+            raise
+
+    async def _sort_in(self, raw: list[tuple[str, str, dict]], redelivered: bool) -> None:
+        entries = await asyncio.to_thread(lambda: [self._parse(*r) for r in raw])
+        done_before: dict[str, str] = {}
+        if redelivered:
+            await self._load_deliveries(entries)
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for entry in entries:
+                    pipe.get(self.keys.result(entry.job))
+                stored = await pipe.execute()
+            done_before = {e.id: r for e, r in zip(entries, stored) if r is not None}
+        at = now_ms()
+        answered: list[tuple[Entry, dict, str | None]] = []
+        dead: list[Entry] = []
+        gone: list[Entry] = []
+        for entry in entries:
+            if not entry.fields:          # deleted from the stream while pending
+                gone.append(entry)
+            elif entry.id in done_before:   # finished before a crash, not acked: tell again
+                answered.append((entry, json.loads(done_before[entry.id]), None))
+            elif entry.deliveries > self.settings.max_deliveries:
+                dead.append(entry)
+            elif entry.failure is not None:
+                await self._fail(entry, entry.failure)
+            elif entry.error is not None:
+                answered.append((entry, error_result(entry.error), "failed"))
+            elif entry.expired(at):
+                answered.append((entry, {"status_code": 408, "error": EXPIRED_ERROR},
+                                 "expired"))
+            else:
+                self._ready.append(entry)
+        await self._ack(gone)
+        if dead:
+            await self._bury(dead)
+        if answered:
+            await self._finish(answered)
+
+    async def _load_deliveries(self, entries: list[Entry]) -> None:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for entry in entries:
+                pipe.xpending_range(entry.stream, GROUP, entry.id, entry.id, 1)
+            replies = await pipe.execute()
+        for entry, pending in zip(entries, replies):
+            if pending:
+                entry.deliveries = int(pending[0]["times_delivered"])
+
+    # ---- passes ------------------------------------------------------------------------
+
+    def _dispatch(self) -> None:
+        """Start a pass over the ready entries that fit the budget, interactive first; the
+        misfits wait for the next pass."""
+        ordered = sorted(self._ready, key=lambda e: e.stream != self.keys.interactive)
+        batch, rest, rows = [], [], 0
+        for entry in ordered:
+            if not batch or rows + entry.rows <= self.budget:
+                batch.append(entry)
+                rows += entry.rows
+            else:
+                rest.append(entry)
+        self._ready = rest
+        self._inflight = asyncio.create_task(self._run_pass(batch))
+
+    async def _run_pass(self, batch: list[Entry]) -> None:
+        try:
+            at = now_ms()
+            expired = [e for e in batch if e.expired(at)]
+            live = [e for e in batch if not e.expired(at)]
+            if expired:
+                await self._finish([(e, {"status_code": 408, "error": EXPIRED_ERROR},
+                                     "expired") for e in expired])
+            if not live:
+                return
+            await self._mark_running(live)
+            started = time.perf_counter()
+            outcomes = await self._score(live)
+            busy_s = time.perf_counter() - started
+            answered = []
+            for entry, outcome in zip(live, outcomes):
+                if isinstance(outcome, ScoreResponse):
+                    answered.append((entry, {"status_code": 200, "body": outcome.model_dump()},
+                                     "succeeded"))
+                elif isinstance(outcome, SpinfError):
+                    answered.append((entry, error_result(outcome), "failed"))
+                else:
+                    await self._fail(entry, outcome)
+            await self._count_pass(outcomes, busy_s)
+            await self._finish(answered)
+            self.log.info("pass done", docs=len(live), seconds=round(busy_s, 3))
+        except Exception:   # entries not answered stay pending and are reclaimed later
+            self.log.exception("pass failed", jobs=[e.job for e in batch])
+        finally:
+            for entry in batch:
+                self._held[entry.stream].discard(entry.id)
+
+    async def _score(self, live: list[Entry]) -> list[ScoreResponse | SpinfError | Exception]:
+        try:
+            return await self._score_batch(live)
+        except Exception as err:
+            if len(live) == 1:
+                return [err]
+            # one bad entry must not sink its neighbours: score each alone to find it
+            self.log.warning("pass raised; scoring its entries one by one", error=repr(err))
+            outcomes: list[ScoreResponse | SpinfError | Exception] = []
+            for entry in live:
+                try:
+                    outcomes.extend(await self._score_batch([entry]))
+                except Exception as one:
+                    outcomes.append(one)
+            return outcomes
+
+    async def _score_batch(self, entries: list[Entry]) -> list[ScoreResponse | SpinfError]:
+        self.passes += 1
+        return await asyncio.to_thread(self.engine.score_batch, [e.request for e in entries])
+
+    async def _mark_running(self, entries: list[Entry]) -> None:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for entry in entries:
+                pipe.hset(self.keys.job(entry.job), mapping={
+                    "status": "running", "started_at": int(time.time()), "worker": self.name})
+            await pipe.execute()
+
+    async def _count_pass(self, outcomes: list, busy_s: float) -> None:
+        scored = [o for o in outcomes if isinstance(o, ScoreResponse)]
+        tokens = sum(o.usage.prompt_tokens for o in scored)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hincrby(self.keys.stats, "passes", 1)
+            pipe.hincrby(self.keys.stats, "docs", len(scored))
+            pipe.hincrby(self.keys.stats, "tokens", tokens)
+            pipe.hincrby(self.keys.stats, "questions",
+                         sum(len(q.combinations) for o in scored for q in o.queries))
+            # a document takes its rows padded to the tile: real_rows/rows is the fill
+            pipe.hincrby(self.keys.stats, "real_rows", tokens)
+            pipe.hincrby(self.keys.stats, "rows",
+                         sum(-(-o.usage.prompt_tokens // ROW_TILE) * ROW_TILE for o in scored))
+            pipe.hincrbyfloat(self.keys.stats, "seconds_busy", busy_s)
+            await pipe.execute()
+
+    # ---- outcomes ----------------------------------------------------------------------
+
+    async def _finish(self, answered: list[tuple[Entry, dict, str | None]]) -> None:
+        """Store results, then notify, then ack. ``status`` None: the result is stored
+        already (a re-delivery after a crash), only the later steps are repeated."""
+        ttl = self.settings.result_ttl_s
+        finished_at = int(time.time())
+        async with self.redis.pipeline(transaction=True) as pipe:
+            for entry, result, status in answered:
+                if status is None or not entry.job:
+                    continue
+                pipe.set(self.keys.result(entry.job), json.dumps(result), ex=ttl)
+                record = {"status": status, "finished_at": finished_at}
+                if "error" in result:
+                    record["error"] = json.dumps(result["error"])
+                pipe.hset(self.keys.job(entry.job), mapping=record)
+                pipe.expire(self.keys.job(entry.job), ttl)
+            for name in ("failed", "expired"):
+                n = sum(status == name for _, _, status in answered)
+                if n:
+                    pipe.hincrby(self.keys.stats, name, n)
+            await pipe.execute()
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for entry, _, _ in answered:
+                if not entry.job:
+                    continue
+                if reply := entry.fields.get("reply"):
+                    pipe.xadd(reply, {"job": entry.job}, maxlen=REPLY_MAXLEN, approximate=True)
+                    pipe.expire(reply, REPLY_TTL_S)
+                if entry.fields.get("callback"):
+                    pipe.xadd(self.keys.callbacks, {"job": entry.job})
+            await pipe.execute()
+        acked = []
+        for entry, result, _ in answered:
+            if entry.job and entry.fields.get("batch"):
+                try:
+                    await self._record_batch_line(entry, result)
+                except Exception as err:
+                    await self._fail(entry, err)
+                    continue
+            acked.append(entry)
+        await self._ack(acked)
+
+    async def _record_batch_line(self, entry: Entry, result: dict) -> None:
+        from . import batches  # the batch module depends on this one, not the other way
+
+        await batches.record_result(self.redis, self.keys, entry.fields["batch"], entry.job,
+                                    entry.fields.get("custom_id"), result)
+
+    async def _ack(self, entries: list[Entry]) -> None:
+        if not entries:
+            return
+        by_stream: dict[str, list[str]] = {}
+        for entry in entries:
+            by_stream.setdefault(entry.stream, []).append(entry.id)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            for stream, ids in by_stream.items():
+                pipe.xack(stream, GROUP, *ids)
+                pipe.xdel(stream, *ids)
+            await pipe.execute()
+        for stream, ids in by_stream.items():
+            self._held[stream].difference_update(ids)
+
+    async def _fail(self, entry: Entry, error: Exception | str) -> None:
+        """Unexpected trouble: note it and leave the entry pending, to be reclaimed."""
+        text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        self.log.error("job failed; it stays pending", job=entry.job, entry=entry.id,
+                       deliveries=entry.deliveries, error=text,
+                       exc_info=error if isinstance(error, Exception) else None)
+        self._held[entry.stream].discard(entry.id)
+        if entry.job:
+            await self.redis.hset(self.keys.job(entry.job), "last_error", text)
+
+    async def _bury(self, entries: list[Entry]) -> None:
+        """Move entries delivered too often to the dead-letter stream and answer them."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for entry in entries:
+                pipe.hget(self.keys.job(entry.job), "last_error")
+            last_errors = await pipe.execute()
+        async with self.redis.pipeline(transaction=True) as pipe:
+            for entry, last_error in zip(entries, last_errors):
+                pipe.xadd(self.keys.dead, {
+                    "job": entry.job, "stream": entry.stream, "entry": entry.id,
+                    "deliveries": entry.deliveries,
+                    "error": last_error or entry.failure or "unknown",
+                    "payload": entry.fields.get("payload", "")})
+            pipe.hincrby(self.keys.stats, "dead", len(entries))
+            await pipe.execute()
+        for entry in entries:
+            self.log.error("job dead-lettered", job=entry.job, entry=entry.id,
+                           deliveries=entry.deliveries)
+        await self._finish([(e, {"status_code": 500, "error": dead_letter_error(e.deliveries)},
+                             "failed") for e in entries])
+
+    # ---- chores ------------------------------------------------------------------------
+
+    async def _heartbeat_loop(self, stop: asyncio.Event) -> None:
+        # often enough that the entries held stay well under the reclaim idle time
+        interval = min(self.settings.heartbeat_s, self.settings.claim_idle_ms / 3000)
+        while not stop.is_set():
+            try:
+                await self._beat()
+                await self._touch_held()
+            except RedisError as err:
+                self.log.warning("heartbeat failed", error=str(err))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), interval)
+
+    async def _beat(self) -> None:
+        await self.redis.hset(self.keys.workers, self.name, json.dumps({
+            "model": self.engine.model_name, "fingerprint": self.engine.fingerprint,
+            "device": str(self.engine.device), "pid": os.getpid(),
+            "host": socket.gethostname(), "heartbeat_ms": now_ms(), "passes": self.passes}))
+
+    async def _touch_held(self) -> None:
+        """Reset the idle time of entries held (queued here or in a pass), so a pass longer
+        than claim_idle_ms is not taken over. JUSTID leaves the delivery count alone."""
+        for stream, held in self._held.items():
+            if held:
+                await self.redis.xclaim(stream, GROUP, self.name, 0, list(held), justid=True)
+
+    async def _claim_loop(self, stop: asyncio.Event) -> None:
+        interval = self.settings.claim_idle_ms / 2000
+        last_prune = time.monotonic()
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), interval)
+            if stop.is_set():
+                return
+            try:
+                await self._claim()
+                if time.monotonic() - last_prune > PRUNE_CONSUMER_IDLE_MS / 1000:
+                    last_prune = time.monotonic()
+                    await self._prune_consumers()
+            except RedisError as err:
+                self.log.warning("reclaim failed", error=str(err))
+
+    async def _claim(self) -> None:
+        """Take over entries idle longer than claim_idle_ms (their worker died, or they
+        failed); the main loop parses them, checking the delivery count."""
+        for stream in self.keys.streams:
+            cursor, claimed, *_ = await self.redis.xautoclaim(
+                stream, GROUP, self.name, self.settings.claim_idle_ms,
+                start_id=self._claim_cursor[stream], count=self.settings.read_count)
+            self._claim_cursor[stream] = cursor
+            fresh = [(i, f) for i, f in claimed if i not in self._held[stream]]
+            if fresh:
+                self.log.info("reclaimed entries", stream=stream, count=len(fresh))
+                self._claimed.extend(self._hold(stream, fresh))
+
+    async def _prune_consumers(self) -> None:
+        for stream in self.keys.streams:
+            for consumer in await self.redis.xinfo_consumers(stream, GROUP):
+                if consumer["pending"] == 0 and consumer["idle"] > PRUNE_CONSUMER_IDLE_MS:
+                    await self.redis.xgroup_delconsumer(stream, GROUP, consumer["name"])
+
+
+# ---- command line ----------------------------------------------------------------------
+
+
+async def serve(engine, settings: ServiceSettings, name: str | None = None) -> None:
+    """Run one worker until SIGTERM or SIGINT, then stop gracefully."""
+    from .redis_client import connect
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    redis = connect(settings.redis_url, client_name=f"spinf-worker-{os.getpid()}")
+    try:
+        await Worker(engine, redis, Keys(settings.prefix), settings, name=name).run(stop)
+    finally:
+        await redis.aclose()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m spinf_worker.queue.worker",
+                                     description="Score jobs from the Redis work streams.")
+    parser.add_argument("--redis", help="Redis URL (default: $SPINF_REDIS_URL)")
+    parser.add_argument("--prefix", help="key prefix (default: $SPINF_PREFIX or spinf)")
+    parser.add_argument("--model", help="model name, directory or .gguf (default: the packaged "
+                                        "Gemma 3 270M)")
+    parser.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    parser.add_argument("--name", help="consumer name; a restarted worker with the same name "
+                                       "picks up its own pending entries first")
+    args = parser.parse_args(argv)
+    overrides = {k: v for k, v in {"redis_url": args.redis, "prefix": args.prefix}.items() if v}
+    settings = ServiceSettings(**overrides)
+    if not settings.redis_url:
+        parser.error("give --redis or set SPINF_REDIS_URL")
+
+    from ..engine.engine import Engine, EngineSettings
+
+    engine_settings = EngineSettings()
+    if settings.max_pass_tokens:
+        engine_settings.max_pass_tokens = settings.max_pass_tokens
+    engine = Engine.load(args.model, device=args.device, settings=engine_settings)
+    asyncio.run(serve(engine, settings, name=args.name))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
