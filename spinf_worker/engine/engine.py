@@ -13,7 +13,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -40,10 +40,11 @@ KERNEL_VERSION = "tree-split-mm-tiles-1"
 
 @dataclass
 class EngineSettings:
-    max_pass_tokens: int = 8192
+    max_pass_tokens: int | None = None   # None: 16384 on CUDA, 8192 on the CPU
     max_combinations: int = 1024     # per query
     floor_cache_size: int = 100_000
     presentation: str = "auto"       # auto | raw | chat
+    scheme: str = "auto"             # auto | fp32 | bf16 | fp8 (W8A8; GPUs with fp8 tensor cores)
 
 
 @dataclass
@@ -60,21 +61,52 @@ def _pick_device(device: str | None) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def _pick_scheme(scheme: str, device: torch.device) -> str:
+    if scheme == "auto":
+        if device.type != "cuda":
+            return "fp32"
+        return "fp8" if torch.cuda.get_device_capability(device) >= (8, 9) else "bf16"
+    if scheme not in ("fp32", "bf16", "fp8"):
+        raise ValueError(f"unknown quantisation scheme {scheme!r} (fp32, bf16, fp8)")
+    if scheme != "fp32" and device.type != "cuda":
+        raise ValueError(f"scheme {scheme} runs on CUDA only; the CPU runs fp32")
+    return scheme
+
+
+def _init_random(model: torch.nn.Module, seed: int = 0) -> None:
+    """Random weights with the real shapes: for speed measurements where values don't matter."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.zero_()
+        else:
+            p.normal_(0.0, 0.02, generator=gen)
+
+
 class Engine:
     def __init__(self, checkpoint: Checkpoint, device: str | None = None,
-                 dtype: torch.dtype | None = None, settings: EngineSettings | None = None):
+                 settings: EngineSettings | None = None):
+        """``checkpoint.weights = None`` builds random weights with the real shapes."""
         from ..models.gemma3 import Gemma3Config, Gemma3Model
 
         self.checkpoint = checkpoint
-        self.settings = settings or EngineSettings()
+        self.settings = replace(settings) if settings else EngineSettings()
         self.device = _pick_device(device)
-        self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        self.scheme = _pick_scheme(self.settings.scheme, self.device)
+        self.dtype = torch.float32 if self.scheme == "fp32" else torch.bfloat16
+        if self.settings.max_pass_tokens is None:
+            self.settings.max_pass_tokens = 16384 if self.device.type == "cuda" else 8192
         self.config = Gemma3Config.from_hf(checkpoint.config)
         with torch.device("meta"):
             model = Gemma3Model(self.config)
         model = model.to_empty(device=self.device).to(self.dtype)
         with torch.no_grad():
-            model.load_hf_weights(checkpoint.weights)
+            if checkpoint.weights is None:
+                _init_random(model)
+            else:
+                model.load_hf_weights(checkpoint.weights)
+            if self.scheme == "fp8":
+                model.to_fp8()
         self.model = model.eval()
         self.pad_id = checkpoint.config.get("pad_token_id") or 0
         self.runner = ModelRunner(self.model, self.device, self.dtype, self.pad_id)
@@ -86,8 +118,8 @@ class Engine:
 
     @classmethod
     def load(cls, model: str | None = None, *, device: str | None = None,
-             dtype: torch.dtype | None = None, settings: EngineSettings | None = None) -> Engine:
-        return cls(load_checkpoint(model), device=device, dtype=dtype, settings=settings)
+             settings: EngineSettings | None = None) -> Engine:
+        return cls(load_checkpoint(model), device=device, settings=settings)
 
     @property
     def model_name(self) -> str:
@@ -96,7 +128,7 @@ class Engine:
     def _fingerprint(self) -> str:
         device_class = (torch.cuda.get_device_name(self.device) if self.device.type == "cuda"
                         else "cpu")
-        parts = [self.checkpoint.weights_digest, str(self.dtype), __version__, KERNEL_VERSION,
+        parts = [self.checkpoint.weights_digest, self.scheme, __version__, KERNEL_VERSION,
                  f"threads={torch.get_num_threads()}",
                  device_class, self.presenter.mode]
         return "fp_" + hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
