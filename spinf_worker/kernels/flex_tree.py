@@ -56,6 +56,8 @@ def build_flex_plan(tokens: TreeTokens, window: int) -> FlexPlan:
 
 @cache
 def _compiled_flex():
+    # One compiled kernel per (pass bucket, head layout): allow more than dynamo's default.
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     return torch.compile(flex_attention, dynamic=False)
 
 

@@ -1,0 +1,267 @@
+"""GPU benchmark: the news job (24 documents x ~470 tokens x 56 two-option questions) on
+one GPU, engine (bf16, fp8) against transformers one-sequence-per-question, in one run.
+
+    python benchmarks/gpu_bench.py --data DIR_WITH_news_articles.jsonl \
+        --tokenizer DIR_WITH_tokenizer.json [--model270 HF_DIR] --out OUT_DIR
+
+Models: a Gemma-3-12B-shaped stack with random weights, and the 270M (real weights from
+--model270, else random weights of its shape). Prints a table; writes one flat JSON per run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from spinf_worker.engine import Engine, EngineSettings
+from spinf_worker.models.loader import Checkpoint, load_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+GEMMA_12B = dict(model_type="gemma3_text", vocab_size=262144, hidden_size=3840,
+                 intermediate_size=15360, num_hidden_layers=48, num_attention_heads=16,
+                 num_key_value_heads=8, head_dim=256, sliding_window=1024,
+                 query_pre_attn_scalar=256, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
+                 max_position_embeddings=131072, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                 bos_token_id=2, eos_token_id=1, pad_token_id=0)
+GEMMA_270M = dict(GEMMA_12B, hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
+                  num_attention_heads=4, num_key_value_heads=1, sliding_window=512,
+                  max_position_embeddings=32768)
+
+
+def cuda_time(fn, repeat: int = 3) -> float:
+    """Median wall seconds of ``fn`` with the device synchronised around it."""
+    times = []
+    for _ in range(repeat):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def gemm_ceilings(shapes: list[tuple[int, int, int]]) -> dict:
+    """TFLOP/s of cuBLAS bf16, torch._scaled_mm fp8 (row-wise scales) and our invariant Triton
+    kernel (bf16, fp8) at the same shapes: the cost of invariance."""
+    from spinf_worker.kernels.triton_matmul import matmul
+    from spinf_worker.quant.fp8 import quantize_rows, quantize_weight
+
+    out = {}
+    for m, n, k in shapes:
+        for name, tflops in _gemm_shape(matmul, quantize_rows, quantize_weight, m, n, k).items():
+            out[f"gemm_{m}x{n}x{k}_{name}_tflops"] = tflops
+    return out
+
+
+def _gemm_shape(matmul, quantize_rows, quantize_weight, m: int, n: int, k: int) -> dict:
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    aq, sa = quantize_rows(a)
+    wq, sw = quantize_weight(w)
+    runs = {
+        "cublas_bf16": lambda: a @ w.t(),
+        "scaled_mm_fp8": lambda: torch._scaled_mm(aq, wq.t(), scale_a=sa[:, None],
+                                                  scale_b=sw[None, :], out_dtype=torch.bfloat16),
+        "triton_bf16": lambda: matmul(a, w),
+        "triton_fp8": lambda: matmul(aq, wq, a_scale=sa, w_scale=sw, out_dtype=torch.bfloat16),
+    }
+    out = {}
+    for name, fn in runs.items():
+        fn()
+        dt = cuda_time(lambda fn=fn: [fn() for _ in range(10)]) / 10
+        out[name] = round(2 * m * n * k / dt / 1e12, 1)
+    return out
+
+
+def load_docs(data: Path, tokenizer, n_docs: int, doc_tokens: int) -> list[str]:
+    docs = []
+    for line in (data / "news_articles.jsonl").open():
+        ids = tokenizer.encode(json.loads(line)["text"], add_special_tokens=False).ids
+        docs.append(tokenizer.decode(ids[:doc_tokens]))
+        if len(docs) == n_docs:
+            break
+    return docs
+
+
+def linear_flops(cfg: dict, tokens: int) -> float:
+    h, i = cfg["hidden_size"], cfg["intermediate_size"]
+    q = cfg["num_attention_heads"] * cfg["head_dim"]
+    kv = cfg["num_key_value_heads"] * cfg["head_dim"]
+    per_layer = h * q + 2 * h * kv + q * h + 3 * h * i
+    return 2.0 * tokens * per_layer * cfg["num_hidden_layers"]
+
+
+def run_engine(name: str, ckpt: Checkpoint, scheme: str, requests: list[dict]) -> tuple[dict, list]:
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    engine = Engine(ckpt, device="cuda", settings=EngineSettings(scheme=scheme))
+    t0 = time.perf_counter()
+    first = engine.score_batch(requests)          # compiles masks/kernels, fills the floor cache
+    warm = time.perf_counter() - t0
+    seconds = cuda_time(lambda: engine.score_batch(requests), repeat=3)
+    responses = engine.score_batch(requests)
+    tokens = sum(r.usage.prompt_tokens for r in responses)
+    questions = sum(len(q.combinations) for r in responses for q in r.queries)
+    flats = [engine._prepare(r).flat for r in requests]
+    from spinf_worker.engine.packer import pack
+    from spinf_worker.engine.runner import PASS_BUCKET
+    passes = pack(flats, engine.settings.max_pass_tokens)
+    padded = sum(-(-p.rows // PASS_BUCKET) * PASS_BUCKET for p in passes)
+    # Invariance: document 5 alone vs packed with the other 23 (and in reverse order).
+    alone = engine.score_batch([requests[5]])[0]
+    reverse = engine.score_batch(requests[::-1])[len(requests) - 1 - 5]
+    bits = lambda r: [o.logprob for q in r.queries for c in q.combinations for o in c.options]  # noqa: E731
+    identical = bits(alone) == bits(responses[5]) == bits(reverse) == bits(first[5])
+    # Mask build cost of one full pass.
+    docs = [flats[i] for i in passes[0].docs]
+    rows = -(-passes[0].rows // PASS_BUCKET) * PASS_BUCKET
+    mask_s = cuda_time(lambda: engine.runner.flex_plan(docs, rows), repeat=3)
+    row = {
+        f"{name}_{scheme}_questions_per_s": round(questions / seconds, 1),
+        f"{name}_{scheme}_tokens_per_s": round(tokens / seconds),
+        f"{name}_{scheme}_seconds": round(seconds, 4),
+        f"{name}_{scheme}_first_call_seconds": round(warm, 2),
+        f"{name}_{scheme}_tokens_read": tokens,
+        f"{name}_{scheme}_passes": len(passes),
+        f"{name}_{scheme}_pass_fill_ratio": round(sum(f.tokens for f in flats) / padded, 3),
+        f"{name}_{scheme}_mask_build_ms_per_pass": round(mask_s * 1000, 2),
+        f"{name}_{scheme}_linear_tflops_achieved": round(
+            linear_flops(ckpt.config, tokens) / seconds / 1e12, 1),
+        f"{name}_{scheme}_peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+        f"{name}_{scheme}_bit_identical": identical,
+    }
+    return row, responses
+
+
+def run_baseline(name: str, ckpt: Checkpoint, docs: list[str], questions: dict,
+                 n_docs: int) -> dict:
+    """transformers, bf16, sdpa: one sequence per question, the 56 questions of a document
+    batched (left padding, explicit positions), logits only at the last position."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.cuda.empty_cache()
+    if ckpt.weights is None:
+        cfg = Gemma3TextConfig(**{k: v for k, v in ckpt.config.items() if k != "model_type"})
+        torch.set_default_dtype(torch.bfloat16)
+        with torch.device("cuda"):
+            model = Gemma3ForCausalLM(cfg)
+        torch.set_default_dtype(torch.float32)
+    else:
+        model = Gemma3ForCausalLM.from_pretrained(ckpt.path, dtype=torch.bfloat16).cuda()
+    model = model.eval()
+    model.config._attn_implementation = "sdpa"
+    tok = ckpt.tokenizer
+    bos = ckpt.bos_token_id
+    prefixes = [q["template"].split("{?}")[0] for q in questions["queries"]]
+
+    def batch_for(doc: str):
+        content = tok.encode(doc, add_special_tokens=False).ids
+        seqs = [[bos, *content, *tok.encode(p, add_special_tokens=False).ids] for p in prefixes]
+        width = max(map(len, seqs))
+        ids = torch.zeros(len(seqs), width, dtype=torch.long)
+        mask = torch.zeros(len(seqs), width, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, width - len(s):] = torch.tensor(s)
+            mask[i, width - len(s):] = 1
+        pos = (mask.cumsum(1) - 1).clamp(min=0)
+        return ids.cuda(), mask.cuda(), pos.cuda(), sum(map(len, seqs))
+
+    batches = [batch_for(d) for d in docs[:n_docs]]
+
+    def run():
+        with torch.inference_mode():
+            for ids, mask, pos, _ in batches:
+                model(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=1)
+
+    run()
+    seconds = cuda_time(run, repeat=2)
+    n_q = n_docs * len(prefixes)
+    return {f"{name}_baseline_questions_per_s": round(n_q / seconds, 1),
+            f"{name}_baseline_docs": n_docs,
+            f"{name}_baseline_tokens_read": sum(b[3] for b in batches)}
+
+
+def delta_p(a: list, b: list) -> tuple[float, float]:
+    diffs = [abs(oa.p - ob.p) for ra, rb in zip(a, b) for qa, qb in zip(ra.queries, rb.queries)
+             for ca, cb in zip(qa.combinations, qb.combinations)
+             for oa, ob in zip(ca.options, cb.options)]
+    return sum(diffs) / len(diffs), max(diffs)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
+    parser.add_argument("--questions", type=Path, default=ROOT / "benchmarks" / "news_questions.json")
+    parser.add_argument("--tokenizer", type=Path, required=True, help="dir with tokenizer.json")
+    parser.add_argument("--model270", default=None, help="real 270M (HF dir or default id)")
+    parser.add_argument("--docs", type=int, default=24)
+    parser.add_argument("--doc-tokens", type=int, default=470)
+    parser.add_argument("--baseline-docs-12b", type=int, default=4)
+    parser.add_argument("--baseline-docs-270m", type=int, default=24)
+    parser.add_argument("--only", default="ceilings,270m,12b")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    args = parser.parse_args()
+    only = set(args.only.split(","))
+
+    from tokenizers import Tokenizer
+    tokenizer = Tokenizer.from_file(str(args.tokenizer / "tokenizer.json"))
+    questions = json.loads(args.questions.read_text())
+    docs = load_docs(args.data, tokenizer, args.docs, args.doc_tokens)
+    requests = [{"text": d, "scoring": questions} for d in docs]
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True, cwd=ROOT).stdout.strip() or "unknown"
+    row = {"date": time.strftime("%Y-%m-%d"), "commit": commit,
+           "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "docs": len(docs), "questions_per_doc": len(questions["queries"])}
+    if "ceilings" in only:
+        row.update(gemm_ceilings([(16384, 15360, 3840), (16384, 3840, 15360),
+                                  (16384, 2048, 640), (1000, 15360, 3840)]))
+        print(json.dumps(row), flush=True)
+
+    def random_ckpt(cfg: dict) -> Checkpoint:
+        return Checkpoint(name="random", config=cfg, weights=None, tokenizer=tokenizer,
+                          bos_token_id=2, eos_token_id=1, chat_template=None,
+                          weights_digest="random", path=Path("."))
+
+    if "270m" in only:
+        ckpt = load_checkpoint(args.model270) if args.model270 else random_ckpt(GEMMA_270M)
+        name = "270m" if args.model270 else "270m_random"
+        results = {}
+        for scheme in ("bf16", "fp8"):
+            figures, results[scheme] = run_engine(name, ckpt, scheme, requests)
+            row.update(figures)
+            print(json.dumps(figures), flush=True)
+        mean_dp, max_dp = delta_p(results["bf16"], results["fp8"])
+        row.update({f"{name}_fp8_vs_bf16_mean_abs_dp": round(mean_dp, 5),
+                    f"{name}_fp8_vs_bf16_max_abs_dp": round(max_dp, 5)})
+        row.update(run_baseline(name, ckpt, docs, questions, args.baseline_docs_270m))
+        print(json.dumps(row), flush=True)
+    if "12b" in only:
+        ckpt = random_ckpt(GEMMA_12B)
+        for scheme in ("bf16", "fp8"):
+            figures, _ = run_engine("12b", ckpt, scheme, requests)
+            row.update(figures)
+            print(json.dumps(figures), flush=True)
+        row.update(run_baseline("12b", ckpt, docs, questions, args.baseline_docs_12b))
+    for name in ("270m", "270m_random", "12b"):
+        base = row.get(f"{name}_baseline_questions_per_s")
+        for scheme in ("bf16", "fp8"):
+            q = row.get(f"{name}_{scheme}_questions_per_s")
+            if base and q:
+                row[f"{name}_{scheme}_speedup_vs_baseline"] = round(q / base, 1)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"{row['date']}-gpu-{commit}.json"
+    path.write_text(json.dumps(row, indent=1))
+    print("\n| key | value |\n| --- | --- |")
+    for k, v in row.items():
+        print(f"| {k} | {v} |")
+
+
+if __name__ == "__main__":
+    main()
