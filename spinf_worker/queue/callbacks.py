@@ -1,0 +1,514 @@
+"""Webhook callbacks: a dispatcher drains the callbacks stream and POSTs each finished job to
+its callback URL, signed the Standard Webhooks way (docs/CALLBACKS.md).
+
+Records it relies on (written by workers, docs/QUEUE.md):
+- ``keys.callbacks``: stream entries ``{job: <id>}`` (``retry: 1`` on entries it re-adds itself);
+- ``keys.job(id)``: hash with ``callback`` (the URL), ``status``, ``custom_id``, ``finished_at``;
+- ``keys.result(id)``: JSON ``{"status_code": 200, "body": {...}}`` or
+  ``{"status_code": 4xx/5xx, "error": {...}}``.
+
+Retries do not block other deliveries: a delivery that has to wait goes into a sorted set of
+due times (``retry_key``), and a dispatcher moves due jobs back onto the stream with one Lua
+script, so whichever dispatcher runs picks them up. The attempt count lives on the job hash
+and the due time in Redis, so a restart loses neither. Delivery is at least once; receivers
+dedupe on ``webhook-id``, which is the same for every attempt of a job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextlib
+import email.utils
+import hashlib
+import hmac
+import ipaddress
+import json
+import os
+import random
+import secrets
+import socket
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+import httpx
+import structlog
+from redis.asyncio import Redis
+from redis.exceptions import RedisError, ResponseError
+
+from .. import __version__
+from .keys import DISPATCHERS, Keys
+from .settings import ServiceSettings
+
+log = structlog.get_logger(__name__)
+
+SECRET_PREFIX = "whsec_"
+SIGNATURE_VERSION = "v1"
+USER_AGENT = f"spinf-serve-webhooks/{__version__}"
+
+CONCURRENCY = 32              # deliveries in flight per dispatcher
+READ_BLOCK_MS = 500           # one XREADGROUP waits at most this long (also the stop latency)
+PROMOTE_BATCH = 100           # due retries moved back onto the stream per script call
+CLAIM_EVERY_S = 5.0           # how often a dispatcher looks for entries of dead dispatchers
+MAX_DELAY_S = 3600.0          # cap on a backoff step and on a receiver's Retry-After
+ERROR_DELAY_S = 1.0           # after a Redis error, so an outage is no busy loop
+FINAL_STATES = ("delivered", "failed", "refused")
+RETRY_STATUS = frozenset({408, 429})
+
+
+def retry_key(keys: Keys) -> str:
+    """Sorted set: job id -> due time (ms) of its next attempt. Shares the hash tag."""
+    return f"{keys.base}:callbacks:retry"
+
+
+# ---------------------------------------------------------------------------------------------
+# Signatures (Standard Webhooks v1: HMAC-SHA256 over "{id}.{timestamp}.{body}")
+
+
+def new_secret() -> str:
+    """A fresh signing secret: ``whsec_`` + base64 of 32 random bytes."""
+    return SECRET_PREFIX + base64.b64encode(secrets.token_bytes(32)).decode()
+
+
+def secret_bytes(secret: str) -> bytes:
+    """The HMAC key of a ``whsec_<base64>`` secret. Raises ValueError when malformed."""
+    raw = secret.removeprefix(SECRET_PREFIX)
+    try:
+        key = base64.b64decode(raw + "=" * (-len(raw) % 4), validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError("webhook secret must be 'whsec_' followed by base64") from None
+    if len(key) < 16:
+        raise ValueError("webhook secret is shorter than 16 bytes")
+    return key
+
+
+def sign(secret: str, msg_id: str, timestamp: int, body: bytes) -> str:
+    """The ``webhook-signature`` header value: ``v1,<base64 HMAC-SHA256>``."""
+    return _sign_with_key(secret_bytes(secret), msg_id, int(timestamp), body)
+
+
+def _sign_with_key(key: bytes, msg_id: str, timestamp: int, body: bytes) -> str:
+    digest = hmac.new(key, f"{msg_id}.{timestamp}.".encode() + body, hashlib.sha256).digest()
+    return f"{SIGNATURE_VERSION},{base64.b64encode(digest).decode()}"
+
+
+def verify(secret: str, headers: Mapping[str, str], body: bytes, tolerance_s: float = 300,
+           *, now: float | None = None) -> bool:
+    """True when ``headers`` carry a valid v1 signature of ``body`` made with ``secret`` and a
+    timestamp within ``tolerance_s`` of now (either way, against replays). Header names are
+    matched case-insensitively; the signature header may list several space-separated
+    signatures (key rotation). Never raises on malformed input."""
+    lowered = {k.lower(): v for k, v in headers.items()}
+    msg_id = lowered.get("webhook-id")
+    stamp = lowered.get("webhook-timestamp")
+    offered = lowered.get("webhook-signature")
+    if not (msg_id and stamp and offered):
+        return False
+    try:
+        timestamp = int(stamp)
+    except ValueError:
+        return False
+    if abs((time.time() if now is None else now) - timestamp) > tolerance_s:
+        return False
+    expected = sign(secret, msg_id, timestamp, body).encode()
+    return any(hmac.compare_digest(expected, candidate.encode())
+               for candidate in offered.split() if candidate.startswith(f"{SIGNATURE_VERSION},"))
+
+
+# ---------------------------------------------------------------------------------------------
+# SSRF guard
+
+
+class CallbackRefused(Exception):
+    """The callback URL may not be called: a private address, a bad scheme, no such host."""
+
+
+@dataclass(frozen=True)
+class Target:
+    url: httpx.URL          # as the job gave it
+    address: str            # the checked IP that the request connects to
+
+    def request_url(self) -> httpx.URL:
+        return self.url.copy_with(host=self.address)
+
+
+def _forbidden(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str | None:
+    """Why ``address`` is no place to send a webhook, or None when it is a public one."""
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    for what in ("loopback", "link_local", "private", "multicast", "reserved", "unspecified"):
+        if getattr(address, f"is_{what}"):
+            return what.replace("_", "-")
+    if not address.is_global:     # shared (100.64/10), documentation, benchmarking ranges
+        return "not global"
+    return None
+
+
+class TargetGuard:
+    """Resolves a callback URL's host and refuses internal addresses unless allowed.
+
+    ``allow`` holds host names (matched exactly, case-insensitively) and IPs / CIDRs; a host on
+    the list may resolve anywhere, an address inside a listed network is allowed. The caller
+    connects to ``Target.address`` — the address checked here — so a second DNS answer
+    (rebinding) cannot move the request elsewhere."""
+
+    def __init__(self, allow: Iterable[str] = ()):
+        self.hosts: set[str] = set()
+        self.networks: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = []
+        for item in allow:
+            item = item.strip()
+            try:
+                self.networks.append(ipaddress.ip_network(item.strip("[]"), strict=False))
+            except ValueError:
+                self.hosts.add(item.lower().rstrip("."))
+
+    def _allowed(self, address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+        return any(address in net for net in self.networks if net.version == address.version)
+
+    async def resolve(self, url: str) -> Target:
+        try:
+            parsed = httpx.URL(url)
+        except (httpx.InvalidURL, TypeError) as err:
+            raise CallbackRefused(f"invalid callback URL: {err}") from None
+        if parsed.scheme not in ("http", "https"):
+            raise CallbackRefused(f"callback URL scheme must be http or https, not {parsed.scheme!r}")
+        host = parsed.host.lower().rstrip(".")
+        if not host:
+            raise CallbackRefused("callback URL has no host")
+        if parsed.userinfo:
+            raise CallbackRefused("callback URL must not carry credentials")
+        port = parsed.port or (443 if parsed.scheme == "https" else 80)
+        try:
+            infos = await asyncio.get_running_loop().getaddrinfo(
+                host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)
+        except (socket.gaierror, UnicodeError) as err:
+            raise CallbackRefused(f"cannot resolve {host}: {err}") from None
+        addresses = list(dict.fromkeys(
+            ipaddress.ip_address(info[4][0].split("%", 1)[0]) for info in infos))
+        if not addresses:
+            raise CallbackRefused(f"{host} has no address")
+        if host not in self.hosts:
+            for address in addresses:
+                reason = _forbidden(address)
+                if reason is not None and not self._allowed(address):
+                    # every address is checked: a host with one internal address is refused
+                    raise CallbackRefused(f"{host} resolves to {address} ({reason}); "
+                                          "add it to callback_allow to permit it")
+        return Target(parsed, str(addresses[0]))
+
+
+# ---------------------------------------------------------------------------------------------
+# The dispatcher
+
+
+@dataclass
+class Attempt:
+    """What one POST gave."""
+    outcome: str                     # delivered | retry | failed
+    bucket: str                      # 2xx | 3xx | 4xx | 5xx | error: the stats counter
+    status_code: int | None = None
+    error: str | None = None
+    retry_after_s: float | None = None
+
+
+def classify(response: httpx.Response) -> Attempt:
+    code = response.status_code
+    bucket = f"{code // 100}xx" if 200 <= code < 600 else "error"
+    if 200 <= code < 300:
+        return Attempt("delivered", bucket, code)
+    if code == 410:
+        return Attempt("failed", bucket, code, "410 Gone: the endpoint is gone")
+    if 300 <= code < 400:
+        return Attempt("failed", bucket, code, f"{code}: redirects are not followed")
+    if code in RETRY_STATUS or code >= 500:
+        return Attempt("retry", bucket, code, f"HTTP {code}",
+                       retry_after_s=parse_retry_after(response.headers.get("retry-after")))
+    return Attempt("failed", bucket, code, f"HTTP {code}")
+
+
+def parse_retry_after(value: str | None, *, now: float | None = None) -> float | None:
+    """Seconds to wait from a Retry-After header (delta-seconds or an HTTP date)."""
+    if not value:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        seconds = float(value)
+    else:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            return None
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=timezone.utc)
+        seconds = when.timestamp() - (time.time() if now is None else now)
+    return min(max(seconds, 0.0), MAX_DELAY_S)
+
+
+def backoff_s(attempt: int, base_s: float) -> float:
+    """Full jitter: uniform in [0, base * 2^(attempt-1)], the step capped at MAX_DELAY_S."""
+    return random.uniform(0.0, min(base_s * 2 ** (attempt - 1), MAX_DELAY_S))
+
+
+def build_event(job_id: str, job: Mapping[str, str], result: dict | None) -> dict:
+    """The webhook body: the job's outcome and its response (or error)."""
+    body = result.get("body") if result else None
+    error = result.get("error") if result else None
+    if result is None:
+        error = {"message": "the job's result is no longer stored", "type": "server_error"}
+    succeeded = body is not None and int(result.get("status_code", 200)) < 400
+    finished = job.get("finished_at")
+    when = float(finished) if finished else time.time()
+    return {
+        "type": "score.succeeded" if succeeded else "score.failed",
+        "timestamp": datetime.fromtimestamp(when, tz=timezone.utc).isoformat(),
+        "data": {"id": job_id, "custom_id": job.get("custom_id"), "status": job.get("status"),
+                 "response": body if succeeded else None, "error": None if succeeded else error},
+    }
+
+
+_PROMOTE = """
+local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, ARGV[2])
+for _, job in ipairs(due) do
+  redis.call('ZREM', KEYS[1], job)
+  redis.call('XADD', KEYS[2], '*', 'job', job, 'retry', '1')
+end
+return #due
+"""
+
+
+class CallbackDispatcher:
+    """Consumer ``name`` of group ``dispatchers`` on ``keys.callbacks``.
+
+    ``redis`` must decode responses (``redis_client.connect``). ``transport`` replaces the HTTP
+    transport (tests)."""
+
+    def __init__(self, redis: Redis, keys: Keys, settings: ServiceSettings,
+                 name: str | None = None, *, concurrency: int = CONCURRENCY,
+                 transport: httpx.AsyncBaseTransport | None = None):
+        if not settings.webhook_secret:
+            raise ValueError("callbacks need a signing secret: set SPINF_WEBHOOK_SECRET "
+                             "(spinf-serve serve generates one)")
+        self.redis = redis
+        self.keys = keys
+        self.settings = settings
+        self.name = name or f"{socket.gethostname()}-{os.getpid()}"
+        self.concurrency = concurrency
+        self.guard = TargetGuard(settings.callback_allow)
+        self._key = secret_bytes(settings.webhook_secret)
+        self._transport = transport
+        self._promote = redis.register_script(_PROMOTE)
+        self._retry_key = retry_key(keys)
+        # an entry idle this long belongs to a dead dispatcher (a POST takes <= the timeout)
+        self._claim_idle_ms = int(max(30.0, 3 * settings.callback_timeout_s) * 1000)
+        self._tasks: set[asyncio.Task] = set()
+        self._active_jobs: set[str] = set()
+        self._log = log.bind(dispatcher=self.name)
+
+    async def ensure_group(self) -> None:
+        try:
+            # from "0": entries added before the first dispatcher started are delivered too
+            await self.redis.xgroup_create(self.keys.callbacks, DISPATCHERS, id="0",
+                                           mkstream=True)
+        except ResponseError as err:
+            if "BUSYGROUP" not in str(err):
+                raise
+
+    async def run(self, stop: asyncio.Event) -> None:
+        self._log.info("dispatcher started", stream=self.keys.callbacks)
+        # No keep-alive: requests go to a pinned IP with the host name as SNI, and a pooled
+        # connection keyed by that IP must not be reused for another host on the same IP.
+        client = httpx.AsyncClient(
+            timeout=self.settings.callback_timeout_s, follow_redirects=False, trust_env=False,
+            limits=httpx.Limits(max_keepalive_connections=0), transport=self._transport,
+            headers={"user-agent": USER_AGENT})
+        # first our own unacknowledged entries (after a restart), paged by id, then new ones
+        pending_from: str | None = "0"
+        next_claim = 0.0
+        group_ready = False
+        try:
+            while not stop.is_set():
+                try:
+                    if not group_ready:
+                        await self.ensure_group()
+                        group_ready = True
+                    wait_ms = await self._promote_due()
+                    if time.monotonic() >= next_claim:
+                        await self._claim_stale(client)
+                        next_claim = time.monotonic() + CLAIM_EVERY_S
+                    free = self.concurrency - len(self._tasks)
+                    if free <= 0:
+                        await asyncio.wait(self._tasks, timeout=READ_BLOCK_MS / 1000,
+                                           return_when=asyncio.FIRST_COMPLETED)
+                        continue
+                    reply = await self.redis.xreadgroup(
+                        DISPATCHERS, self.name, {self.keys.callbacks: pending_from or ">"},
+                        count=free, block=None if pending_from else min(wait_ms, READ_BLOCK_MS))
+                    entries = reply[0][1] if reply else []
+                    if pending_from is not None:
+                        pending_from = entries[-1][0] if entries else None
+                    for entry_id, fields in entries:
+                        self._spawn(client, entry_id, fields)
+                except RedisError as err:
+                    self._log.warning("redis error; retrying", error=str(err))
+                    group_ready = group_ready and "NOGROUP" not in str(err)
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(stop.wait(), ERROR_DELAY_S)
+        finally:
+            await self._drain()
+            await client.aclose()
+            self._log.info("dispatcher stopped")
+
+    async def _drain(self) -> None:
+        """Let deliveries in flight finish (bounded by the HTTP timeout); what is cancelled
+        stays pending in the group and is delivered after a restart or a claim."""
+        if self._tasks:
+            _, late = await asyncio.wait(self._tasks, timeout=self.settings.callback_timeout_s + 1)
+            for task in late:
+                task.cancel()
+            if late:
+                await asyncio.wait(late)
+
+    async def _promote_due(self) -> int:
+        """Moves due retries onto the stream; returns ms until the next one (for BLOCK)."""
+        now_ms = int(time.time() * 1000)
+        await self._promote(keys=[self._retry_key, self.keys.callbacks],
+                            args=[now_ms, PROMOTE_BATCH])
+        head = await self.redis.zrange(self._retry_key, 0, 0, withscores=True)
+        if not head:
+            return READ_BLOCK_MS
+        return max(1, int(head[0][1]) - now_ms)
+
+    async def _claim_stale(self, client: httpx.AsyncClient) -> None:
+        cursor = "0-0"
+        while True:
+            free = self.concurrency - len(self._tasks)
+            if free <= 0:
+                return
+            cursor, claimed, *_ = await self.redis.xautoclaim(
+                self.keys.callbacks, DISPATCHERS, self.name, self._claim_idle_ms,
+                start_id=cursor, count=free)
+            for entry_id, fields in claimed:
+                self._spawn(client, entry_id, fields)
+            if cursor == "0-0":
+                return
+
+    def _spawn(self, client: httpx.AsyncClient, entry_id: str, fields: dict | None) -> None:
+        task = asyncio.create_task(self._handle(client, entry_id, fields or {}))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _handle(self, client: httpx.AsyncClient, entry_id: str, fields: dict) -> None:
+        job_id = fields.get("job")
+        if job_id and job_id in self._active_jobs:
+            # the same job twice at once (a repeated worker step): one delivery is enough
+            await self._ack(entry_id)
+            return
+        if job_id:
+            self._active_jobs.add(job_id)
+        try:
+            if job_id:
+                await self._deliver(client, job_id)
+            # acknowledged only once the outcome (or the next due time) is stored
+            await self._ack(entry_id)
+        except Exception as err:   # noqa: BLE001 - left pending: retried after a claim
+            self._log.warning("callback entry left pending", entry=entry_id, job=job_id,
+                              error=repr(err))
+        finally:
+            if job_id:
+                self._active_jobs.discard(job_id)
+
+    async def _ack(self, entry_id: str) -> None:
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.xack(self.keys.callbacks, DISPATCHERS, entry_id)
+            pipe.xdel(self.keys.callbacks, entry_id)
+            await pipe.execute()
+
+    async def _deliver(self, client: httpx.AsyncClient, job_id: str) -> None:
+        job_key = self.keys.job(job_id)
+        job = await self.redis.hgetall(job_key)
+        jlog = self._log.bind(job=job_id)
+        if not job:
+            jlog.warning("callback dropped: the job record is gone")
+            await self.redis.hincrby(self.keys.stats, "callbacks_failed", 1)
+            return
+        url = job.get("callback")
+        if not url or job.get("callback_status") in FINAL_STATES:
+            return
+        attempts = int(job.get("callback_attempts") or 0)
+        if attempts >= self.settings.callback_max_attempts:
+            await self._finish(job_key, "failed", {}, "callbacks_failed")
+            return
+        try:
+            target = await self.guard.resolve(url)
+        except CallbackRefused as err:
+            jlog.warning("callback refused", reason=str(err))
+            await self._finish(job_key, "refused", {"callback_last_error": str(err)},
+                               "callbacks_refused")
+            return
+
+        raw = await self.redis.get(self.keys.result(job_id))
+        body = json.dumps(build_event(job_id, job, json.loads(raw) if raw else None),
+                          separators=(",", ":"), ensure_ascii=False).encode()
+        attempt_no = attempts + 1
+        # counted before the POST: a crash mid-request still uses up an attempt
+        await self._record(job_key, {"callback_attempts": attempt_no})
+        attempt = await self._post(client, target, f"msg_{job_id}", body)
+        await self.redis.hincrby(self.keys.stats, f"callback_attempts_{attempt.bucket}", 1)
+        record: dict = {"callback_last_status": attempt.status_code or "none"}
+        if attempt.error:
+            record["callback_last_error"] = attempt.error
+        jlog = jlog.bind(attempt=attempt_no, host=target.url.host, status=attempt.status_code)
+
+        if attempt.outcome == "delivered":
+            jlog.info("callback delivered")
+            await self._finish(job_key, "delivered", record, "callbacks_delivered",
+                               clear=("callback_last_error",))
+        elif attempt.outcome == "retry" and attempt_no < self.settings.callback_max_attempts:
+            delay = backoff_s(attempt_no, self.settings.callback_backoff_s)
+            if attempt.retry_after_s is not None:
+                delay = max(delay, attempt.retry_after_s)
+            due_ms = int((time.time() + delay) * 1000)
+            jlog.info("callback will be retried", error=attempt.error, delay_s=round(delay, 3))
+            await self._record(job_key, {**record, "callback_status": "pending",
+                                         "callback_next_at": due_ms})
+            await self.redis.zadd(self._retry_key, {job_id: due_ms})
+        else:
+            jlog.warning("callback failed", error=attempt.error)
+            await self._finish(job_key, "failed", record, "callbacks_failed")
+
+    async def _post(self, client: httpx.AsyncClient, target: Target, msg_id: str,
+                    body: bytes) -> Attempt:
+        timestamp = int(time.time())
+        headers = {
+            "content-type": "application/json",
+            "host": target.url.netloc.decode("ascii"),
+            "webhook-id": msg_id,
+            "webhook-timestamp": str(timestamp),
+            "webhook-signature": _sign_with_key(self._key, msg_id, timestamp, body),
+        }
+        extensions = {"sni_hostname": target.url.host} if target.url.scheme == "https" else {}
+        try:
+            response = await client.post(target.request_url(), content=body, headers=headers,
+                                         extensions=extensions)
+        except httpx.TransportError as err:
+            return Attempt("retry", "error", None, f"{type(err).__name__}: {err}".rstrip(": "))
+        return classify(response)
+
+    async def _record(self, job_key: str, fields: Mapping) -> None:
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(job_key, mapping=dict(fields))
+            # never leave a record without a TTL if it expired under us
+            pipe.expire(job_key, self.settings.result_ttl_s, nx=True)
+            await pipe.execute()
+
+    async def _finish(self, job_key: str, status: str, fields: Mapping, counter: str,
+                      clear: tuple[str, ...] = ()) -> None:
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(job_key, mapping={**fields, "callback_status": status})
+            pipe.hdel(job_key, "callback_next_at", *clear)
+            pipe.expire(job_key, self.settings.result_ttl_s, nx=True)
+            pipe.hincrby(self.keys.stats, counter, 1)
+            await pipe.execute()
