@@ -1,0 +1,240 @@
+"""API-only shapes: jobs, chat completions, models, files and batches (OpenAI-compatible).
+
+Response models document /openapi.json; the routes return plain dicts built by the queue
+modules, validated against these in the tests."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from spinf_worker.protocol import ErrorBody, Message, ScoreRequest, ScoreResponse, Scoring
+
+# ---- jobs ------------------------------------------------------------------------------
+
+
+class JobRequest(ScoreRequest):
+    """A ScoreRequest answered later: poll GET /v1/jobs/{id}, or receive a signed webhook at
+    ``callback``. Both extra fields sit next to the request's own fields."""
+
+    callback: str | None = Field(default=None, description="https URL to POST the result to")
+    deadline_s: float | None = Field(default=None, gt=0,
+                                     description="drop the job unscored after this many seconds")
+
+    @field_validator("callback")
+    @classmethod
+    def _http_url(cls, url: str | None) -> str | None:
+        if url is not None and not url.startswith(("https://", "http://")):
+            raise ValueError("callback must be an http(s) URL")
+        return url
+
+    def score_request(self) -> dict:
+        """The request the worker scores, without the job's own fields."""
+        return self.model_dump(mode="json", exclude_none=True,
+                               exclude={"callback", "deadline_s"})
+
+
+JobStatus = Literal["queued", "running", "succeeded", "failed", "expired"]
+
+
+class JobAccepted(BaseModel):
+    id: str
+    object: Literal["score.job"] = "score.job"
+    status: JobStatus
+    url: str
+
+
+class Job(BaseModel):
+    id: str
+    object: Literal["score.job"] = "score.job"
+    status: JobStatus
+    created_at: int | None = None
+    started_at: int | None = None
+    finished_at: int | None = None
+    model: str | None = None
+    batch_id: str | None = None
+    custom_id: str | None = None
+    callback: str | None = None
+    callback_status: str | None = None
+    callback_attempts: int | None = None
+    status_code: int | None = Field(default=None, description="HTTP status of the result")
+    response: ScoreResponse | None = Field(default=None, description="the scores, when done")
+    error: ErrorBody | None = None
+
+
+# ---- chat completions -------------------------------------------------------------------
+
+
+class ChatCompletionRequest(BaseModel):
+    """The OpenAI request; ``scoring`` (sent by the SDK through ``extra_body``) makes it a
+    scoring call. Other OpenAI fields (temperature, ...) are accepted and ignored."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    messages: list[Message]
+    scoring: Scoring
+    packs: list[dict[str, Any]] = Field(default_factory=list)
+    stream: Literal[False] = False
+
+
+class ChatMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessage
+    finish_reason: Literal["stop"] = "stop"
+    logprobs: None = None
+
+
+class ChatUsage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int = 0
+    total_tokens: int
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[ChatChoice]
+    usage: ChatUsage
+    scoring: ScoreResponse = Field(description="the full scores; the message is the top "
+                                               "option of the first query")
+
+
+# ---- models ------------------------------------------------------------------------------
+
+
+class ModelObject(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "spinf-serve"
+    fingerprints: list[str] = Field(default_factory=list)
+    workers: int = 0
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelObject]
+
+
+# ---- files -------------------------------------------------------------------------------
+
+
+class FileObject(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: str
+    expires_at: int | None = None
+    status: str = "processed"
+
+
+# ---- batches -----------------------------------------------------------------------------
+
+
+class BatchCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    input_file_id: str
+    endpoint: Literal["/v1/score", "/v1/chat/completions"]
+    completion_window: Literal["24h"] = "24h"
+    metadata: dict[str, str] | None = Field(default=None, max_length=16)
+
+
+class RequestCounts(BaseModel):
+    total: int
+    completed: int
+    failed: int
+
+
+class BatchError(BaseModel):
+    code: str | None = None
+    message: str | None = None
+    param: str | None = None
+    line: int | None = None
+
+
+class BatchErrors(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[BatchError]
+
+
+BatchStatus = Literal["validating", "failed", "in_progress", "finalizing", "completed",
+                      "expired", "cancelling", "cancelled"]
+
+
+class Batch(BaseModel):
+    id: str
+    object: Literal["batch"] = "batch"
+    endpoint: str
+    errors: BatchErrors | None = None
+    input_file_id: str
+    completion_window: str
+    status: BatchStatus
+    output_file_id: str | None = None
+    error_file_id: str | None = None
+    created_at: int
+    in_progress_at: int | None = None
+    expires_at: int | None = None
+    finalizing_at: int | None = None
+    completed_at: int | None = None
+    failed_at: int | None = None
+    expired_at: int | None = None
+    cancelling_at: int | None = None
+    cancelled_at: int | None = None
+    request_counts: RequestCounts
+    metadata: dict[str, str] | None = None
+
+
+class BatchList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Batch]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool
+
+
+# ---- operations --------------------------------------------------------------------------
+
+
+class Health(BaseModel):
+    status: Literal["ok"] = "ok"
+
+
+class Ready(BaseModel):
+    status: Literal["ready"] = "ready"
+    workers: int
+    models: list[str]
+
+
+
+# ---- OpenAPI -------------------------------------------------------------------------------
+
+# Bodies the routes read themselves (so every problem gets our error with its exact param);
+# create_app adds their schemas to /openapi.json.
+DOCUMENTED_BODIES: tuple[type[BaseModel], ...] = (ScoreRequest, JobRequest,
+                                                  ChatCompletionRequest)
+
+
+def json_body(model: type[BaseModel]) -> dict:
+    """``openapi_extra`` declaring ``model`` as a route's JSON request body."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict]:
+    """``responses=`` entries documenting errors in the OpenAI shape."""
+    from spinf_worker.protocol import ErrorResponse
+
+    return {status: {"model": ErrorResponse} for status in statuses}

@@ -1,0 +1,84 @@
+"""Bulk scoring in the shape of the OpenAI Batch API (spinf_worker/queue/batches.py has the
+life cycle, the line formats and what cancelling does)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query
+
+from spinf_worker.errors import InvalidRequestError
+from spinf_worker.queue import batches, files
+
+from ..errors import NotFoundError
+from ..models import Batch, BatchCreate, BatchList, error_responses
+from ..services import ServicesDep
+from .scoring import check_backlog
+
+router = APIRouter(prefix="/batches", tags=["batches"])
+
+
+def _not_found(batch_id: str) -> NotFoundError:
+    return NotFoundError(f"no batch {batch_id!r} (unknown, or expired)", param="batch_id",
+                         code="batch_not_found")
+
+
+@router.post("", response_model=Batch, responses=error_responses(400, 401, 404, 429),
+             summary="Start a batch over an uploaded JSONL file")
+async def create_batch(body: BatchCreate, services: ServicesDep) -> dict:
+    meta = await files.get_file(services.redis, services.keys, body.input_file_id)
+    if meta is None:
+        raise NotFoundError(f"no file {body.input_file_id!r} (unknown, or expired)",
+                            param="input_file_id", code="file_not_found")
+    if meta.get("purpose") != "batch":
+        raise InvalidRequestError(f"file {body.input_file_id!r} has purpose "
+                                  f"{meta.get('purpose')!r}; upload it with purpose 'batch'",
+                                  param="input_file_id")
+    await check_backlog(services)
+    batch = await batches.create_batch(
+        services.redis, services.keys, input_file_id=body.input_file_id,
+        endpoint=body.endpoint, completion_window=body.completion_window,
+        metadata=body.metadata, ttl_s=services.settings.result_ttl_s)
+    # Reading and queueing a large file takes a while: after the response, in the background.
+    services.spawn(batches.enqueue_batch(services.redis, services.keys, services.producer,
+                                         batch["id"]), name=f"enqueue-{batch['id']}")
+    return batch
+
+
+@router.get("", response_model=BatchList, responses=error_responses(400, 401),
+            summary="Batches, newest first")
+async def list_batches(services: ServicesDep,
+                       limit: Annotated[int, Query(ge=1, le=100)] = 20,
+                       after: str | None = None) -> BatchList:
+    found, has_more = await batches.list_batches(services.redis, services.keys, limit=limit,
+                                                 after=after)
+    return BatchList(data=found, has_more=has_more,
+                     first_id=found[0]["id"] if found else None,
+                     last_id=found[-1]["id"] if found else None)
+
+
+@router.get("/{batch_id}", response_model=Batch, responses=error_responses(401, 404))
+async def get_batch(batch_id: str, services: ServicesDep) -> dict:
+    batch = await batches.get_batch(services.redis, services.keys, batch_id)
+    if batch is None:
+        raise _not_found(batch_id)
+    return batch
+
+
+@router.post("/{batch_id}/cancel", response_model=Batch,
+             responses=error_responses(400, 401, 404),
+             summary="Cancel: requests not answered yet get a batch_cancelled error line")
+async def cancel_batch(batch_id: str, services: ServicesDep) -> dict:
+    outcome, drain = await batches.cancel_batch(services.redis, services.keys, batch_id)
+    if outcome == "missing":
+        raise _not_found(batch_id)
+    batch = await batches.get_batch(services.redis, services.keys, batch_id)
+    if outcome == "not_cancellable":
+        raise InvalidRequestError(
+            f"batch {batch_id!r} is {batch['status'] if batch else 'gone'}; only a validating "
+            "or in-progress batch can be cancelled", param="batch_id",
+            code="batch_not_cancellable")
+    if drain:
+        services.spawn(batches.drain_cancelled(services.redis, services.keys, batch_id),
+                       name=f"cancel-{batch_id}")
+    return batch

@@ -1,0 +1,60 @@
+"""Files of the Batch API: upload a JSONL input (purpose "batch"), read file objects and
+content (inputs, and the output/error files batches produce)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, File, Form, UploadFile
+from fastapi.responses import StreamingResponse
+
+from spinf_worker.errors import InvalidRequestError
+from spinf_worker.queue import files
+
+from ..errors import BodyTooLarge, NotFoundError
+from ..models import FileObject, error_responses
+from ..services import ServicesDep
+
+router = APIRouter(prefix="/files", tags=["files"])
+
+
+def _not_found(file_id: str) -> NotFoundError:
+    return NotFoundError(f"no file {file_id!r} (unknown, or expired)", param="file_id",
+                         code="file_not_found")
+
+
+@router.post("", response_model=FileObject, responses=error_responses(400, 401, 413))
+async def upload_file(services: ServicesDep, file: Annotated[UploadFile, File()],
+                      purpose: Annotated[Literal["batch"], Form()]) -> dict:
+    limit = services.settings.max_file_bytes
+    content = await file.read(limit + 1)
+    if len(content) > limit:
+        raise BodyTooLarge(limit)
+    try:
+        content.decode("utf-8")
+    except UnicodeDecodeError:
+        raise InvalidRequestError("the file must be UTF-8 JSONL text", param="file",
+                                  code="invalid_file") from None
+    if not content.strip():
+        raise InvalidRequestError("the file is empty", param="file", code="invalid_file")
+    return await files.create_file(services.redis, services.keys, content,
+                                   filename=file.filename or "input.jsonl", purpose=purpose,
+                                   ttl_s=services.settings.result_ttl_s)
+
+
+@router.get("/{file_id}", response_model=FileObject, responses=error_responses(401, 404))
+async def get_file(file_id: str, services: ServicesDep) -> dict:
+    meta = await files.get_file(services.redis, services.keys, file_id)
+    if meta is None:
+        raise _not_found(file_id)
+    return meta
+
+
+@router.get("/{file_id}/content", response_class=StreamingResponse,
+            responses={200: {"content": {"application/jsonl": {}}},
+                       **error_responses(401, 404)})
+async def get_file_content(file_id: str, services: ServicesDep) -> StreamingResponse:
+    chunks = await files.iter_content(services.redis, services.keys, file_id)
+    if chunks is None:
+        raise _not_found(file_id)
+    return StreamingResponse(chunks, media_type="application/jsonl")

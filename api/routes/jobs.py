@@ -1,0 +1,60 @@
+"""Fire-and-forget scoring: POST /v1/jobs (optionally with a webhook callback), GET /v1/jobs/{id}.
+
+The job body is a ScoreRequest with two more top-level fields: ``callback`` (an http(s) URL the
+dispatcher POSTs the signed result to) and ``deadline_s`` (drop the job unscored after it)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from spinf_worker.queue.batches import result_error
+from spinf_worker.queue.producer import Submission
+
+from ..errors import NotFoundError
+from ..models import Job, JobAccepted, JobRequest, error_responses, json_body
+from ..services import ServicesDep, read_json
+from .scoring import IdempotencyKey, accepted, check_backlog, check_model
+
+router = APIRouter(prefix="/jobs", tags=["jobs"])
+
+FINISHED = ("succeeded", "failed", "expired")
+
+
+@router.post("", response_model=JobAccepted, status_code=202,
+             openapi_extra=json_body(JobRequest),
+             responses=error_responses(400, 401, 404, 413, 429),
+             summary="Queue a scoring job; poll it or get a webhook")
+async def create_job(request: Request, services: ServicesDep,
+                     idempotency_key: IdempotencyKey = None) -> JSONResponse:
+    job_request = JobRequest.parse(await read_json(request))
+    await check_model(services, job_request.model)
+    await check_backlog(services)
+    job_id, _created = await services.producer.submit(Submission(
+        request=job_request.score_request(), priority="interactive",
+        callback=job_request.callback, idempotency_key=idempotency_key,
+        deadline_s=job_request.deadline_s))
+    job = await services.producer.get_job(job_id)
+    return accepted(job_id, job["status"] if job else "queued")
+
+
+@router.get("/{job_id}", response_model=Job, response_model_exclude_none=False,
+            responses=error_responses(401, 404), summary="A job's status and, when done, result")
+async def get_job(job_id: str, services: ServicesDep) -> JSONResponse:
+    job = await services.producer.get_job(job_id)
+    if job is None:
+        raise NotFoundError(f"no job {job_id!r} (unknown, or its record expired)",
+                            param="job_id", code="job_not_found")
+    shown = {name: job.get(name) for name in Job.model_fields
+             if name not in ("object", "status_code", "response", "error")}
+    if job.get("status") in FINISHED:
+        result = await services.producer.get_result(job_id)
+        if result is not None:
+            shown["status_code"] = result.get("status_code")
+            if result.get("status_code") == 200:
+                shown["response"] = result.get("body")
+            else:
+                shown["error"] = result_error(result)
+        elif job.get("error"):
+            shown["error"] = result_error({"error": job["error"]})
+    return JSONResponse({"object": "score.job", **shown})

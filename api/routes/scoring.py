@@ -1,0 +1,137 @@
+"""Synchronous scoring: POST /v1/score and the OpenAI-compatible POST /v1/chat/completions.
+
+Both validate everything first (nothing is queued for a request answered 4xx), submit one
+interactive job, and wait for its result up to the sync timeout; past it they answer 202 with
+the job to poll."""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated
+
+from fastapi import APIRouter, Header, Request
+from fastapi.responses import JSONResponse
+
+from spinf_worker.errors import InvalidRequestError, ModelNotFoundError
+from spinf_worker.protocol import ScoreRequest, ScoreResponse
+from spinf_worker.queue.batches import (
+    result_error,
+    score_request_from_chat,
+    score_to_chat_completion,
+)
+from spinf_worker.queue.producer import Submission
+
+from ..errors import RateLimitError
+from ..models import ChatCompletion, ChatCompletionRequest, JobAccepted, error_responses, json_body
+from ..services import Services, ServicesDep, model_names, read_json
+
+router = APIRouter(tags=["scoring"])
+
+RETRY_AFTER_S = 5  # when the backlog is full: long enough for workers to drain some of it
+_ERRORS = error_responses(400, 401, 404, 413, 429, 500)
+
+
+async def check_model(services: Services, model: str | None) -> None:
+    """404 for a model no worker serves. Known = the models of live workers, or of the
+    registered ones when none is live (a restarting fleet); with no worker at all the job
+    waits for one, and the worker judges the name."""
+    if model is None:
+        return
+    live, registered = await services.workers()
+    served = {w.model for w in (live or registered)}
+    if served and not any(model in model_names(name) for name in served):
+        raise ModelNotFoundError(
+            f"model {model!r} is not served here; served: {', '.join(sorted(served))}",
+            param="model")
+
+
+async def check_backlog(services: Services) -> None:
+    backlog = await services.producer.backlog()
+    if backlog > services.settings.max_backlog:
+        raise RateLimitError(
+            f"the queue is full ({backlog} requests waiting); retry later",
+            headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+def sync_timeout(services: Services, header: str | None) -> float:
+    """X-Sync-Timeout (seconds) may shorten the wait, never lengthen it past the setting."""
+    limit = services.settings.sync_timeout_s
+    if header is None:
+        return limit
+    try:
+        seconds = float(header)
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds < 0:
+        raise InvalidRequestError("X-Sync-Timeout must be a number of seconds >= 0",
+                                  param="X-Sync-Timeout")
+    return min(seconds, limit)
+
+
+def accepted(job_id: str, status: str = "queued") -> JSONResponse:
+    url = f"/v1/jobs/{job_id}"
+    return JSONResponse(JobAccepted(id=job_id, status=status, url=url).model_dump(),
+                        status_code=202, headers={"Location": url})
+
+
+async def submit_and_wait(services: Services, request: ScoreRequest, *,
+                          idempotency_key: str | None, timeout: float):
+    """(job id, result dict or None when not finished within ``timeout``)."""
+    await check_model(services, request.model)
+    await check_backlog(services)
+    payload = request.model_dump(mode="json", exclude_none=True)
+    job_id, _created = await services.producer.submit(Submission(
+        request=payload, priority="interactive", idempotency_key=idempotency_key,
+        reply_to=services.listener.instance_id))
+    # wait() reads the stored result first, so a reply that beat us here is not lost
+    return job_id, await services.listener.wait(job_id, timeout)
+
+
+async def still_running(services: Services, job_id: str) -> JSONResponse:
+    job = await services.producer.get_job(job_id)
+    return accepted(job_id, job["status"] if job else "queued")
+
+
+def failed(result: dict, job_id: str) -> JSONResponse:
+    return JSONResponse({"error": result_error(result)},
+                        status_code=int(result.get("status_code") or 500),
+                        headers={"X-Job-Id": job_id})
+
+
+IdempotencyKey = Annotated[str | None, Header(alias="Idempotency-Key", max_length=256)]
+SyncTimeout = Annotated[str | None, Header(alias="X-Sync-Timeout")]
+
+
+@router.post("/score", response_model=ScoreResponse, openapi_extra=json_body(ScoreRequest),
+             responses={202: {"model": JobAccepted}, **_ERRORS},
+             summary="Score a document's options now (202 with a job past the sync timeout)")
+async def score(request: Request, services: ServicesDep,
+                idempotency_key: IdempotencyKey = None,
+                x_sync_timeout: SyncTimeout = None) -> JSONResponse:
+    score_request = ScoreRequest.parse(await read_json(request))
+    timeout = sync_timeout(services, x_sync_timeout)
+    job_id, result = await submit_and_wait(services, score_request,
+                                           idempotency_key=idempotency_key, timeout=timeout)
+    if result is None:
+        return await still_running(services, job_id)
+    if result.get("status_code") != 200:
+        return failed(result, job_id)
+    return JSONResponse(result["body"], headers={"X-Job-Id": job_id})
+
+
+@router.post("/chat/completions", response_model=ChatCompletion,
+             openapi_extra=json_body(ChatCompletionRequest),
+             responses={202: {"model": JobAccepted}, **_ERRORS},
+             summary="OpenAI-compatible scoring: send a 'scoring' block (SDK: extra_body)")
+async def chat_completions(request: Request, services: ServicesDep,
+                           idempotency_key: IdempotencyKey = None,
+                           x_sync_timeout: SyncTimeout = None) -> JSONResponse:
+    score_request = score_request_from_chat(await read_json(request))
+    timeout = sync_timeout(services, x_sync_timeout)
+    job_id, result = await submit_and_wait(services, score_request,
+                                           idempotency_key=idempotency_key, timeout=timeout)
+    if result is None:
+        return await still_running(services, job_id)
+    if result.get("status_code") != 200:
+        return failed(result, job_id)
+    return JSONResponse(score_to_chat_completion(result["body"]), headers={"X-Job-Id": job_id})

@@ -1,0 +1,206 @@
+"""A real API server and real workers for end-to-end tests (no mocks).
+
+- ``LiveServer(settings)``: uvicorn serving ``create_app(settings)`` on 127.0.0.1 at a free
+  port, in a thread; ``.url`` / ``.v1``.
+- ``InProcessWorker(engine, settings)``: a queue Worker on an already loaded engine, in a
+  thread with its own event loop (no model load: fast).
+- ``subprocess_worker(settings, model)``: ``python -m spinf_worker.queue.worker`` as a real
+  process, the way it is deployed.
+
+Fixtures (import them into a test module to use them): ``api_server`` (a LiveServer on the
+``settings`` fixture), ``tiny_worker`` (an InProcessWorker on ``tiny_engine``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import redis as redis_sync
+import uvicorn
+
+from api.app import create_app
+from spinf_worker.queue.keys import Keys
+from spinf_worker.queue.settings import ServiceSettings
+
+ROOT = Path(__file__).resolve().parents[2]
+START_TIMEOUT_S = 30.0
+
+
+def wait_for(condition: Callable[[], object], timeout: float = 30.0, interval: float = 0.05,
+             what: str = "condition"):
+    """Poll until ``condition()`` is truthy; returns its value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
+class LiveServer:
+    def __init__(self, settings: ServiceSettings):
+        self.settings = settings
+        self.app = create_app(settings)
+        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._socket.bind(("127.0.0.1", 0))
+        self.port = self._socket.getsockname()[1]
+        # log_config=None: leave the test process's logging alone
+        config = uvicorn.Config(self.app, log_config=None, log_level="warning",
+                                lifespan="on", timeout_graceful_shutdown=5)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run,
+                                        kwargs={"sockets": [self._socket]},
+                                        name=f"uvicorn-{self.port}", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def v1(self) -> str:
+        return f"{self.url}/v1"
+
+    def start(self) -> LiveServer:
+        self._thread.start()
+        wait_for(lambda: self._server.started or not self._thread.is_alive(),
+                 START_TIMEOUT_S, what="uvicorn to start")
+        if not self._server.started:
+            raise RuntimeError("uvicorn did not start (see the log above)")
+        return self
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(15)
+        self._socket.close()
+
+    def __enter__(self) -> LiveServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _registered(settings: ServiceSettings, name: str | None = None) -> bool:
+    client = redis_sync.Redis.from_url(settings.redis_url, decode_responses=True)
+    try:
+        workers = client.hgetall(Keys(settings.prefix).workers)
+    finally:
+        client.close()
+    return name in workers if name else bool(workers)
+
+
+class InProcessWorker:
+    def __init__(self, engine, settings: ServiceSettings, name: str | None = None):
+        self.engine = engine
+        self.settings = settings
+        self.name = name or f"test-worker-{os.getpid()}-{id(self):x}"
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._main())
+        except BaseException as err:  # surfaced by stop()
+            self._error = err
+
+    async def _main(self) -> None:
+        from spinf_worker.queue.redis_client import connect
+        from spinf_worker.queue.worker import Worker
+
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        redis = connect(self.settings.redis_url, client_name=self.name)
+        try:
+            worker = Worker(self.engine, redis, Keys(self.settings.prefix), self.settings,
+                            name=self.name)
+            await worker.run(self._stop)
+        finally:
+            await redis.aclose()
+
+    def start(self) -> InProcessWorker:
+        self._thread.start()
+        wait_for(lambda: _registered(self.settings, self.name) or not self._thread.is_alive(),
+                 START_TIMEOUT_S, what=f"worker {self.name} to register")
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def stop(self) -> None:
+        if self._loop is not None and self._stop is not None and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(60)
+        if self._error is not None:
+            raise self._error
+
+    def __enter__(self) -> InProcessWorker:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+@contextlib.contextmanager
+def subprocess_worker(settings: ServiceSettings, model: str, *, device: str = "cpu",
+                      name: str = "subprocess-worker") -> Iterator[subprocess.Popen]:
+    """A worker process; waits until it registers, stops it with SIGTERM (graceful)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "spinf_worker.queue.worker", "--redis", settings.redis_url,
+         "--prefix", settings.prefix, "--model", model, "--device", device, "--name", name],
+        cwd=ROOT, env=env)
+    try:
+        wait_for(lambda: _registered(settings, name) or process.poll() is not None,
+                 120, interval=0.2, what="the worker process to register")
+        assert process.poll() is None, f"worker exited with {process.returncode}"
+        yield process
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def stream_length(settings: ServiceSettings) -> int:
+    """Entries in both work streams."""
+    keys = Keys(settings.prefix)
+    client = redis_sync.Redis.from_url(settings.redis_url)
+    try:
+        return sum(client.xlen(stream) for stream in keys.streams)
+    finally:
+        client.close()
+
+
+def jsonl(rows: list[dict]) -> bytes:
+    return "".join(json.dumps(row) + "\n" for row in rows).encode()
+
+
+@pytest.fixture
+def api_server(settings) -> Iterator[LiveServer]:
+    with LiveServer(settings) as server:
+        yield server
+
+
+@pytest.fixture
+def tiny_worker(tiny_engine, settings) -> Iterator[InProcessWorker]:
+    with InProcessWorker(tiny_engine, settings) as worker:
+        yield worker
