@@ -124,7 +124,8 @@ class Worker:
 
     @property
     def budget(self) -> int:
-        return self.engine.settings.max_pass_tokens
+        """Rows of documents handed to the engine at once: a full pass of its own."""
+        return self.settings.max_pass_tokens or self.engine.settings.max_pass_tokens
 
     # ---- lifecycle ---------------------------------------------------------------------
 

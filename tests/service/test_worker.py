@@ -1,0 +1,271 @@
+"""The queue end to end on a real Redis and the tiny engine: producer -> worker -> result,
+greedy passes, request errors, deadlines, poison entries, a killed worker, a graceful stop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from spinf_worker.queue.keys import GROUP
+from spinf_worker.queue.producer import Producer, Submission
+from spinf_worker.queue.redis_client import connect
+from spinf_worker.queue.replies import ReplyListener
+from spinf_worker.queue.worker import Worker
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def body(i: int, **extra) -> dict:
+    return {"text": f"Note {i}: the cat sat on the mat.",
+            "scoring": {"queries": [{"id": "animal", "template": "Is it about an animal? {?}",
+                                     "options": [" yes", " no"]}]}, **extra}
+
+
+@pytest_asyncio.fixture
+async def redis(redis_url):
+    client = connect(redis_url)
+    yield client
+    await client.aclose()
+
+
+@contextlib.asynccontextmanager
+async def running(worker: Worker):
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    try:
+        yield stop
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 60)
+
+
+async def results_of(redis, keys, jobs: list[str], timeout: float = 60) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    while True:
+        raw = await redis.mget([keys.result(j) for j in jobs])
+        if all(r is not None for r in raw):
+            return [json.loads(r) for r in raw]
+        assert time.monotonic() < deadline, f"{sum(r is None for r in raw)} results missing"
+        await asyncio.sleep(0.05)
+
+
+async def pending(redis, keys) -> int:
+    return sum([(await redis.xpending(s, GROUP))["pending"] for s in keys.streams])
+
+
+async def stream_lengths(redis, keys) -> int:
+    return sum([await redis.xlen(s) for s in keys.streams])
+
+
+def without_ids(response: dict) -> dict:
+    return {k: v for k, v in response.items() if k not in ("id", "created")}
+
+
+@pytest.mark.asyncio
+async def test_submit_is_scored_like_the_engine_alone(redis, keys, settings, tiny_engine):
+    producer = Producer(redis, keys, settings)
+    listener = ReplyListener(redis, keys)
+    await listener.start()
+    request = body(1)
+    try:
+        async with running(Worker(tiny_engine, redis, keys, settings)):
+            job_id, created = await producer.submit(
+                Submission(request, reply_to=listener.instance_id, custom_id="c1"))
+            listener.expect(job_id)
+            result = await listener.wait(job_id, timeout=60)
+    finally:
+        await listener.stop()
+    assert created and job_id.startswith("job_")
+    assert result["status_code"] == 200
+    alone = tiny_engine.score(request).model_dump()
+    assert without_ids(result["body"]) == without_ids(alone)   # logprobs bit for bit
+    job = await producer.get_job(job_id)
+    assert job["status"] == "succeeded" and job["custom_id"] == "c1"
+    assert job["finished_at"] >= job["created_at"]
+    assert await producer.get_result(job_id) == result
+    assert await pending(redis, keys) == 0 and await stream_lengths(redis, keys) == 0
+    assert await producer.backlog() == 0
+    stats = await redis.hgetall(keys.stats)
+    assert int(stats["docs"]) == 1 and int(stats["tokens"]) == alone["usage"]["prompt_tokens"]
+    assert int(stats["questions"]) == 1
+    assert not await redis.hlen(keys.workers)   # signed off on the way out
+
+
+@pytest.mark.asyncio
+async def test_waiting_jobs_are_packed_into_full_passes(redis, keys, settings, tiny_engine):
+    producer = Producer(redis, keys, settings)
+    jobs = [(await producer.submit(Submission(body(i))))[0] for i in range(20)]
+    assert await producer.backlog() == 20
+    worker = Worker(tiny_engine, redis, keys, settings)
+    async with running(worker):
+        results = await results_of(redis, keys, jobs)
+    assert all(r["status_code"] == 200 for r in results)
+    assert worker.passes <= 2
+    assert int(await redis.hget(keys.stats, "passes")) == worker.passes
+    assert await pending(redis, keys) == 0 and await stream_lengths(redis, keys) == 0
+
+
+@pytest.mark.asyncio
+async def test_idempotency_key_maps_to_one_job(redis, keys, settings):
+    producer = Producer(redis, keys, settings)
+    first = await producer.submit(Submission(body(1), idempotency_key="k-1"))
+    again = await producer.submit(Submission(body(1), idempotency_key="k-1"))
+    other = await producer.submit(Submission(body(1), idempotency_key="k-2"))
+    assert first[1] and not again[1] and other[1]
+    assert again[0] == first[0] != other[0]
+    assert await stream_lengths(redis, keys) == 2
+    assert (await producer.get_job(first[0]))["status"] == "queued"
+    assert await producer.get_job("job_unknown") is None
+    assert await producer.get_result(first[0]) is None
+
+
+@pytest.mark.asyncio
+async def test_request_errors_are_answers_not_retries(redis, keys, settings, tiny_engine):
+    settings = settings.model_copy(update={"claim_idle_ms": 300, "max_deliveries": 1})
+    no_slot = body(1)
+    no_slot["scoring"]["queries"][0]["template"] = "Is it about an animal?"
+    # rejected when parsed, and rejected by the engine itself (a model it does not serve)
+    await redis.xadd(keys.interactive, {"job": "job_noslot", "payload": json.dumps(no_slot)})
+    await redis.xadd(keys.bulk, {"job": "job_model",
+                                 "payload": json.dumps(body(2, model="not-this-one"))})
+    worker = Worker(tiny_engine, redis, keys, settings)
+    async with running(worker):
+        noslot, model = await results_of(redis, keys, ["job_noslot", "job_model"])
+        await asyncio.sleep(1.0)   # past claim_idle_ms: nothing may come back
+    assert noslot["status_code"] == 400
+    assert noslot["error"]["param"] == "scoring.queries.0.template"
+    assert model["status_code"] == 404 and model["error"]["code"] == "model_not_found"
+    for job in ("job_noslot", "job_model"):
+        record = await redis.hgetall(keys.job(job))
+        assert record["status"] == "failed" and json.loads(record["error"])["message"]
+    assert await redis.xlen(keys.dead) == 0
+    assert await pending(redis, keys) == 0 and await stream_lengths(redis, keys) == 0
+    assert int(await redis.hget(keys.stats, "failed")) == 2
+
+
+@pytest.mark.asyncio
+async def test_expired_entries_are_answered_without_scoring(redis, keys, settings,
+                                                            tiny_engine):
+    producer = Producer(redis, keys, settings)
+    late, _ = await producer.submit(Submission(body(1), deadline_s=-1.0))
+    worker = Worker(tiny_engine, redis, keys, settings)
+    async with running(worker):
+        (result,) = await results_of(redis, keys, [late])
+    assert result["status_code"] == 408 and result["error"]["code"] == "deadline_exceeded"
+    assert (await producer.get_job(late))["status"] == "expired"
+    assert worker.passes == 0
+    assert await pending(redis, keys) == 0 and await stream_lengths(redis, keys) == 0
+
+
+@pytest.mark.asyncio
+async def test_poison_entry_is_dead_lettered(redis, keys, settings, tiny_engine):
+    settings = settings.model_copy(update={"claim_idle_ms": 300, "max_deliveries": 2})
+    entry_id = await redis.xadd(keys.interactive, {"job": "job_poison", "payload": "{not json"})
+    async with running(Worker(tiny_engine, redis, keys, settings)):
+        (result,) = await results_of(redis, keys, ["job_poison"], timeout=30)
+    assert result["status_code"] == 500 and result["error"]["code"] == "dead_letter"
+    ((_, dead),) = await redis.xrange(keys.dead)
+    assert dead["job"] == "job_poison" and dead["entry"] == entry_id
+    assert dead["stream"] == keys.interactive and dead["payload"] == "{not json"
+    assert int(dead["deliveries"]) == 3 and "JSONDecodeError" in dead["error"]
+    record = await redis.hgetall(keys.job("job_poison"))
+    assert record["status"] == "failed" and "JSONDecodeError" in record["last_error"]
+    assert await pending(redis, keys) == 0 and await stream_lengths(redis, keys) == 0
+    assert int(await redis.hget(keys.stats, "dead")) == 1
+
+
+@pytest.mark.asyncio
+async def test_graceful_stop_finishes_the_pass_and_hands_back_the_rest(
+        redis, keys, settings, tiny_engine):
+    settings = settings.model_copy(update={"max_pass_tokens": 128})   # one document a pass
+    producer = Producer(redis, keys, settings)
+    jobs = [(await producer.submit(Submission(body(i))))[0] for i in range(8)]
+    worker = Worker(tiny_engine, redis, keys, settings)
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    running_job = None
+    while running_job is None:   # stop while a pass is in flight
+        statuses = [await redis.hget(keys.job(j), "status") for j in jobs]
+        running_job = next((j for j, s in zip(jobs, statuses) if s == "running"), None)
+        await asyncio.sleep(0.002)
+    stop.set()
+    await asyncio.wait_for(task, 60)
+
+    assert (await producer.get_result(running_job))["status_code"] == 200
+    done = [j for j in jobs if await producer.get_result(j) is not None]
+    assert 1 <= len(done) < len(jobs)
+    statuses = {(await producer.get_job(j))["status"] for j in jobs if j not in done}
+    assert statuses == {"queued"}
+    # the rest waits in the stream for any worker, held by none
+    assert await pending(redis, keys) == 0
+    assert await stream_lengths(redis, keys) == len(jobs) - len(done)
+    assert await redis.hget(keys.workers, worker.name) is None
+
+    async with running(Worker(tiny_engine, redis, keys, settings)):
+        results = await results_of(redis, keys, jobs)
+    assert all(r["status_code"] == 200 for r in results)
+    assert await pending(redis, keys) == 0 and await stream_lengths(redis, keys) == 0
+
+
+@pytest.mark.asyncio
+async def test_killed_worker_entries_are_reclaimed(redis, redis_url, keys, settings, tiny_dir,
+                                                   tmp_path):
+    settings = settings.model_copy(update={"claim_idle_ms": 1000})
+    env = {**os.environ, "SPINF_MAX_PASS_TOKENS": "512", "SPINF_CLAIM_IDLE_MS": "1000",
+           "SPINF_HEARTBEAT_S": "0.2", "SPINF_MAX_WAIT_MS": "20"}
+
+    def start_worker(name: str) -> subprocess.Popen:
+        log = open(tmp_path / f"{name}.log", "w")   # noqa: SIM115 - closed with the process
+        return subprocess.Popen(
+            [sys.executable, "-m", "spinf_worker.queue.worker", "--redis", redis_url,
+             "--prefix", keys.prefix, "--model", str(tiny_dir), "--device", "cpu",
+             "--name", name], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    producer = Producer(redis, keys, settings)
+    jobs = [(await producer.submit(Submission(body(i))))[0] for i in range(40)]
+    doomed = start_worker("doomed")
+    survivor = None
+    try:
+        # kill the first worker once it has answered something and holds more
+        deadline = time.monotonic() + 120
+        while True:
+            assert doomed.poll() is None, (tmp_path / "doomed.log").read_text()
+            held = await redis.hexists(keys.workers, "doomed") and await redis.xpending_range(
+                keys.interactive, GROUP, "-", "+", 100, consumername="doomed")
+            if held and int(await redis.hget(keys.stats, "docs") or 0) > 0:
+                break
+            assert time.monotonic() < deadline, "the worker never got going"
+            await asyncio.sleep(0.01)
+        doomed.send_signal(signal.SIGKILL)
+        doomed.wait()
+        assert await redis.xpending_range(keys.interactive, GROUP, "-", "+", 100,
+                                          consumername="doomed")
+        assert await redis.xlen(keys.interactive) > 0   # work left that nobody holds yet
+        survivor = start_worker("survivor")
+
+        results = await results_of(redis, keys, jobs, timeout=180)
+        assert all(r["status_code"] == 200 for r in results)
+        assert {(await producer.get_job(j))["status"] for j in jobs} == {"succeeded"}
+        assert await pending(redis, keys) == 0 and await stream_lengths(redis, keys) == 0
+        assert await redis.xlen(keys.dead) == 0
+        assert await redis.hexists(keys.workers, "survivor")
+
+        survivor.send_signal(signal.SIGTERM)   # graceful: exits 0 and signs off
+        assert survivor.wait(60) == 0, (tmp_path / "survivor.log").read_text()
+        assert not await redis.hexists(keys.workers, "survivor")
+        assert "reclaimed entries" in (tmp_path / "survivor.log").read_text()
+    finally:
+        for proc in (doomed, survivor):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
