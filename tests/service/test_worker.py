@@ -269,3 +269,28 @@ async def test_killed_worker_entries_are_reclaimed(redis, redis_url, keys, setti
             if proc is not None and proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+@pytest.mark.asyncio
+async def test_reply_listener_wakes_on_notice_and_reads_the_result_key(redis, keys):
+    listener = ReplyListener(redis, keys)
+    await listener.start()
+    try:
+        # stored, never notified (the notice was missed): found at once
+        await redis.set(keys.result("job_a"), json.dumps({"status_code": 200, "body": {}}))
+        assert (await listener.wait("job_a", timeout=5))["status_code"] == 200
+
+        async def finish_later():
+            await asyncio.sleep(0.3)
+            await redis.set(keys.result("job_b"), json.dumps({"status_code": 408}))
+            await redis.xadd(listener.stream, {"job": "job_b"})
+
+        listener.expect("job_b")
+        started = time.monotonic()
+        later = asyncio.create_task(finish_later())
+        assert (await listener.wait("job_b", timeout=30))["status_code"] == 408
+        assert time.monotonic() - started < 10     # woken by the notice, not the timeout
+        await later
+        assert await listener.wait("job_never", timeout=0.2) is None
+    finally:
+        await listener.stop()
