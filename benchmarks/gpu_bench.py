@@ -206,6 +206,7 @@ def main() -> None:
     parser.add_argument("--baseline-docs-270m", type=int, default=24)
     parser.add_argument("--only", default="ceilings,270m,12b")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--commit", default=None, help="when the checkout has no .git")
     args = parser.parse_args()
     only = set(args.only.split(","))
 
@@ -214,8 +215,9 @@ def main() -> None:
     questions = json.loads(args.questions.read_text())
     docs = load_docs(args.data, tokenizer, args.docs, args.doc_tokens)
     requests = [{"text": d, "scoring": questions} for d in docs]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, cwd=ROOT).stdout.strip() or "unknown"
+    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
+                                           capture_output=True, text=True,
+                                           cwd=ROOT).stdout.strip() or "unknown"
     row = {"date": time.strftime("%Y-%m-%d"), "commit": commit,
            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
            "docs": len(docs), "questions_per_doc": len(questions["queries"])}
