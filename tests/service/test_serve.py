@@ -1,0 +1,204 @@
+"""`spinf-serve serve` as a user runs it: a real subprocess with no Redis URL, so it starts its
+own redis-server on the state dir; stopped with SIGINT and started again on the same dir."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from spinf_worker.queue.callbacks import verify
+
+ROOT = Path(__file__).resolve().parents[2]
+START_TIMEOUT_S = 180      # torch import and the model load on a busy 2-core machine
+STOP_TIMEOUT_S = 60
+
+REQUEST = {"text": "I was charged twice for September. Please refund one.",
+           "scoring": {"queries": [{"id": "refund", "template": "\n\nRefund?{?}",
+                                    "options": [" yes", " no"]}]}}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Service:
+    def __init__(self, tmp_path: Path, model: Path, state_dir: Path, tag: str):
+        self.port = _free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log_path = tmp_path / f"serve-{tag}.log"
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("SPINF_REDIS_URL", "SPINF_WEBHOOK_SECRET")}
+        env["SPINF_CALLBACK_ALLOW"] = '["127.0.0.1"]'
+        env["SPINF_CALLBACK_BACKOFF_S"] = "0.2"
+        with open(self.log_path, "w") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "spinf_worker.cli", "serve", "--model", str(model),
+                 "--device", "cpu", "--state-dir", str(state_dir), "--port", str(self.port),
+                 "--log-format", "json"],
+                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def events(self, name: str) -> list[dict]:
+        found = []
+        for line in self.log().splitlines():
+            with_event = line.startswith("{") and json.loads(line)
+            if with_event and with_event.get("event") == name:
+                found.append(with_event)
+        return found
+
+    def wait_for(self, path: str, timeout: float = START_TIMEOUT_S) -> httpx.Response:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                pytest.fail(f"serve exited with {self.process.returncode}:\n{self.log()}")
+            try:
+                response = httpx.get(self.base + path, timeout=2)
+                if response.status_code == 200:
+                    return response
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        self.kill()
+        pytest.fail(f"{path} not ready within {timeout}s:\n{self.log()}")
+
+    def stop(self, sig: int = signal.SIGINT) -> int:
+        self.process.send_signal(sig)
+        try:
+            return self.process.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"serve did not stop within {STOP_TIMEOUT_S}s:\n{self.log()}")
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        for started in self.events("redis-server started"):
+            _kill_if_alive(started["pid"])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _kill_if_alive(pid: int) -> None:
+    if _alive(pid):
+        os.kill(pid, signal.SIGKILL)
+
+
+class Receiver(http.server.ThreadingHTTPServer):
+    def __init__(self):
+        self.got: list[tuple[dict, bytes]] = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(handler):
+                body = handler.rfile.read(int(handler.headers["content-length"]))
+                self.got.append((dict(handler.headers), body))
+                handler.send_response(204)
+                handler.end_headers()
+
+            def log_message(handler, *args):
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+
+@pytest.fixture
+def receiver():
+    server = Receiver()
+    yield server
+    server.shutdown()
+
+
+def test_api_tier_imports_no_torch():
+    code = ("import sys\n"
+            "from spinf_worker.queue.settings import ServiceSettings\n"
+            "from spinf_worker.serve import _api_server\n"
+            "_api_server(ServiceSettings(redis_url='redis://127.0.0.1:1'), '127.0.0.1', 0)\n"
+            "assert 'torch' not in sys.modules, 'the API tier imported torch'\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_serve_with_private_redis_survives_a_restart(tmp_path, tiny_dir, receiver):
+    pytest.importorskip("api.app", reason="the API tier (api/app.py) is not there yet")
+    state = tmp_path / "state"
+    first = Service(tmp_path, tiny_dir, state, "first")
+    try:
+        ready = first.wait_for("/ready").json()
+        assert ready["workers"] == 1
+
+        scored = httpx.post(first.base + "/v1/score", json=REQUEST, timeout=120)
+        assert scored.status_code == 200, scored.text
+        options = scored.json()["queries"][0]["combinations"][0]["options"]
+        assert [o["text"] for o in options] == [" yes", " no"]
+
+        callback = f"http://127.0.0.1:{receiver.server_address[1]}/hook"
+        accepted = httpx.post(first.base + "/v1/jobs", json={**REQUEST, "callback": callback},
+                              timeout=30)
+        assert accepted.status_code == 202, accepted.text
+        job_id = accepted.json()["id"]
+        deadline = time.monotonic() + 60
+        while not receiver.got or httpx.get(f"{first.base}/v1/jobs/{job_id}").json().get(
+                "callback_status") != "delivered":
+            assert time.monotonic() < deadline, first.log()
+            time.sleep(0.2)
+
+        # a second serve on the same state dir is refused while the first runs
+        second = subprocess.run(
+            [sys.executable, "-m", "spinf_worker.cli", "serve", "--state-dir", str(state),
+             "--port", str(_free_port())],
+            cwd=ROOT, capture_output=True, text=True, timeout=120,
+            env={k: v for k, v in os.environ.items() if k != "SPINF_REDIS_URL"})
+        assert second.returncode == 2 and "another spinf-serve" in second.stderr
+
+        redis_pid = first.events("redis-server started")[0]["pid"]
+        assert first.stop(signal.SIGINT) == 0, first.log()
+        deadline = time.monotonic() + 10
+        while _alive(redis_pid):
+            assert time.monotonic() < deadline, "redis-server outlived serve"
+            time.sleep(0.1)
+    finally:
+        first.kill()
+
+    # the webhook was signed with the secret written into the state dir
+    secret = (state / "webhook_secret").read_text().strip()
+    assert secret.startswith("whsec_")
+    headers, body = receiver.got[0]
+    assert verify(secret, headers, body)
+    event = json.loads(body)
+    assert event["type"] == "score.succeeded" and event["data"]["id"] == job_id
+    assert event["data"]["response"]["queries"][0]["id"] == "refund"
+    assert list((state / "redis").rglob("appendonly*")), "no AOF in the state dir"
+
+    again = Service(tmp_path, tiny_dir, state, "second")
+    try:
+        again.wait_for("/health")
+        job = httpx.get(f"{again.base}/v1/jobs/{job_id}", timeout=10).json()
+        assert job["status"] == "succeeded" and job["callback_status"] == "delivered"
+        assert job["response"]["queries"][0]["combinations"][0]["options"][0]["logprob"] == \
+            event["data"]["response"]["queries"][0]["combinations"][0]["options"][0]["logprob"]
+        assert again.stop(signal.SIGTERM) == 0, again.log()
+    finally:
+        again.kill()
