@@ -121,6 +121,7 @@ class Worker:
         # own pending entries still to re-read on start: the last id read, None when done
         self._history: dict[str, str | None] = {s: "0-0" for s in keys.streams}
         self._claim_cursor: dict[str, str] = {s: "0-0" for s in keys.streams}
+        self._need_groups = True
 
     @property
     def budget(self) -> int:
@@ -132,7 +133,6 @@ class Worker:
     async def run(self, stop: asyncio.Event) -> None:
         """Work until ``stop`` is set; then finish the pass in flight, hand back entries not
         started, and leave."""
-        await self._create_groups()
         self.log.info("worker started", model=self.engine.model_name, budget=self.budget)
         chores = [asyncio.create_task(self._heartbeat_loop(stop)),
                   asyncio.create_task(self._claim_loop(stop))]
@@ -196,9 +196,8 @@ class Worker:
             except RedisError as err:
                 if isinstance(err, ResponseError) and "NOGROUP" in str(err):
                     self.log.warning("consumer group missing; creating it again")
-                    with contextlib.suppress(RedisError):
-                        await self._create_groups()
-                        continue
+                    self._need_groups = True
+                    continue
                 delay = min(MAX_RETRY_DELAY_S, max(0.1, delay * 2))
                 self.log.warning("redis unavailable", error=str(err), retry_in_s=delay)
                 with contextlib.suppress(TimeoutError):
@@ -206,6 +205,9 @@ class Worker:
 
     async def _step(self, stopped: asyncio.Task) -> None:
         """One turn: start a pass when one is due, else read more entries."""
+        if self._need_groups:
+            await self._create_groups()
+            self._need_groups = False
         if self._inflight is not None and self._inflight.done():
             self._inflight = None
         if self._claimed:
@@ -569,11 +571,13 @@ class Worker:
 
     async def _claim(self) -> None:
         """Take over entries idle longer than claim_idle_ms (their worker died, or they
-        failed); the main loop parses them, checking the delivery count."""
+        failed); the main loop parses them, checking the delivery count. A pass's worth at
+        a time, so that other live workers share a dead one's backlog."""
+        count = min(self.settings.read_count, max(1, self.budget // ROW_TILE))
         for stream in self.keys.streams:
             cursor, claimed, *_ = await self.redis.xautoclaim(
                 stream, GROUP, self.name, self.settings.claim_idle_ms,
-                start_id=self._claim_cursor[stream], count=self.settings.read_count)
+                start_id=self._claim_cursor[stream], count=count)
             self._claim_cursor[stream] = cursor
             fresh = [(i, f) for i, f in claimed if i not in self._held[stream]]
             if fresh:
