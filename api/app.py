@@ -26,7 +26,7 @@ from .errors import install_error_handlers
 from .metrics import ApiMetrics
 from .middleware import BodyLimitMiddleware, RequestContextMiddleware
 from .models import DOCUMENTED_BODIES
-from .routes import ops, v1
+from .routes import ROUTERS
 from .services import Services
 
 log = structlog.get_logger("spinf.api")
@@ -74,8 +74,8 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
     )
     app.state.api_keys = load_api_keys(settings)
     install_error_handlers(app)
-    app.include_router(ops.router)
-    app.include_router(v1)
+    for router in ROUTERS:
+        app.include_router(router)
 
     def body_limit(path: str) -> int:
         if path.rstrip("/") == "/v1/files":

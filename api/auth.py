@@ -51,3 +51,6 @@ async def require_api_key(
             "missing API key: send it as 'Authorization: Bearer <key>'", headers=challenge)
     if not _matches(credentials.credentials.encode(), keys):
         raise AuthenticationError("invalid API key", headers=challenge)
+
+
+V1_AUTH = [Depends(require_api_key)]  # dependencies of every /v1 router

@@ -10,12 +10,13 @@ from fastapi import APIRouter, Query
 from spinf_worker.errors import InvalidRequestError
 from spinf_worker.queue import batches, files
 
+from ..auth import V1_AUTH
 from ..errors import NotFoundError
 from ..models import Batch, BatchCreate, BatchList, error_responses
 from ..services import ServicesDep
 from .scoring import check_backlog
 
-router = APIRouter(prefix="/batches", tags=["batches"])
+router = APIRouter(prefix="/v1/batches", tags=["batches"], dependencies=V1_AUTH)
 
 
 def _not_found(batch_id: str) -> NotFoundError:

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
+from ..auth import V1_AUTH
 from ..errors import NotFoundError
 from ..models import ModelList, ModelObject, error_responses
 from ..services import ServicesDep, WorkerInfo, model_names
 
-router = APIRouter(prefix="/models", tags=["models"])
+router = APIRouter(prefix="/v1/models", tags=["models"], dependencies=V1_AUTH)
 
 
 def _catalog(live: list[WorkerInfo]) -> list[ModelObject]:

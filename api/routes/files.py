@@ -11,11 +11,12 @@ from fastapi.responses import StreamingResponse
 from spinf_worker.errors import InvalidRequestError
 from spinf_worker.queue import files
 
+from ..auth import V1_AUTH
 from ..errors import BodyTooLarge, NotFoundError
 from ..models import FileObject, error_responses
 from ..services import ServicesDep
 
-router = APIRouter(prefix="/files", tags=["files"])
+router = APIRouter(prefix="/v1/files", tags=["files"], dependencies=V1_AUTH)
 
 
 def _not_found(file_id: str) -> NotFoundError:

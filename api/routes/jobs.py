@@ -11,12 +11,13 @@ from fastapi.responses import JSONResponse
 from spinf_worker.queue.batches import result_error
 from spinf_worker.queue.producer import Submission
 
+from ..auth import V1_AUTH
 from ..errors import NotFoundError
 from ..models import Job, JobAccepted, JobRequest, error_responses, json_body
 from ..services import ServicesDep, read_json
 from .scoring import IdempotencyKey, accepted, check_backlog, check_model
 
-router = APIRouter(prefix="/jobs", tags=["jobs"])
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=V1_AUTH)
 
 FINISHED = ("succeeded", "failed", "expired")
 
@@ -45,8 +46,9 @@ async def get_job(job_id: str, services: ServicesDep) -> JSONResponse:
     if job is None:
         raise NotFoundError(f"no job {job_id!r} (unknown, or its record expired)",
                             param="job_id", code="job_not_found")
-    shown = {name: job.get(name) for name in Job.model_fields
-             if name not in ("object", "status_code", "response", "error")}
+    # every field of the Job shape, null when unknown or not yet there
+    shown = {name: job.get(name) for name in Job.model_fields}
+    shown.update(object="score.job", status_code=None, response=None, error=None)
     if job.get("status") in FINISHED:
         result = await services.producer.get_result(job_id)
         if result is not None:
@@ -57,4 +59,4 @@ async def get_job(job_id: str, services: ServicesDep) -> JSONResponse:
                 shown["error"] = result_error(result)
         elif job.get("error"):
             shown["error"] = result_error({"error": job["error"]})
-    return JSONResponse({"object": "score.job", **shown})
+    return JSONResponse(shown)

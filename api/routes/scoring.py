@@ -21,11 +21,12 @@ from spinf_worker.queue.batches import (
 )
 from spinf_worker.queue.producer import Submission
 
+from ..auth import V1_AUTH
 from ..errors import RateLimitError
 from ..models import ChatCompletion, ChatCompletionRequest, JobAccepted, error_responses, json_body
 from ..services import Services, ServicesDep, model_names, read_json
 
-router = APIRouter(tags=["scoring"])
+router = APIRouter(prefix="/v1", tags=["scoring"], dependencies=V1_AUTH)
 
 RETRY_AFTER_S = 5  # when the backlog is full: long enough for workers to drain some of it
 _ERRORS = error_responses(400, 401, 404, 413, 429, 500)
