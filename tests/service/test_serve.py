@@ -173,6 +173,9 @@ def test_serve_with_private_redis_survives_a_restart(tmp_path, tiny_dir, receive
             env={k: v for k, v in os.environ.items() if k != "SPINF_REDIS_URL"})
         assert second.returncode == 2 and "another spinf-serve" in second.stderr
 
+        # a job queued just before the stop is finished before it, or after the restart
+        late = httpx.post(first.base + "/v1/jobs", json=REQUEST, timeout=30)
+        assert late.status_code == 202, late.text
         redis_pid = first.events("redis-server started")[0]["pid"]
         assert first.stop(signal.SIGINT) == 0, first.log()
         deadline = time.monotonic() + 10
@@ -199,6 +202,38 @@ def test_serve_with_private_redis_survives_a_restart(tmp_path, tiny_dir, receive
         assert job["status"] == "succeeded" and job["callback_status"] == "delivered"
         assert job["response"]["queries"][0]["combinations"][0]["options"][0]["logprob"] == \
             event["data"]["response"]["queries"][0]["combinations"][0]["options"][0]["logprob"]
+        again.wait_for("/ready")
+        deadline = time.monotonic() + 60
+        while (status := httpx.get(f"{again.base}/v1/jobs/{late.json()['id']}").json()[
+                "status"]) != "succeeded":
+            assert status in ("queued", "running") and time.monotonic() < deadline, again.log()
+            time.sleep(0.2)
         assert again.stop(signal.SIGTERM) == 0, again.log()
     finally:
         again.kill()
+
+
+def test_killed_parent_leaves_no_redis_server(tmp_path):
+    """Even SIGKILL of the process that started it stops the private redis-server."""
+    code = ("import sys, time\n"
+            "from pathlib import Path\n"
+            "from spinf_worker.serve import EmbeddedRedis\n"
+            "redis = EmbeddedRedis(Path(sys.argv[1]))\n"
+            "redis.start()\n"
+            "print(redis.process.pid, file=sys.stderr, flush=True)\n"
+            "time.sleep(120)\n")
+    parent = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "redis")], cwd=ROOT,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        redis_pid = int(parent.stderr.readline())
+        assert _alive(redis_pid)
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while _alive(redis_pid):
+            assert time.monotonic() < deadline, "redis-server outlived its parent"
+            time.sleep(0.05)
+    finally:
+        parent.kill()
+        parent.wait()
+        parent.stderr.close()
