@@ -282,11 +282,13 @@ return #due
 class CallbackDispatcher:
     """Consumer ``name`` of group ``dispatchers`` on ``keys.callbacks``.
 
-    ``redis`` must decode responses (``redis_client.connect``). ``transport`` replaces the HTTP
-    transport (tests)."""
+    ``redis`` must decode responses (``redis_client.connect``). Entries another dispatcher
+    held for ``claim_idle_ms`` (default: 3x the HTTP timeout, at least 30 s) are taken over.
+    ``transport`` replaces the HTTP transport (tests)."""
 
     def __init__(self, redis: Redis, keys: Keys, settings: ServiceSettings,
                  name: str | None = None, *, concurrency: int = CONCURRENCY,
+                 claim_idle_ms: int | None = None,
                  transport: httpx.AsyncBaseTransport | None = None):
         if not settings.webhook_secret:
             raise ValueError("callbacks need a signing secret: set SPINF_WEBHOOK_SECRET "
@@ -302,7 +304,8 @@ class CallbackDispatcher:
         self._promote = redis.register_script(_PROMOTE)
         self._retry_key = retry_key(keys)
         # an entry idle this long belongs to a dead dispatcher (a POST takes <= the timeout)
-        self._claim_idle_ms = int(max(30.0, 3 * settings.callback_timeout_s) * 1000)
+        self._claim_idle_ms = claim_idle_ms or int(max(30.0, 3 * settings.callback_timeout_s)
+                                                   * 1000)
         self._tasks: set[asyncio.Task] = set()
         self._active_jobs: set[str] = set()
         self._log = log.bind(dispatcher=self.name)
@@ -439,14 +442,16 @@ class CallbackDispatcher:
             return
         attempts = int(job.get("callback_attempts") or 0)
         if attempts >= self.settings.callback_max_attempts:
-            await self._finish(job_key, "failed", {}, "callbacks_failed")
+            await self._store(job_key, {"callback_status": "failed"},
+                              clear=("callback_next_at",), counters=("callbacks_failed",))
             return
         try:
             target = await self.guard.resolve(url)
         except CallbackRefused as err:
             jlog.warning("callback refused", reason=str(err))
-            await self._finish(job_key, "refused", {"callback_last_error": str(err)},
-                               "callbacks_refused")
+            await self._store(job_key, {"callback_status": "refused",
+                                        "callback_last_error": str(err)},
+                              clear=("callback_next_at",), counters=("callbacks_refused",))
             return
 
         raw = await self.redis.get(self.keys.result(job_id))
@@ -454,30 +459,37 @@ class CallbackDispatcher:
                           separators=(",", ":"), ensure_ascii=False).encode()
         attempt_no = attempts + 1
         # counted before the POST: a crash mid-request still uses up an attempt
-        await self._record(job_key, {"callback_attempts": attempt_no})
+        await self._store(job_key, {"callback_attempts": attempt_no})
         attempt = await self._post(client, target, f"msg_{job_id}", body)
-        await self.redis.hincrby(self.keys.stats, f"callback_attempts_{attempt.bucket}", 1)
-        record: dict = {"callback_last_status": attempt.status_code or "none"}
-        if attempt.error:
-            record["callback_last_error"] = attempt.error
+        fields: dict = {}
+        clear = ["callback_next_at"]
+        for name, value in (("callback_last_status", attempt.status_code),
+                            ("callback_last_error", attempt.error)):
+            if value:
+                fields[name] = value
+            else:
+                clear.append(name)
+        counters = [f"callback_attempts_{attempt.bucket}"]
         jlog = jlog.bind(attempt=attempt_no, host=target.url.host, status=attempt.status_code)
 
         if attempt.outcome == "delivered":
             jlog.info("callback delivered")
-            await self._finish(job_key, "delivered", record, "callbacks_delivered",
-                               clear=("callback_last_error",))
+            await self._store(job_key, {**fields, "callback_status": "delivered"}, clear=clear,
+                              counters=[*counters, "callbacks_delivered"])
         elif attempt.outcome == "retry" and attempt_no < self.settings.callback_max_attempts:
             delay = backoff_s(attempt_no, self.settings.callback_backoff_s)
             if attempt.retry_after_s is not None:
                 delay = max(delay, attempt.retry_after_s)
             due_ms = int((time.time() + delay) * 1000)
             jlog.info("callback will be retried", error=attempt.error, delay_s=round(delay, 3))
-            await self._record(job_key, {**record, "callback_status": "pending",
-                                         "callback_next_at": due_ms})
-            await self.redis.zadd(self._retry_key, {job_id: due_ms})
+            clear.remove("callback_next_at")
+            await self._store(job_key, {**fields, "callback_status": "pending",
+                                        "callback_next_at": due_ms},
+                              clear=clear, counters=counters, retry=(job_id, due_ms))
         else:
             jlog.warning("callback failed", error=attempt.error)
-            await self._finish(job_key, "failed", record, "callbacks_failed")
+            await self._store(job_key, {**fields, "callback_status": "failed"}, clear=clear,
+                              counters=[*counters, "callbacks_failed"])
 
     async def _post(self, client: httpx.AsyncClient, target: Target, msg_id: str,
                     body: bytes) -> Attempt:
@@ -497,18 +509,17 @@ class CallbackDispatcher:
             return Attempt("retry", "error", None, f"{type(err).__name__}: {err}".rstrip(": "))
         return classify(response)
 
-    async def _record(self, job_key: str, fields: Mapping) -> None:
+    async def _store(self, job_key: str, fields: Mapping, *, clear: Iterable[str] = (),
+                     counters: Iterable[str] = (), retry: tuple[str, int] | None = None) -> None:
+        """One transaction: the job's callback fields, stats counters, the next due time."""
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(job_key, mapping=dict(fields))
+            if clear:
+                pipe.hdel(job_key, *clear)
             # never leave a record without a TTL if it expired under us
             pipe.expire(job_key, self.settings.result_ttl_s, nx=True)
-            await pipe.execute()
-
-    async def _finish(self, job_key: str, status: str, fields: Mapping, counter: str,
-                      clear: tuple[str, ...] = ()) -> None:
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(job_key, mapping={**fields, "callback_status": status})
-            pipe.hdel(job_key, "callback_next_at", *clear)
-            pipe.expire(job_key, self.settings.result_ttl_s, nx=True)
-            pipe.hincrby(self.keys.stats, counter, 1)
+            for counter in counters:
+                pipe.hincrby(self.keys.stats, counter, 1)
+            if retry is not None:
+                pipe.zadd(self._retry_key, {retry[0]: retry[1]})
             await pipe.execute()

@@ -12,6 +12,7 @@ import base64
 import contextlib
 import http.server
 import json
+import socket
 import threading
 import time
 import uuid
@@ -31,6 +32,7 @@ from spinf_worker.queue.callbacks import (
     sign,
     verify,
 )
+from spinf_worker.queue.keys import DISPATCHERS
 
 SECRET = new_secret()
 
@@ -113,9 +115,9 @@ async def finished_job(redis, keys, url, *, result=None, custom_id="doc-1") -> s
 
 
 @contextlib.asynccontextmanager
-async def dispatching(redis, keys, settings, name="d1"):
+async def dispatching(redis, keys, settings, name="d1", **options):
     stop = asyncio.Event()
-    dispatcher = CallbackDispatcher(redis, keys, settings, name=name)
+    dispatcher = CallbackDispatcher(redis, keys, settings, name=name, **options)
     task = asyncio.create_task(dispatcher.run(stop))
     try:
         yield dispatcher
@@ -332,3 +334,35 @@ async def test_delivered_job_is_not_sent_again(redis, keys, cb_settings, receive
             assert time.monotonic() < deadline
             await asyncio.sleep(0.02)
     assert len(receiver.got("/once")) == 1
+
+
+@pytest.mark.asyncio
+async def test_network_errors_are_retried(redis, keys, cb_settings):
+    settings = cb_settings.model_copy(update={"callback_max_attempts": 2})
+    with socket.socket() as s:          # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    job_id = await finished_job(redis, keys, f"http://127.0.0.1:{closed}/hook")
+    async with dispatching(redis, keys, settings):
+        job = await settled(redis, keys, job_id)
+    assert job["callback_status"] == "failed" and job["callback_attempts"] == "2"
+    assert "ConnectError" in job["callback_last_error"] and "callback_last_status" not in job
+    assert (await redis.hgetall(keys.stats))["callback_attempts_error"] == "2"
+
+
+@pytest.mark.asyncio
+async def test_entries_of_a_crashed_dispatcher_are_delivered(redis, keys, cb_settings, receiver):
+    """Read but never acknowledged: the same name re-reads it on start, another takes it over
+    once it has been idle long enough."""
+    mine = await finished_job(redis, keys, receiver.url("/mine"))
+    theirs = await finished_job(redis, keys, receiver.url("/theirs"))
+    await CallbackDispatcher(redis, keys, cb_settings).ensure_group()
+    await redis.xreadgroup(DISPATCHERS, "restarted", {keys.callbacks: ">"}, count=1)  # mine
+    await redis.xreadgroup(DISPATCHERS, "crashed", {keys.callbacks: ">"}, count=1)    # theirs
+    async with dispatching(redis, keys, cb_settings, name="restarted"):
+        assert (await settled(redis, keys, mine))["callback_status"] == "delivered"
+    assert (await redis.hget(keys.job(theirs), "callback_status")) is None
+    async with dispatching(redis, keys, cb_settings, name="other", claim_idle_ms=100):
+        assert (await settled(redis, keys, theirs))["callback_status"] == "delivered"
+    assert len(receiver.got("/mine")) == len(receiver.got("/theirs")) == 1
+    assert await redis.xlen(keys.callbacks) == 0
