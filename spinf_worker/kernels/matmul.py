@@ -36,11 +36,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | N
     with an fp8 weight (``weight_scale`` set) the activations are quantised per token."""
     if not x.is_cuda:
         return tiled_linear(x, weight, tile)
-    from ..quant.fp8 import quantize_rows
+    from .rowwise import quantize_rows_fp8
     from .triton_matmul import matmul
 
     if weight_scale is None:
         return matmul(x, weight, out_dtype=out_dtype)
-    xq, x_scale = quantize_rows(x)
+    xq, x_scale = quantize_rows_fp8(x)
     return matmul(xq, weight, a_scale=x_scale, w_scale=weight_scale,
                   out_dtype=out_dtype or x.dtype)

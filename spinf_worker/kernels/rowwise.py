@@ -27,3 +27,30 @@ def gemma_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     out = torch.empty_like(x2)
     _rmsnorm_kernel[(x2.shape[0],)](x2, weight, out, d, eps, BLOCK=triton.next_power_of_2(d))
     return out.view(x.shape)
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, out_ptr, scale_ptr, D, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, D, BLOCK):
+        x = tl.load(x_ptr + row * D + start + cols, mask=start + cols < D, other=0.0)
+        amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+    scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / 448.0
+    for start in range(0, D, BLOCK):
+        mask = start + cols < D
+        x = tl.load(x_ptr + row * D + start + cols, mask=mask, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(x / scale, -448.0), 448.0)
+        tl.store(out_ptr + row * D + start + cols, q.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(scale_ptr + row, scale)
+
+
+def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row fp8 e4m3 quantisation in one read and one write (quant/fp8.py's rule)."""
+    x = x.contiguous()
+    rows, d = x.shape
+    out = torch.empty(rows, d, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(rows, dtype=torch.float32, device=x.device)
+    _quantize_rows_kernel[(rows,)](x, out, scale, d, BLOCK=1024, num_warps=4)
+    return out, scale

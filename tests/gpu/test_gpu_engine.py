@@ -14,7 +14,7 @@ if torch.cuda.is_available():
     from spinf_worker.engine.engine import _init_random
     from spinf_worker.engine.layout import Branch, DocTree
     from spinf_worker.engine.runner import ModelRunner
-    from spinf_worker.kernels.rowwise import gemma_rmsnorm
+    from spinf_worker.kernels.rowwise import gemma_rmsnorm, quantize_rows_fp8
     from spinf_worker.kernels.triton_matmul import matmul
     from spinf_worker.models.gemma3 import Gemma3Config, Gemma3Model
     from spinf_worker.quant.fp8 import quantize_rows, quantize_weight
@@ -52,6 +52,15 @@ def test_triton_fp8_matmul_matches_dequantised_reference():
     bq, sb = quantize_rows(big)
     assert torch.equal(matmul(bq, wq, a_scale=sb, w_scale=sw, out_dtype=torch.bfloat16)[:300],
                        out)
+
+
+@pytest.mark.parametrize("shape", [(1, 640), (300, 3840), (77, 15360), (5, 1000)])
+def test_fused_fp8_quantisation_equals_reference(shape):
+    x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16) * 3
+    q, s = quantize_rows_fp8(x)
+    q_ref, s_ref = quantize_rows(x)
+    assert torch.equal(s, s_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
 
 
 def test_rmsnorm_rowwise():
