@@ -3,6 +3,7 @@ own redis-server on the state dir; stopped with SIGINT and started again on the 
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import os
@@ -17,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from spinf_worker.queue.callbacks import verify
+from spinf_worker.queue.callbacks import new_secret, verify
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 180      # torch import and the model load on a busy 2-core machine
@@ -237,3 +238,51 @@ def test_killed_parent_leaves_no_redis_server(tmp_path):
         parent.kill()
         parent.wait()
         parent.stderr.close()
+
+
+def _tier(args: list[str], log_path: Path, **env) -> subprocess.Popen:
+    environ = {k: v for k, v in os.environ.items()
+               if k not in ("SPINF_REDIS_URL", "SPINF_WEBHOOK_SECRET")}
+    with open(log_path, "w") as log:
+        return subprocess.Popen([sys.executable, "-m", "spinf_worker.cli", *args,
+                                 "--log-format", "json"], cwd=ROOT, env={**environ, **env},
+                                stdout=log, stderr=subprocess.STDOUT)
+
+
+def test_api_and_dispatcher_commands(tmp_path, redis_url, prefix):
+    missing = subprocess.run([sys.executable, "-m", "spinf_worker.cli", "dispatcher",
+                              "--redis", redis_url], cwd=ROOT, capture_output=True, text=True,
+                             timeout=60, env={k: v for k, v in os.environ.items()
+                                              if k != "SPINF_WEBHOOK_SECRET"})
+    assert missing.returncode == 2 and "SPINF_WEBHOOK_SECRET" in missing.stderr
+
+    port = _free_port()
+    api = _tier(["api", "--redis", redis_url, "--prefix", prefix, "--port", str(port)],
+                tmp_path / "api.log")
+    dispatcher = _tier(["dispatcher", "--prefix", prefix], tmp_path / "dispatcher.log",
+                       SPINF_REDIS_URL=redis_url, SPINF_WEBHOOK_SECRET=new_secret())
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert api.poll() is None, (tmp_path / "api.log").read_text()
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            assert time.monotonic() < deadline, (tmp_path / "api.log").read_text()
+            time.sleep(0.3)
+        ready = httpx.get(f"http://127.0.0.1:{port}/ready", timeout=5)
+        assert ready.status_code == 503                      # no worker on this prefix
+        deadline = time.monotonic() + 30
+        while "dispatcher started" not in (tmp_path / "dispatcher.log").read_text():
+            assert dispatcher.poll() is None and time.monotonic() < deadline, \
+                (tmp_path / "dispatcher.log").read_text()
+            time.sleep(0.2)
+        for proc in (api, dispatcher):
+            proc.send_signal(signal.SIGTERM)
+        assert api.wait(30) == 0 and dispatcher.wait(30) == 0
+        assert "dispatcher stopped" in (tmp_path / "dispatcher.log").read_text()
+    finally:
+        for proc in (api, dispatcher):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
