@@ -19,6 +19,10 @@ Life of a batch (``<base>:batch:<id>`` hash, see docs/QUEUE.md):
   in the bulk stream are still scored by workers; their results are kept on the job records
   (GET /v1/jobs/<id>) but are not added to the batch.
 
+Not done: reading the input is not resumed when the API process stops (or Redis fails) in the
+middle of it; the batch then stays ``in_progress`` with ``errors`` naming the line where
+queueing stopped. ``completion_window`` is recorded (``expires_at``) but not enforced.
+
 Error lines: ``error`` is always ``{"code", "message"}`` (plus ``line``, the 1-based input line,
 for lines rejected while reading the file). ``response`` is ``null`` for lines that never
 became a request (bad JSON, bad line shape, duplicate custom_id, cancelled) and
@@ -30,6 +34,7 @@ its status with the job id), as OpenAI does.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -48,7 +53,8 @@ TERMINAL_STATUSES = frozenset({"failed", "completed", "expired", "cancelled"})
 TIMESTAMP_FIELDS = ("created_at", "in_progress_at", "expires_at", "finalizing_at",
                     "completed_at", "failed_at", "expired_at", "cancelling_at", "cancelled_at")
 
-LINES_PER_CHUNK = 64  # lines validated and submitted together while enqueueing
+LINES_PER_CHUNK = 64  # lines validated together while enqueueing, between status checks
+SUBMITS_AT_ONCE = 16  # concurrent submissions: each holds a pooled Redis connection
 
 
 def index_key(keys: Keys) -> str:
@@ -415,15 +421,17 @@ def score_to_chat_completion(score: dict) -> dict:
 class LineError(Exception):
     """An input line that cannot become a request."""
 
-    def __init__(self, code: str, message: str, *, response: dict | None = None):
+    def __init__(self, code: str, message: str, *, response: dict | None = None,
+                 custom_id: str | None = None):
         super().__init__(message)
         self.code = code
         self.message = message
         self.response = response
+        self.custom_id = custom_id  # when the line got as far as naming one
 
 
 def parse_line(text: str, endpoint: str) -> tuple[str, dict]:
-    """One input line -> (custom_id, request body). Raises LineError."""
+    """One input line -> (custom_id, the scoring request to queue). Raises LineError."""
     try:
         line = json.loads(text)
     except json.JSONDecodeError as err:
@@ -433,6 +441,14 @@ def parse_line(text: str, endpoint: str) -> tuple[str, dict]:
     custom_id = line.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
         raise LineError("missing_custom_id", "the line needs a non-empty string 'custom_id'")
+    try:
+        return custom_id, _line_body(line, endpoint)
+    except LineError as err:
+        err.custom_id = custom_id
+        raise
+
+
+def _line_body(line: dict, endpoint: str) -> dict:
     if line.get("method", "POST") != "POST":
         raise LineError("invalid_method", "'method' must be \"POST\"")
     if line.get("url") != endpoint:
@@ -441,13 +457,14 @@ def parse_line(text: str, endpoint: str) -> tuple[str, dict]:
     body = line.get("body")
     try:
         if endpoint == "/v1/chat/completions":
-            score_request_from_chat(body)
+            request = score_request_from_chat(body)
         else:
-            ScoreRequest.parse(body)
+            request = ScoreRequest.parse(body)
     except SpinfError as err:
         response = {"status_code": err.status, "request_id": None, "body": err.to_openai()}
         raise LineError(err.code or "invalid_request", err.message, response=response) from None
-    return custom_id, body
+    # the worker gets the validated request, without fields only the endpoint knew
+    return request.model_dump(mode="json", exclude_none=True)
 
 
 def _error_line(custom_id: str | None, err: LineError, line_number: int) -> dict:
@@ -468,12 +485,46 @@ async def _fail(redis, keys: Keys, batch_id: str, code: str, message: str) -> No
                       failed_at=int(time.time()), errors=json.dumps(errors))
 
 
+async def _enqueue_chunk(redis, keys: Keys, producer, batch_id: str, endpoint: str,
+                         chunk: list[tuple[int, str]], seen: set[str]) -> None:
+    """Validate lines; invalid ones get their error line, valid ones become bulk jobs after
+    their custom_ids join the pending set (so no result can arrive before its id is there)."""
+    from .producer import Submission  # the producer's module pulls in more than batches need
+
+    valid: list[tuple[int, str, dict]] = []
+    for number, text in chunk:
+        try:
+            custom_id, body = parse_line(text, endpoint)
+            if custom_id in seen:  # the first line with this id is the request
+                raise LineError("duplicate_custom_id",
+                                "this custom_id already appeared earlier in the file",
+                                custom_id=custom_id)
+            seen.add(custom_id)
+            valid.append((number, custom_id, body))
+        except LineError as err:
+            await _record_line(redis, keys, batch_id, err.custom_id,
+                               _error_line(err.custom_id, err, number), "failed", pending=False)
+    if not valid:
+        return
+    await redis.sadd(pending_key(keys, batch_id), *[c for _, c, _ in valid])
+    submitted = []
+    for at in range(0, len(valid), SUBMITS_AT_ONCE):
+        submitted += await asyncio.gather(
+            *[producer.submit(Submission(request=body, priority="bulk", batch_id=batch_id,
+                                         custom_id=custom_id))
+              for _, custom_id, body in valid[at:at + SUBMITS_AT_ONCE]],
+            return_exceptions=True)
+    for (number, custom_id, _), outcome in zip(valid, submitted):
+        if isinstance(outcome, BaseException):
+            err = LineError("enqueue_failed", f"could not queue the request: {outcome}")
+            await _record_line(redis, keys, batch_id, custom_id,
+                               _error_line(custom_id, err, number), "failed", pending=True)
+
+
 async def enqueue_batch(redis, keys: Keys, producer, batch_id: str) -> None:
     """Read the batch's input file and submit its lines as bulk jobs (see the module doc).
 
     ``producer``: a ``spinf_worker.queue.producer.Producer``."""
-    from .producer import Submission  # the producer's module pulls in more than batches need
-
     batch = await get_batch(redis, keys, batch_id)
     if batch is None:
         return
@@ -495,39 +546,23 @@ async def enqueue_batch(redis, keys: Keys, producer, batch_id: str) -> None:
     endpoint = batch["endpoint"]
     seen: set[str] = set()
     processed = 0
-    for start in range(0, len(lines), LINES_PER_CHUNK):
-        if start and _text(await redis.hget(keys.batch(batch_id), "status")) != "in_progress":
-            break  # cancelled: stop submitting, drain below
-        chunk = lines[start:start + LINES_PER_CHUNK]
-        valid: list[tuple[int, str, dict]] = []
-        for number, text in chunk:
-            custom_id = None
-            try:
-                custom_id, body = parse_line(text, endpoint)
-                if custom_id in seen:
-                    custom_id = None  # the first line with this id keeps it
-                    raise LineError("duplicate_custom_id",
-                                    "this custom_id already appeared earlier in the file")
-                seen.add(custom_id)
-                valid.append((number, custom_id, body))
-            except LineError as err:
-                await _record_line(redis, keys, batch_id, custom_id,
-                                   _error_line(custom_id, err, number), "failed", pending=False)
-        if valid:
-            await redis.sadd(pending_key(keys, batch_id), *[c for _, c, _ in valid])
-            submitted = await asyncio.gather(
-                *[producer.submit(Submission(request=body, priority="bulk", batch_id=batch_id,
-                                             custom_id=custom_id))
-                  for _, custom_id, body in valid],
-                return_exceptions=True)
-            for (number, custom_id, _), outcome in zip(valid, submitted):
-                if isinstance(outcome, BaseException):
-                    err = LineError("enqueue_failed", f"could not queue the request: {outcome}")
-                    await _record_line(redis, keys, batch_id, custom_id,
-                                       _error_line(custom_id, err, number), "failed",
-                                       pending=True)
-        processed += len(chunk)
-        await redis.hset(keys.batch(batch_id), "total", processed)
+    try:
+        for start in range(0, len(lines), LINES_PER_CHUNK):
+            if _text(await redis.hget(keys.batch(batch_id), "status")) != "in_progress":
+                break  # cancelled: stop submitting, drain below
+            chunk = lines[start:start + LINES_PER_CHUNK]
+            await _enqueue_chunk(redis, keys, producer, batch_id, endpoint, chunk, seen)
+            processed += len(chunk)
+            await redis.hset(keys.batch(batch_id), "total", processed)
+    except Exception as err:
+        # Not resumed (module doc): say on the batch where and why queueing stopped.
+        line = lines[processed][0] if processed < len(lines) else None
+        errors = {"object": "list", "data": [{
+            "code": "enqueue_interrupted", "param": "input_file_id", "line": line,
+            "message": f"queueing stopped near line {line}: {type(err).__name__}: {err}"}]}
+        with contextlib.suppress(Exception):
+            await redis.hset(keys.batch(batch_id), "errors", json.dumps(errors))
+        raise
 
     code = await _eval(redis, _SEAL_LUA, _script_keys(keys, batch_id), output_file_id(batch_id),
                        error_file_id(batch_id), int(time.time()), processed)

@@ -1,0 +1,245 @@
+"""Bulk batches (OpenAI Batch API shape) end to end on uvicorn, Redis and the tiny engine, and
+the batch bookkeeping under racing, repeating workers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+import pytest_asyncio
+
+from api.models import Batch, BatchList, FileObject
+from spinf_worker.queue import batches, files
+from spinf_worker.queue.producer import Producer
+from spinf_worker.queue.redis_client import connect
+
+from .live import InProcessWorker, LiveServer, jsonl, wait_for
+
+QUERY = {"queries": [{"id": "good", "template": "\nGood news?{?}", "options": [" yes", " no"]}]}
+TEXTS = [f"Story {i}: the home team won the match by {i} points." for i in range(50)]
+DOCUMENTS = 200  # each text appears four times, at different places in the passes
+
+
+def score_line(custom_id: str, text: str, url: str = "/v1/score", **body) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": url,
+            "body": {"text": text, "scoring": QUERY, **body}}
+
+
+def upload(client: httpx.Client, content: bytes) -> dict:
+    response = client.post("/files", data={"purpose": "batch"},
+                           files={"file": ("docs.jsonl", content, "application/jsonl")})
+    assert response.status_code == 200, response.text
+    return FileObject.model_validate(response.json()).model_dump()
+
+
+def batch_in(client: httpx.Client, batch_id: str, *statuses: str, timeout: float = 120) -> dict:
+    def check():
+        batch = client.get(f"/batches/{batch_id}").json()
+        return batch if batch["status"] in statuses else None
+    return Batch.model_validate(wait_for(check, timeout, 0.1, f"batch {statuses}")).model_dump()
+
+
+def queue_empty(metrics: str) -> bool:
+    return ('spinf_queue_depth{stream="bulk"} 0.0' in metrics
+            and 'spinf_queue_pending{stream="bulk"} 0.0' in metrics)
+
+
+def lines_of(client: httpx.Client, file_id: str) -> list[dict]:
+    response = client.get(f"/files/{file_id}/content")
+    assert response.status_code == 200, response.text
+    return [json.loads(line) for line in response.text.splitlines()]
+
+
+def test_batch_of_200_documents_matches_the_engine_alone(tiny_engine, settings):
+    alone = {text: tiny_engine.score({"text": text, "scoring": QUERY}).model_dump()["queries"]
+             for text in TEXTS}
+    rows = [score_line(f"doc-{i}", TEXTS[i % len(TEXTS)]) for i in range(DOCUMENTS)]
+    bad_template = score_line("bad-template", "x")
+    bad_template["body"]["scoring"] = {"queries": [{"id": "q", "template": "A: {?", "options":
+                                                    [" a"]}]}
+    invalid = [b'{"custom_id": "broken", "method": ',
+               json.dumps(score_line("doc-0", "a second doc-0")).encode(),
+               json.dumps(score_line("wrong-url", "x", url="/v1/chat/completions")).encode(),
+               json.dumps(bad_template).encode()]
+    content = jsonl(rows[:100]) + b"\n".join(invalid) + b"\n\n" + jsonl(rows[100:])
+
+    with LiveServer(settings) as server:
+        client = httpx.Client(base_url=server.v1, timeout=60)
+        input_file = upload(client, content)
+        assert input_file["bytes"] == len(content) and input_file["purpose"] == "batch"
+        assert client.get(f"/files/{input_file['id']}").json() == input_file
+        assert client.get(f"/files/{input_file['id']}/content").content == content
+
+        created = client.post("/batches", json={"input_file_id": input_file["id"],
+                                                "endpoint": "/v1/score",
+                                                "completion_window": "24h",
+                                                "metadata": {"run": "test"}})
+        assert created.status_code == 200, created.text
+        batch = Batch.model_validate(created.json())
+        assert batch.status == "validating" and batch.metadata == {"run": "test"}
+        # no worker yet: every valid line waits in the bulk stream, nothing is lost
+        wait_for(lambda: client.get(f"/batches/{batch.id}").json()["request_counts"]["total"]
+                 == DOCUMENTS + len(invalid), 60, what="the batch to be enqueued")
+        assert f'spinf_queue_depth{{stream="bulk"}} {DOCUMENTS}.0' in \
+            httpx.get(f"{server.url}/metrics").text
+
+        with InProcessWorker(tiny_engine, settings):
+            done = batch_in(client, batch.id, "completed", "failed")
+
+        assert done["status"] == "completed", done
+        assert done["request_counts"] == {"total": DOCUMENTS + len(invalid),
+                                          "completed": DOCUMENTS, "failed": len(invalid)}
+        assert done["created_at"] <= done["in_progress_at"] <= done["completed_at"]
+        output = lines_of(client, done["output_file_id"])
+        assert len(output) == DOCUMENTS
+        by_id = {line["custom_id"]: line for line in output}
+        assert len(by_id) == DOCUMENTS
+        for i in range(DOCUMENTS):
+            line = by_id[f"doc-{i}"]
+            assert line["id"].startswith("batch_req_") and line["error"] is None
+            assert line["response"]["status_code"] == 200
+            assert line["response"]["request_id"].startswith("job_")
+            assert line["response"]["body"]["queries"] == alone[TEXTS[i % len(TEXTS)]], i
+
+        errors = {(line["custom_id"], line["error"]["code"]): line
+                  for line in lines_of(client, done["error_file_id"])}
+        assert set(errors) == {(None, "invalid_json"), ("doc-0", "duplicate_custom_id"),
+                               ("wrong-url", "invalid_url"), ("bad-template", "invalid_template")}
+        assert errors[(None, "invalid_json")]["response"] is None
+        template_error = errors[("bad-template", "invalid_template")]["response"]
+        assert template_error["status_code"] == 400
+        assert template_error["body"]["error"]["param"] == "scoring.queries.0.template"
+        assert errors[("doc-0", "duplicate_custom_id")]["error"]["line"] == 102
+
+        output_file = client.get(f"/files/{done['output_file_id']}").json()
+        assert output_file["purpose"] == "batch_output"
+        assert output_file["bytes"] == len(client.get(
+            f"/files/{done['output_file_id']}/content").content)
+
+        listed = BatchList.model_validate(client.get("/batches", params={"limit": 1}).json())
+        assert [b.id for b in listed.data] == [batch.id] and not listed.has_more
+        # a finished batch cannot be cancelled
+        refused = client.post(f"/batches/{batch.id}/cancel")
+        assert refused.status_code == 400
+        assert refused.json()["error"]["code"] == "batch_not_cancellable"
+
+
+def test_chat_completions_batch_answers_in_the_chat_shape(tiny_engine, settings):
+    messages = [{"role": "user", "content": TEXTS[0]}]
+    alone = tiny_engine.score({"messages": messages, "scoring": QUERY}).model_dump()
+    rows = [{"custom_id": "chat-1", "method": "POST", "url": "/v1/chat/completions",
+             "body": {"model": tiny_engine.model_name, "messages": messages, "scoring": QUERY,
+                      "temperature": 0}},
+            {"custom_id": "chat-2", "method": "POST", "url": "/v1/chat/completions",
+             "body": {"messages": messages}}]
+    with LiveServer(settings) as server, InProcessWorker(tiny_engine, settings):
+        client = httpx.Client(base_url=server.v1, timeout=60)
+        input_file = upload(client, jsonl(rows))
+        batch = client.post("/batches", json={"input_file_id": input_file["id"],
+                                              "endpoint": "/v1/chat/completions"}).json()
+        done = batch_in(client, batch["id"], "completed")
+        assert done["request_counts"] == {"total": 2, "completed": 1, "failed": 1}
+        [line] = lines_of(client, done["output_file_id"])
+        body = line["response"]["body"]
+        assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+        top = max(alone["queries"][0]["combinations"][0]["options"], key=lambda o: o["p"])
+        assert body["choices"][0]["message"] == {"role": "assistant", "content": top["text"]}
+        assert body["scoring"]["queries"] == alone["queries"]
+        [error] = lines_of(client, done["error_file_id"])
+        assert error["custom_id"] == "chat-2"
+        assert error["error"]["code"] == "generation_not_supported"
+
+
+def test_cancel_gives_unanswered_lines_an_error_and_ignores_late_results(tiny_engine, settings):
+    rows = [score_line(f"doc-{i}", TEXTS[i]) for i in range(30)]
+    with LiveServer(settings) as server:
+        client = httpx.Client(base_url=server.v1, timeout=60)
+        assert client.post("/batches/batch_missing/cancel").status_code == 404
+        input_file = upload(client, jsonl(rows))
+        batch = client.post("/batches", json={"input_file_id": input_file["id"],
+                                              "endpoint": "/v1/score"}).json()
+        batch_in(client, batch["id"], "in_progress")
+        cancelling = client.post(f"/batches/{batch['id']}/cancel")
+        assert cancelling.status_code == 200, cancelling.text
+        assert cancelling.json()["status"] in ("cancelling", "cancelled")
+        done = batch_in(client, batch["id"], "cancelled")
+        assert done["cancelling_at"] <= done["cancelled_at"]
+        assert done["output_file_id"] is None
+        total = done["request_counts"]["total"]
+        assert 0 < total <= 30 and done["request_counts"]["failed"] == total
+        errors = lines_of(client, done["error_file_id"])
+        assert len(errors) == total
+        assert {line["error"]["code"] for line in errors} == {"batch_cancelled"}
+        assert client.post(f"/batches/{batch['id']}/cancel").status_code == 400
+
+        # Entries already queued are still scored: their jobs hold the results, the batch
+        # does not change.
+        with InProcessWorker(tiny_engine, settings):
+            wait_for(lambda: queue_empty(httpx.get(f"{server.url}/metrics").text), 60, 0.1,
+                     "the bulk queue to drain")
+        after = client.get(f"/batches/{batch['id']}").json()
+        assert after["request_counts"] == done["request_counts"]
+        assert after["status"] == "cancelled"
+        assert len(lines_of(client, done["error_file_id"])) == total
+
+
+@pytest_asyncio.fixture
+async def redis(redis_url):
+    client = connect(redis_url)
+    yield client
+    await client.aclose()
+
+
+@pytest.mark.asyncio
+async def test_racing_and_repeated_results_count_once_and_finalize_once(redis, keys, settings):
+    """Several workers reporting, each job reported three times (at-least-once delivery):
+    every line counted once, the batch finalized once with consistent files."""
+    count = 60
+    content = jsonl([score_line(f"doc-{i}", TEXTS[i % len(TEXTS)]) for i in range(count)])
+    input_file = await files.create_file(redis, keys, content, filename="in.jsonl",
+                                         purpose="batch", ttl_s=600)
+    batch = await batches.create_batch(redis, keys, input_file_id=input_file["id"],
+                                       endpoint="/v1/score", completion_window="24h",
+                                       metadata=None, ttl_s=600)
+    await batches.enqueue_batch(redis, keys, Producer(redis, keys, settings), batch["id"])
+    entries = [fields for _id, fields in await redis.xrange(keys.bulk)]
+    assert len(entries) == count and {e["batch"] for e in entries} == {batch["id"]}
+
+    def result(i: int) -> dict:
+        if i % 10 == 0:
+            return {"status_code": 400, "error": {"message": "no", "type": "invalid_request_error",
+                                                  "param": "model", "code": "model_not_found"}}
+        return {"status_code": 200, "body": {"id": f"score-{i}", "queries": []}}
+
+    workers = asyncio.Semaphore(12)  # reports in flight at once, as from a dozen workers
+
+    async def report(entry: dict) -> bool:
+        async with workers:
+            return await batches.record_result(redis, keys, batch["id"], entry["job"],
+                                               entry["custom_id"],
+                                               result(int(entry["custom_id"].split("-")[1])))
+
+    recorded = await asyncio.gather(*[report(e) for e in entries for _ in range(3)])
+    assert sum(recorded) == count
+
+    done = await batches.get_batch(redis, keys, batch["id"])
+    assert done["status"] == "completed"
+    assert done["request_counts"] == {"total": count, "completed": 54, "failed": 6}
+    assert await redis.llen(keys.batch_lines(batch["id"], "out")) == 54
+    assert not await redis.exists(batches.pending_key(keys, batch["id"]))
+    out = "".join([chunk async for chunk in await files.iter_content(
+        redis, keys, done["output_file_id"])])
+    assert (await files.get_file(redis, keys, done["output_file_id"]))["bytes"] == len(out)
+    failed = [json.loads(line) for line in await redis.lrange(
+        keys.batch_lines(batch["id"], "err"), 0, -1)]
+    assert {line["response"]["status_code"] for line in failed} == {400}
+    assert {line["error"]["code"] for line in failed} == {"model_not_found"}
+
+    # a report after the end changes nothing
+    late = entries[1]
+    assert not await batches.record_result(redis, keys, batch["id"], late["job"],
+                                           late["custom_id"], result(1))
+    assert (await batches.get_batch(redis, keys, batch["id"]))["request_counts"] == \
+        done["request_counts"]
