@@ -187,27 +187,27 @@ class EmbeddedRedis:
         raise ServiceError(f"redis-server did not start; see {self.log_file}: {self._log_tail()}")
 
     def _wait_ready(self) -> bool:
+        """True once it answers PING; False when it exited (e.g. the port was taken)."""
         import redis
 
         client = redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=0.5,
                              socket_timeout=2.0)
         deadline = time.monotonic() + REDIS_START_TIMEOUT_S
         try:
-            while time.monotonic() < deadline:
-                if self.process.poll() is not None:
-                    return False
+            while self.process.poll() is None:
                 try:
                     client.ping()
                     return True
-                except redis.BusyLoadingError:
-                    pass                     # replaying the AOF
-                except redis.ConnectionError:
-                    pass
+                except (redis.BusyLoadingError, redis.ConnectionError):
+                    pass                     # replaying the AOF, or not listening yet
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise ServiceError(f"redis-server did not answer within "
+                                       f"{REDIS_START_TIMEOUT_S:.0f}s; see {self.log_file}")
                 time.sleep(0.05)
+            return False
         finally:
             client.close()
-        self.stop()
-        return False
 
     def _log_tail(self) -> str:
         try:

@@ -308,6 +308,7 @@ class CallbackDispatcher:
                                                    * 1000)
         self._tasks: set[asyncio.Task] = set()
         self._active_jobs: set[str] = set()
+        self._active_entries: set[str] = set()
         self._log = log.bind(dispatcher=self.name)
 
     async def ensure_group(self) -> None:
@@ -399,9 +400,13 @@ class CallbackDispatcher:
                 return
 
     def _spawn(self, client: httpx.AsyncClient, entry_id: str, fields: dict | None) -> None:
+        if entry_id in self._active_entries:
+            return          # claimed back while still in flight here: it is being handled
+        self._active_entries.add(entry_id)
         task = asyncio.create_task(self._handle(client, entry_id, fields or {}))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(lambda _: self._active_entries.discard(entry_id))
 
     async def _handle(self, client: httpx.AsyncClient, entry_id: str, fields: dict) -> None:
         job_id = fields.get("job")

