@@ -7,8 +7,9 @@
 - ``subprocess_worker(settings, model)``: ``python -m spinf_worker.queue.worker`` as a real
   process, the way it is deployed.
 
-Fixtures (import them into a test module to use them): ``api_server`` (a LiveServer on the
-``settings`` fixture), ``tiny_worker`` (an InProcessWorker on ``tiny_engine``).
+Fixtures: ``api_server`` (a LiveServer on the ``settings`` fixture) and ``tiny_worker`` (an
+InProcessWorker on ``tiny_engine``). To use one, name it in the test module:
+``api_server = live.api_server``.
 """
 
 from __future__ import annotations

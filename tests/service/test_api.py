@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -12,7 +13,7 @@ import redis as redis_sync
 
 from api.models import Batch, ChatCompletion, Job, JobAccepted, ModelList
 from spinf_worker.protocol import ErrorResponse, ScoreResponse
-from spinf_worker.queue.keys import Keys
+from spinf_worker.queue.keys import GROUP, Keys
 
 from . import live
 from .live import ROOT, InProcessWorker, LiveServer, wait_for
@@ -211,6 +212,21 @@ def test_backlog_over_the_limit_is_429_with_retry_after(settings):
         assert_openai_error(second, 429, "queue_full")
         assert int(second.headers["retry-after"]) > 0
         assert entries_added(settings) == 1
+
+        # the waiting entry shows in the queue metrics, before and after workers form the group
+        time.sleep(0.05)
+        for group_exists in (False, True):
+            if group_exists:
+                client = redis_sync.Redis.from_url(settings.redis_url)
+                client.xgroup_create(Keys(settings.prefix).interactive, GROUP, id="0")
+                client.close()
+            metrics = httpx.get(f"{server.url}/metrics").text
+            assert 'spinf_queue_depth{stream="interactive"} 1.0' in metrics
+            assert 'spinf_queue_pending{stream="interactive"} 0.0' in metrics
+            assert 'spinf_queue_depth{stream="bulk"} 0.0' in metrics
+            lag = float(metrics.split('spinf_queue_lag_seconds{stream="interactive"} ')[1]
+                        .split()[0])
+            assert 0.05 <= lag < 60
 
 
 def test_ready_models_and_metrics(tiny_engine, tiny_dir, api_server, settings):
