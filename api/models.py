@@ -9,7 +9,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from spinf_worker.protocol import ErrorBody, Message, ScoreRequest, ScoreResponse, Scoring
+from spinf_worker.protocol import (
+    ErrorBody,
+    ErrorResponse,
+    Message,
+    ScoreRequest,
+    ScoreResponse,
+    Scoring,
+)
 
 # ---- jobs ------------------------------------------------------------------------------
 
@@ -235,6 +242,4 @@ def json_body(model: type[BaseModel]) -> dict:
 
 def error_responses(*statuses: int) -> dict[int | str, dict]:
     """``responses=`` entries documenting errors in the OpenAI shape."""
-    from spinf_worker.protocol import ErrorResponse
-
     return {status: {"model": ErrorResponse} for status in statuses}

@@ -243,3 +243,49 @@ async def test_racing_and_repeated_results_count_once_and_finalize_once(redis, k
                                            late["custom_id"], result(1))
     assert (await batches.get_batch(redis, keys, batch["id"]))["request_counts"] == \
         done["request_counts"]
+
+
+def test_uploads_and_batch_requests_are_checked(settings):
+    settings = settings.model_copy(update={"max_file_bytes": 2000})
+    with LiveServer(settings) as server:
+        client = httpx.Client(base_url=server.v1, timeout=30)
+
+        def post_file(content: bytes, purpose: str = "batch") -> httpx.Response:
+            return client.post("/files", data={"purpose": purpose},
+                               files={"file": ("in.jsonl", content, "application/jsonl")})
+
+        def chunked(content: bytes):
+            # no Content-Length: the limit is enforced while the body streams in
+            boundary = "spinf-boundary"
+            yield (f"--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\n"
+                   f"batch\r\n--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; "
+                   f"filename=\"in.jsonl\"\r\n\r\n").encode()
+            yield content
+            yield f"\r\n--{boundary}--\r\n".encode()
+
+        too_big = post_file(b'{"custom_id": "x"}\n' * 200)
+        assert too_big.status_code == 413 and too_big.json()["error"]["code"] == \
+            "payload_too_large"
+        streamed = client.post("/files", content=chunked(b"x" * (2 << 20)), headers={
+            "Content-Type": "multipart/form-data; boundary=spinf-boundary"})
+        assert streamed.status_code == 413, streamed.text
+        assert post_file(b"\xff\xfe not text").json()["error"]["code"] == "invalid_file"
+        wrong_purpose = post_file(b"{}\n", purpose="fine-tune")
+        assert wrong_purpose.status_code == 400
+        assert wrong_purpose.json()["error"]["param"] == "purpose"
+        missing = client.post("/files", data={"purpose": "batch"})
+        assert missing.status_code == 400 and missing.json()["error"]["param"] == "file"
+
+        assert client.get("/files/file-missing").status_code == 404
+        assert client.get("/files/file-missing/content").status_code == 404
+        unknown_file = client.post("/batches", json={"input_file_id": "file-missing",
+                                                     "endpoint": "/v1/score"})
+        assert unknown_file.status_code == 404
+        assert unknown_file.json()["error"]["code"] == "file_not_found"
+        input_file = upload(client, jsonl([score_line("a", "x")]))
+        for body, param in (({"endpoint": "/v1/embeddings"}, "endpoint"),
+                            ({"endpoint": "/v1/score", "completion_window": "1h"},
+                             "completion_window")):
+            refused = client.post("/batches", json={"input_file_id": input_file["id"], **body})
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == param
+        assert client.get("/batches/batch_missing").status_code == 404
