@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ..kernels.matmul import READOUT_TILE, ROW_TILE
@@ -47,6 +48,20 @@ class FlatDoc:
     @property
     def max_position(self) -> int:
         return int(self.positions[: self.tokens].max())
+
+
+def _pad_paths(paths: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ragged per-token paths -> a zero-padded [tokens, width] matrix and its validity mask."""
+    lengths = np.fromiter((len(p) for p in paths), dtype=np.int64, count=len(paths))
+    width = int(lengths.max()) if len(paths) else 1
+    rows = np.zeros((len(paths), width), dtype=np.int64)
+    ok = np.zeros((len(paths), width), dtype=bool)
+    if len(paths):
+        which = np.repeat(np.arange(len(paths)), lengths)
+        col = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        rows[which, col] = np.fromiter((r for p in paths for r in p), dtype=np.int64)
+        ok[which, col] = True
+    return torch.from_numpy(rows), torch.from_numpy(ok)
 
 
 @dataclass
@@ -97,12 +112,7 @@ class DocTree:
             terms.append(br_terms)
 
         tokens = len(ids)
-        width = max((len(p) for p in paths), default=1)
-        path_rows = torch.zeros(len(paths), width, dtype=torch.long)
-        path_ok = torch.zeros(len(paths), width, dtype=torch.bool)
-        for i, path in enumerate(paths):
-            path_rows[i, : len(path)] = torch.tensor(path)
-            path_ok[i, : len(path)] = True
+        path_rows, path_ok = _pad_paths(paths)
         pad = -tokens % ROW_TILE
         rpad = -len(readout_rows) % READOUT_TILE
         return FlatDoc(
