@@ -57,16 +57,6 @@ LINES_PER_CHUNK = 64  # lines validated together while enqueueing, between statu
 SUBMITS_AT_ONCE = 16  # concurrent submissions: each holds a pooled Redis connection
 
 
-def index_key(keys: Keys) -> str:
-    """Sorted set of batch ids by creation time (ms), for listing newest first."""
-    return f"{keys.base}:batches"
-
-
-def pending_key(keys: Keys, batch_id: str) -> str:
-    """Set of the custom_ids submitted and not yet answered."""
-    return f"{keys.batch(batch_id)}:pending"
-
-
 def output_file_id(batch_id: str) -> str:
     return f"{files.FILE_ID_PREFIX}{batch_id.removeprefix(BATCH_ID_PREFIX)}-output"
 
@@ -83,7 +73,7 @@ def _text(value: Any) -> str | None:
 
 def _script_keys(keys: Keys, batch_id: str) -> list[str]:
     """The KEYS of every batch script, in the order the Lua code reads them."""
-    return [keys.batch(batch_id), pending_key(keys, batch_id),
+    return [keys.batch(batch_id), keys.batch_pending(batch_id),
             keys.batch_lines(batch_id, "out"), keys.batch_lines(batch_id, "err"),
             keys.file(output_file_id(batch_id)), keys.file(error_file_id(batch_id))]
 
@@ -208,7 +198,7 @@ async def create_batch(redis, keys: Keys, *, input_file_id: str, endpoint: str,
     async with redis.pipeline(transaction=True) as pipe:
         pipe.hset(keys.batch(batch_id), mapping=fields)
         pipe.expire(keys.batch(batch_id), ttl_s)
-        pipe.zadd(index_key(keys), {batch_id: time.time() * 1000})
+        pipe.zadd(keys.batch_index, {batch_id: time.time() * 1000})
         await pipe.execute()
     return _batch_object({k: str(v) for k, v in fields.items()})
 
@@ -248,20 +238,20 @@ async def list_batches(redis, keys: Keys, *, limit: int = 20,
     Returns (batches, has_more). Ids of expired batches are dropped from the index here."""
     start = 0
     if after is not None:
-        rank = await redis.zrevrank(index_key(keys), after)
+        rank = await redis.zrevrank(keys.batch_index, after)
         if rank is None:
             return [], False
         start = rank + 1
     found: list[dict] = []
     while len(found) <= limit:
-        ids = [_text(i) for i in await redis.zrevrange(index_key(keys), start, start + limit)]
+        ids = [_text(i) for i in await redis.zrevrange(keys.batch_index, start, start + limit)]
         if not ids:
             break
         start += len(ids)
         for batch_id in ids:
             batch = await get_batch(redis, keys, batch_id)
             if batch is None:
-                await redis.zrem(index_key(keys), batch_id)
+                await redis.zrem(keys.batch_index, batch_id)
                 start -= 1
             else:
                 found.append(batch)
@@ -283,7 +273,7 @@ async def cancel_batch(redis, keys: Keys, batch_id: str) -> tuple[str, bool]:
 async def drain_cancelled(redis, keys: Keys, batch_id: str) -> None:
     """Give every still-pending custom_id of a cancelling batch its error line; the last one
     finalizes the batch as ``cancelled``."""
-    pending = pending_key(keys, batch_id)
+    pending = keys.batch_pending(batch_id)
     while True:
         custom_ids = [_text(c) async for c in redis.sscan_iter(pending, count=1000)]
         for custom_id in custom_ids:
@@ -506,7 +496,7 @@ async def _enqueue_chunk(redis, keys: Keys, producer, batch_id: str, endpoint: s
                                _error_line(err.custom_id, err, number), "failed", pending=False)
     if not valid:
         return
-    await redis.sadd(pending_key(keys, batch_id), *[c for _, c, _ in valid])
+    await redis.sadd(keys.batch_pending(batch_id), *[c for _, c, _ in valid])
     submitted = []
     for at in range(0, len(valid), SUBMITS_AT_ONCE):
         submitted += await asyncio.gather(

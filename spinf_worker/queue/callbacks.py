@@ -8,7 +8,7 @@ Records it relies on (written by workers, docs/QUEUE.md):
   ``{"status_code": 4xx/5xx, "error": {...}}``.
 
 Retries do not block other deliveries: a delivery that has to wait goes into a sorted set of
-due times (``retry_key``), and a dispatcher moves due jobs back onto the stream with one Lua
+due times (``Keys.callback_retry``), and a dispatcher moves due jobs back onto the stream with one Lua
 script, so whichever dispatcher runs picks them up. The attempt count lives on the job hash
 and the due time in Redis, so a restart loses neither. Delivery is at least once; receivers
 dedupe on ``webhook-id``, which is the same for every attempt of a job.
@@ -57,11 +57,6 @@ MAX_DELAY_S = 3600.0          # cap on a backoff step and on a receiver's Retry-
 ERROR_DELAY_S = 1.0           # after a Redis error, so an outage is no busy loop
 FINAL_STATES = ("delivered", "failed", "refused")
 RETRY_STATUS = frozenset({408, 429})
-
-
-def retry_key(keys: Keys) -> str:
-    """Sorted set: job id -> due time (ms) of its next attempt. Shares the hash tag."""
-    return f"{keys.base}:callbacks:retry"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -302,7 +297,7 @@ class CallbackDispatcher:
         self._key = secret_bytes(settings.webhook_secret)
         self._transport = transport
         self._promote = redis.register_script(_PROMOTE)
-        self._retry_key = retry_key(keys)
+        self._retry_key = keys.callback_retry
         # an entry idle this long belongs to a dead dispatcher (a POST takes <= the timeout)
         self._claim_idle_ms = claim_idle_ms or int(max(30.0, 3 * settings.callback_timeout_s)
                                                    * 1000)

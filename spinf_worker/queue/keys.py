@@ -45,6 +45,20 @@ class Keys:
     def callbacks(self) -> str:
         return f"{self.base}:callbacks"
 
+    @property
+    def callback_retry(self) -> str:
+        """Sorted set: job id -> due time (ms) of its next callback attempt."""
+        return f"{self.base}:callbacks:retry"
+
+    @property
+    def batch_index(self) -> str:
+        """Sorted set of batch ids by creation time (ms), for listing newest first."""
+        return f"{self.base}:batches"
+
+    def batch_pending(self, batch_id: str) -> str:
+        """Set of a batch's custom_ids submitted and not yet answered."""
+        return f"{self.batch(batch_id)}:pending"
+
     def job(self, job_id: str) -> str:
         return f"{self.base}:job:{job_id}"
 

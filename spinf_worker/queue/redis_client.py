@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import ConnectionError, TimeoutError
 from redis.retry import Retry
@@ -12,6 +12,8 @@ CONNECT_TIMEOUT_S = 5.0
 # second), so a blocking read never trips the socket timeout.
 SOCKET_TIMEOUT_S = 30.0
 HEALTH_CHECK_INTERVAL_S = 15
+MAX_CONNECTIONS = 256
+POOL_WAIT_S = 10.0   # a busy process waits this long for a pooled connection, then errors
 
 
 def connect(url: str, *, client_name: str | None = None,
@@ -20,8 +22,10 @@ def connect(url: str, *, client_name: str | None = None,
 
     Connections are made lazily; a dropped connection is retried a few times with jittered
     backoff before the error reaches the caller, which decides whether to wait and go on."""
-    return Redis.from_url(
+    pool = BlockingConnectionPool.from_url(
         url,
+        max_connections=MAX_CONNECTIONS,
+        timeout=POOL_WAIT_S,
         decode_responses=True,
         socket_connect_timeout=CONNECT_TIMEOUT_S,
         socket_timeout=socket_timeout,
@@ -31,3 +35,4 @@ def connect(url: str, *, client_name: str | None = None,
         retry_on_error=[ConnectionError, TimeoutError],
         client_name=client_name,
     )
+    return Redis.from_pool(pool)   # the client owns the pool and closes it with itself

@@ -228,7 +228,7 @@ async def test_racing_and_repeated_results_count_once_and_finalize_once(redis, k
     assert done["status"] == "completed"
     assert done["request_counts"] == {"total": count, "completed": 54, "failed": 6}
     assert await redis.llen(keys.batch_lines(batch["id"], "out")) == 54
-    assert not await redis.exists(batches.pending_key(keys, batch["id"]))
+    assert not await redis.exists(keys.batch_pending(batch["id"]))
     out = "".join([chunk async for chunk in await files.iter_content(
         redis, keys, done["output_file_id"])])
     assert (await files.get_file(redis, keys, done["output_file_id"]))["bytes"] == len(out)

@@ -28,7 +28,6 @@ from spinf_worker.queue.callbacks import (
     backoff_s,
     new_secret,
     parse_retry_after,
-    retry_key,
     sign,
     verify,
 )
@@ -252,7 +251,7 @@ async def test_retries_until_delivered(redis, keys, cb_settings, receiver):
     assert stats["callbacks_delivered"] == "1"
     assert stats["callback_attempts_5xx"] == "2" and stats["callback_attempts_2xx"] == "1"
     assert await redis.xlen(keys.callbacks) == 0
-    assert await redis.zcard(retry_key(keys)) == 0
+    assert await redis.zcard(keys.callback_retry) == 0
 
 
 @pytest.mark.asyncio
@@ -313,7 +312,7 @@ async def test_retry_is_scheduled_in_redis_and_survives_a_restart(redis, keys, c
         quick = await finished_job(redis, keys, receiver.url("/quick"))
         assert (await settled(redis, keys, quick))["callback_status"] == "delivered"
         assert (await redis.hget(keys.job(slow), "callback_status")) == "pending"
-    assert await redis.zscore(retry_key(keys), slow) is not None
+    assert await redis.zscore(keys.callback_retry, slow) is not None
     async with dispatching(redis, keys, cb_settings, name="second"):
         job = await settled(redis, keys, slow)
     assert job["callback_status"] == "delivered" and job["callback_attempts"] == "2"
