@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 from itertools import product
 
 from spinf_worker.errors import InvalidRequestError
@@ -68,7 +69,13 @@ def parse_template(source: str, *, param: str = "template") -> Template:
     """Split ``source`` into literal text, placeholders and slots.
 
     Adjacent literal text (including resolved ``{{``/``}}``) is merged into one ``Literal``.
+    Bulk jobs ask the same questions of every document, so parses are cached (errors are not).
     """
+    return _parse_cached(source, param)
+
+
+@lru_cache(maxsize=16384)
+def _parse_cached(source: str, param: str) -> Template:
     parts: list[Part] = []
     text: list[str] = []  # literal text not yet flushed into a Literal part
 
