@@ -99,6 +99,19 @@ def failed(result: dict, job_id: str) -> JSONResponse:
                         headers={"X-Job-Id": job_id})
 
 
+async def answer(services, score_request: ScoreRequest, idempotency_key: str | None,
+                 x_sync_timeout: str | None, *, shape) -> JSONResponse:
+    """Queue the request, wait up to the sync timeout, answer in ``shape`` (or 202 / error)."""
+    timeout = sync_timeout(services, x_sync_timeout)
+    job_id, result = await submit_and_wait(services, score_request,
+                                           idempotency_key=idempotency_key, timeout=timeout)
+    if result is None:
+        return await still_running(services, job_id)
+    if result.get("status_code") != 200:
+        return failed(result, job_id)
+    return JSONResponse(shape(result["body"]), headers={"X-Job-Id": job_id})
+
+
 IdempotencyKey = Annotated[str | None, Header(alias="Idempotency-Key", max_length=256)]
 SyncTimeout = Annotated[str | None, Header(alias="X-Sync-Timeout")]
 
@@ -110,14 +123,8 @@ async def score(request: Request, services: ServicesDep,
                 idempotency_key: IdempotencyKey = None,
                 x_sync_timeout: SyncTimeout = None) -> JSONResponse:
     score_request = ScoreRequest.parse(await read_json(request))
-    timeout = sync_timeout(services, x_sync_timeout)
-    job_id, result = await submit_and_wait(services, score_request,
-                                           idempotency_key=idempotency_key, timeout=timeout)
-    if result is None:
-        return await still_running(services, job_id)
-    if result.get("status_code") != 200:
-        return failed(result, job_id)
-    return JSONResponse(result["body"], headers={"X-Job-Id": job_id})
+    return await answer(services, score_request, idempotency_key, x_sync_timeout,
+                        shape=lambda body: body)
 
 
 @router.post("/chat/completions", response_model=ChatCompletion,
@@ -128,11 +135,5 @@ async def chat_completions(request: Request, services: ServicesDep,
                            idempotency_key: IdempotencyKey = None,
                            x_sync_timeout: SyncTimeout = None) -> JSONResponse:
     score_request = score_request_from_chat(await read_json(request))
-    timeout = sync_timeout(services, x_sync_timeout)
-    job_id, result = await submit_and_wait(services, score_request,
-                                           idempotency_key=idempotency_key, timeout=timeout)
-    if result is None:
-        return await still_running(services, job_id)
-    if result.get("status_code") != 200:
-        return failed(result, job_id)
-    return JSONResponse(score_to_chat_completion(result["body"]), headers={"X-Job-Id": job_id})
+    return await answer(services, score_request, idempotency_key, x_sync_timeout,
+                        shape=score_to_chat_completion)
