@@ -151,14 +151,13 @@ class Engine:
             except SpinfError as err:
                 prepared.append(err)
         good = [p for p in prepared if isinstance(p, _Prepared)]
-        floor_keys = self._score_missing_floors(good)
-        results = self._run([p.flat for p in good])
-        out: list[ScoreResponse | SpinfError] = []
-        it = iter(results)
-        for p in prepared:
-            out.append(p if isinstance(p, SpinfError)
-                       else self._respond(p, next(it), floor_keys[id(p)]))
-        return out
+        floor_keys, missing = self._missing_floors(good)
+        # Missing floors ride in the same passes as the documents.
+        scores = self._run([*missing.values(), *(p.flat for p in good)])
+        self._store_floors(missing, scores[:len(missing)], floor_keys)
+        it = iter(scores[len(missing):])
+        return [p if isinstance(p, SpinfError) else self._respond(p, next(it), floor_keys[id(p)])
+                for p in prepared]
 
     # ---- request -> DocTree -----------------------------------------------------------
 
@@ -207,8 +206,10 @@ class Engine:
         return (self.presenter.mode, query.template,
                 json.dumps(query.values, sort_keys=True), tuple(query.options))
 
-    def _score_missing_floors(self, prepared: list[_Prepared]) -> dict[int, list[tuple]]:
-        """Per prepared request, its queries' floor keys; scores any missing floor first."""
+    def _missing_floors(self, prepared: list[_Prepared]
+                        ) -> tuple[dict[int, list[tuple]], dict[tuple, FlatDoc]]:
+        """Per prepared request, its queries' floor keys; and a DocTree for each floor value
+        not cached yet (one per query, so its bits don't depend on the other queries)."""
         keys: dict[int, list[tuple]] = {}
         missing: dict[tuple, FlatDoc] = {}
         floor_root = self.presenter.floor_root_ids()
@@ -221,23 +222,36 @@ class Engine:
                     tree = DocTree(list(floor_root), self._branches([q], [grid]))
                     missing[key] = tree.flatten(self.pad_id)
             keys[id(p)] = qkeys
-        if missing:
-            for key, scores in zip(missing, self._run(list(missing.values()))):
-                self._floor[key] = scores
+        return keys, missing
+
+    def _store_floors(self, missing: dict[tuple, FlatDoc], scores: list[DocScores],
+                      keys: dict[int, list[tuple]]) -> None:
+        self._floor.update(zip(missing, scores))
         for qkeys in keys.values():
             for key in qkeys:
                 self._floor.move_to_end(key)
         while len(self._floor) > self.settings.floor_cache_size:
             self._floor.popitem(last=False)
-        return keys
 
     # ---- passes -----------------------------------------------------------------------
 
     def _run(self, docs: list[FlatDoc]) -> list[DocScores]:
+        """Pass after pass; pass N+1 is laid out and queued before pass N is read back."""
         results: list[DocScores | None] = [None] * len(docs)
-        for p in pack(docs, self.settings.max_pass_tokens):
-            for i, scores in zip(p.docs, self.runner.run([docs[i] for i in p.docs])):
+        in_flight = None
+
+        def collect(job) -> None:
+            p, pending = job
+            for i, scores in zip(p.docs, self.runner.finish(pending)):
                 results[i] = scores
+
+        for p in pack(docs, self.settings.max_pass_tokens):
+            job = (p, self.runner.launch([docs[i] for i in p.docs]))
+            if in_flight is not None:
+                collect(in_flight)
+            in_flight = job
+        if in_flight is not None:
+            collect(in_flight)
         return results
 
     # ---- DocScores -> response --------------------------------------------------------

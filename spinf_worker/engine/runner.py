@@ -21,6 +21,15 @@ class DocScores:
     residual: list[float]           # per branch: 1 - sum(exp(logprob))
 
 
+@dataclass
+class PendingPass:
+    """A pass queued on the device: its summands, sorted by readout row, not yet read back."""
+
+    docs: list[FlatDoc]
+    values: torch.Tensor       # device, fp32, in readout order
+    order: torch.Tensor        # values[k] belongs to summand order[k] (document order)
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype,
                  pad_id: int):
@@ -56,14 +65,26 @@ class ModelRunner:
             n_options += int(doc.option_of.max()) + 1
         pad = rows - sum(d.length for d in docs)
         fill = torch.full((pad,), -1)
-        tokens = TreeTokens(*(torch.cat([*parts, fill if j < 3 else torch.zeros(pad)])
-                              .to(torch.int32).to(self.device)
+        tokens = TreeTokens(*(self._upload(torch.cat([*parts, fill if j < 3 else torch.zeros(pad)])
+                                           .to(torch.int32))
                               for j, parts in enumerate((doc_id, branch, option, pos))))
         return build_flex_plan(tokens, self.model.cfg.sliding_window)
 
-    @torch.inference_mode()
+    def _upload(self, t: torch.Tensor) -> torch.Tensor:
+        """Host -> device without waiting for the work already queued on the device (a copy
+        from pageable memory would), so the next pass is laid out while this one runs."""
+        if self.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
+
     def run(self, docs: list[FlatDoc]) -> list[DocScores]:
         """Run the documents as one packed pass."""
+        return self.finish(self.launch(docs))
+
+    @torch.inference_mode()
+    def launch(self, docs: list[FlatDoc]) -> PendingPass:
+        """Queue a pass on the device and return at once: nothing here waits for the device,
+        so the caller can lay out the next pass while this one runs."""
         starts, start = [], 0
         for doc in docs:
             starts.append(start)
@@ -79,13 +100,15 @@ class ModelRunner:
             plan = AttentionPlan([], flex=self.flex_plan(docs, rows))
         else:
             plan = AttentionPlan([self.span(d, s) for d, s in zip(docs, starts)])
-        hidden = self.model(torch.cat(ids).to(self.device), torch.cat(pos).to(self.device), plan)
-        return self._read(docs, starts, hidden)
+        hidden = self.model(self._upload(torch.cat(ids)), self._upload(torch.cat(pos)), plan)
+        return self._readouts(docs, starts, hidden)
 
-    def _read(self, docs: list[FlatDoc], starts: list[int], hidden: torch.Tensor
-              ) -> list[DocScores]:
+    def _readouts(self, docs: list[FlatDoc], starts: list[int], hidden: torch.Tensor
+                  ) -> PendingPass:
         """LM head on every document's readout rows (each document's block padded to the
-        readout tile), then the (readout, token) summands gathered on the device."""
+        readout tile), and the (readout, token) summands gathered on the device. Summands are
+        sorted by readout row so each LM-head chunk fills one slice: no data-dependent
+        indexing, no host sync."""
         rows, readout, token, base = [], [], [], 0
         for doc, start in zip(docs, starts):
             rows.append(start + doc.readout_rows)
@@ -95,17 +118,27 @@ class ModelRunner:
                         readout.append(base + r)
                         token.append(t)
             base += doc.readout_rows.shape[0]
-        rows_t = torch.cat(rows).to(self.device)
-        readout_t = torch.tensor(readout, device=self.device)
-        token_t = torch.tensor(token, device=self.device)
+        readout_t = torch.tensor(readout)
+        order = torch.argsort(readout_t, stable=True)
+        readout_sorted = readout_t[order]
+        bounds = torch.searchsorted(readout_sorted, torch.arange(0, base + READOUT_CHUNK,
+                                                                 READOUT_CHUNK)).tolist()
+        rows_d = self._upload(torch.cat(rows))
+        readout_d = self._upload(readout_sorted)
+        token_d = self._upload(torch.tensor(token)[order])
         values = torch.empty(len(readout), dtype=torch.float32, device=self.device)
-        for lo in range(0, rows_t.shape[0], READOUT_CHUNK):
-            logprobs = self.model.readout_logprobs(hidden[rows_t[lo:lo + READOUT_CHUNK]])
-            hit = (readout_t >= lo) & (readout_t < lo + READOUT_CHUNK)
-            values[hit] = logprobs[readout_t[hit] - lo, token_t[hit]]
-        values = values.cpu()
+        for c, lo in enumerate(range(0, base, READOUT_CHUNK)):
+            a, b = bounds[c], bounds[c + 1]
+            logprobs = self.model.readout_logprobs(hidden[rows_d[lo:lo + READOUT_CHUNK]])
+            values[a:b] = logprobs[readout_d[a:b] - lo, token_d[a:b]]
+        return PendingPass(docs, values, order)
+
+    def finish(self, pending: PendingPass) -> list[DocScores]:
+        """Wait for the pass and turn its summands into per-option logprobs."""
+        values = torch.empty(pending.values.shape[0], dtype=torch.float32)
+        values[pending.order] = pending.values.cpu()
         out, i = [], 0
-        for doc in docs:
+        for doc in pending.docs:
             scores = DocScores([], [])
             for branch in doc.terms:
                 sums = []
