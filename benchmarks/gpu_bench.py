@@ -209,6 +209,7 @@ def main() -> None:
     parser.add_argument("--commit", default=None, help="when the checkout has no .git")
     args = parser.parse_args()
     only = set(args.only.split(","))
+    args.out.mkdir(parents=True, exist_ok=True)
 
     from tokenizers import Tokenizer
     tokenizer = Tokenizer.from_file(str(args.tokenizer / "tokenizer.json"))
@@ -231,6 +232,11 @@ def main() -> None:
                           bos_token_id=2, eos_token_id=1, chat_template=None,
                           weights_digest="random", path=Path("."))
 
+    path = args.out / f"{row['date']}-gpu-{commit}.json"
+
+    def save() -> None:   # after every stage, so a run cut short still leaves its figures
+        path.write_text(json.dumps(row, indent=1))
+
     if "270m" in only:
         ckpt = load_checkpoint(args.model270) if args.model270 else random_ckpt(GEMMA_270M)
         name = "270m" if args.model270 else "270m_random"
@@ -238,6 +244,7 @@ def main() -> None:
         for scheme in ("bf16", "fp8"):
             figures, results[scheme] = run_engine(name, ckpt, scheme, requests)
             row.update(figures)
+            save()
             print(json.dumps(figures), flush=True)
         mean_dp, max_dp = delta_p(results["bf16"], results["fp8"])
         row.update({f"{name}_fp8_vs_bf16_mean_abs_dp": round(mean_dp, 5),
@@ -249,6 +256,7 @@ def main() -> None:
         for scheme in ("bf16", "fp8"):
             figures, _ = run_engine("12b", ckpt, scheme, requests)
             row.update(figures)
+            save()
             print(json.dumps(figures), flush=True)
         row.update(run_baseline("12b", ckpt, docs, questions, args.baseline_docs_12b))
     for name in ("270m", "270m_random", "12b"):
@@ -257,9 +265,7 @@ def main() -> None:
             q = row.get(f"{name}_{scheme}_questions_per_s")
             if base and q:
                 row[f"{name}_{scheme}_speedup_vs_baseline"] = round(q / base, 1)
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"{row['date']}-gpu-{commit}.json"
-    path.write_text(json.dumps(row, indent=1))
+    save()
     print("\n| key | value |\n| --- | --- |")
     for k, v in row.items():
         print(f"| {k} | {v} |")

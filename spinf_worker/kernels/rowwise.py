@@ -37,11 +37,12 @@ def _quantize_rows_kernel(x_ptr, out_ptr, scale_ptr, D, BLOCK: tl.constexpr):
     for start in range(0, D, BLOCK):
         x = tl.load(x_ptr + row * D + start + cols, mask=start + cols < D, other=0.0)
         amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-    scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / 448.0
+    # IEEE-rounded divisions (div_rn), exactly as quant/fp8.py computes them in torch.
+    scale = tl.div_rn(tl.maximum(tl.max(amax, axis=0), 1e-12), 448.0)
     for start in range(0, D, BLOCK):
         mask = start + cols < D
         x = tl.load(x_ptr + row * D + start + cols, mask=mask, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(x / scale, -448.0), 448.0)
+        q = tl.minimum(tl.maximum(tl.div_rn(x, scale), -448.0), 448.0)
         tl.store(out_ptr + row * D + start + cols, q.to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row, scale)
 
