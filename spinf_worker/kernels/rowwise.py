@@ -7,6 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..quant.fp8 import INV_FP8_MAX
+
 
 @triton.jit
 def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, D, eps, BLOCK: tl.constexpr):
@@ -30,15 +32,15 @@ def gemma_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
 
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, out_ptr, scale_ptr, D, BLOCK: tl.constexpr):
+def _quantize_rows_kernel(x_ptr, out_ptr, scale_ptr, D, INV_FP8_MAX, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     amax = tl.zeros((BLOCK,), dtype=tl.float32)
     for start in range(0, D, BLOCK):
         x = tl.load(x_ptr + row * D + start + cols, mask=start + cols < D, other=0.0)
         amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-    # IEEE-rounded divisions (div_rn), exactly as quant/fp8.py computes them in torch.
-    scale = tl.div_rn(tl.maximum(tl.max(amax, axis=0), 1e-12), 448.0)
+    # The rule of quant/fp8.py to the bit: scale = amax * fp32(1/448), then an IEEE division.
+    scale = tl.maximum(tl.max(amax, axis=0), 1e-12) * INV_FP8_MAX
     for start in range(0, D, BLOCK):
         mask = start + cols < D
         x = tl.load(x_ptr + row * D + start + cols, mask=mask, other=0.0).to(tl.float32)
@@ -53,5 +55,5 @@ def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows, d = x.shape
     out = torch.empty(rows, d, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(rows, dtype=torch.float32, device=x.device)
-    _quantize_rows_kernel[(rows,)](x, out, scale, d, BLOCK=1024, num_warps=4)
+    _quantize_rows_kernel[(rows,)](x, out, scale, d, INV_FP8_MAX, BLOCK=1024, num_warps=4)
     return out, scale

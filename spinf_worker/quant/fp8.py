@@ -8,6 +8,7 @@ import torch
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
+INV_FP8_MAX = 1.0 / FP8_MAX   # scales are amax * fp32(1/448): one rule for torch and Triton
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -20,5 +21,5 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[M, K] -> (fp8 [M, K], fp32 scale [M]). Max and division are exact per row."""
     xf = x.float()
-    scale = xf.abs().amax(dim=1).clamp(min=1e-12) / FP8_MAX
+    scale = xf.abs().amax(dim=1).clamp(min=1e-12) * INV_FP8_MAX
     return (xf / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
