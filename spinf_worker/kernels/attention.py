@@ -37,8 +37,21 @@ class DocSpan:
 
 @dataclass
 class AttentionPlan:
+    """How a packed pass attends. Each layer calls ``attend``; ``keep_rows`` asks for the
+    keys and values of those rows to be kept (``kept[layer] = (k, v)``), for decoding
+    extraction slots from the same read afterwards."""
+
     docs: list[DocSpan]          # CPU: one span per document
     flex: object | None = None   # CUDA: a flex_tree.FlexPlan for the whole pass
+    keep_rows: torch.Tensor | None = None
+    kept: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def attend(self, q, k, v, *, layer: int, sliding: bool, scale: float) -> torch.Tensor:
+        if self.keep_rows is not None:
+            if self.kept is None:
+                self.kept = {}
+            self.kept[layer] = (k[self.keep_rows], v[self.keep_rows])
+        return packed_tree_attention(q, k, v, self, sliding=sliding, scale=scale)
 
 
 def packed_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan,

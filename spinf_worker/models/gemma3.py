@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.attention import AttentionPlan, packed_tree_attention
+from ..kernels.attention import AttentionPlan
 from ..kernels.matmul import READOUT_TILE, linear
 from ..quant.fp8 import quantize_weight
 
@@ -127,9 +127,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: Gemma3Config, sliding: bool):
+    def __init__(self, cfg: Gemma3Config, sliding: bool, layer: int):
         super().__init__()
-        self.cfg, self.sliding = cfg, sliding
+        self.cfg, self.sliding, self.layer = cfg, sliding, layer
         hd = cfg.head_dim
         self.q_proj = Linear(cfg.hidden_size, cfg.num_heads * hd)
         self.k_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * hd)
@@ -140,13 +140,14 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 plan: AttentionPlan) -> torch.Tensor:
+        """``plan``: a packed pass (AttentionPlan) or decoding steps (engine.decode.DecodePlan)."""
         t, hd = x.shape[0], self.cfg.head_dim
         q = self.q_norm(self.q_proj(x).view(t, -1, hd))
         k = self.k_norm(self.k_proj(x).view(t, -1, hd))
         v = self.v_proj(x).view(t, -1, hd)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        o = packed_tree_attention(q, k, v, plan, sliding=self.sliding,
-                                  scale=self.cfg.query_pre_attn_scalar ** -0.5)
+        o = plan.attend(q, k, v, layer=self.layer, sliding=self.sliding,
+                        scale=self.cfg.query_pre_attn_scalar ** -0.5)
         return self.o_proj(o.reshape(t, -1))
 
 
@@ -162,10 +163,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: Gemma3Config, sliding: bool):
+    def __init__(self, cfg: Gemma3Config, sliding: bool, layer: int):
         super().__init__()
         self.sliding = sliding
-        self.self_attn = Attention(cfg, sliding)
+        self.self_attn = Attention(cfg, sliding, layer)
         self.mlp = MLP(cfg)
         eps = cfg.rms_norm_eps
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
@@ -189,7 +190,7 @@ class Gemma3Model(nn.Module):
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, t == "sliding_attention") for t in cfg.layer_types)
+            DecoderLayer(cfg, t == "sliding_attention", i) for i, t in enumerate(cfg.layer_types))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
 
