@@ -21,8 +21,8 @@ from ..kernels.matmul import READOUT_TILE, ROW_TILE
 
 @dataclass
 class Branch:
-    prefix: list[int]            # template tokens up to the scored slot (no BOS)
-    options: list[list[int]]     # each option's tokens, in request order
+    prefix: list[int]            # template tokens up to the slot (no BOS)
+    options: list[list[int]]     # each option's tokens, in request order; [] for extraction
 
 
 @dataclass
@@ -40,6 +40,8 @@ class FlatDoc:
     readout_rows: torch.Tensor   # [n_readouts padded to READOUT_TILE] row within the document
     # terms[b][o] = [(readout index, token id), ...]: option o of branch b's logprob summands
     terms: list[list[list[tuple[int, int]]]]
+    # extraction branches: branch index -> (readout index, rows of its context: root + branch)
+    extract: dict[int, tuple[int, list[int]]] = field(default_factory=dict)
 
     @property
     def length(self) -> int:
@@ -78,6 +80,7 @@ class DocTree:
         n_options = 0
         readout_rows: list[int] = []
         terms: list[list[list[tuple[int, int]]]] = []
+        extract: dict[int, tuple[int, list[int]]] = {}
 
         def add_node(tokens: list[int], start_pos: int, parent_path: list[int], branch: int,
                      option: int) -> list[int]:
@@ -100,6 +103,8 @@ class DocTree:
             first_pos = pos[first_row]
             readout_rows.append(first_row)
             shared = len(readout_rows) - 1
+            if not br.options:   # an extraction slot: decoded later from this readout
+                extract[b] = (shared, [*range(len(self.root)), *branch_path])
             br_terms = []
             for opt in br.options:
                 opt_terms = [(shared, opt[0])]
@@ -126,4 +131,5 @@ class DocTree:
             option_of=torch.tensor(option_of + [-1] * pad, dtype=torch.int32),
             readout_rows=torch.tensor(readout_rows + [0] * rpad, dtype=torch.long),
             terms=terms,
+            extract=extract,
         )

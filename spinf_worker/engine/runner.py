@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +28,11 @@ class PendingPass:
     docs: list[FlatDoc]
     values: torch.Tensor       # device, fp32, in readout order
     order: torch.Tensor        # values[k] belongs to summand order[k] (document order)
+    # Extraction slots: (doc index, branch) -> full-vocab logprobs after the template, and
+    # the kept keys/values of the documents that have slots (rows from keep_base[doc]).
+    first: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    kept: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+    keep_base: dict[int, int] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -100,8 +105,18 @@ class ModelRunner:
             plan = AttentionPlan([], flex=self.flex_plan(docs, rows))
         else:
             plan = AttentionPlan([self.span(d, s) for d, s in zip(docs, starts)])
+        keep, keep_base, kept_rows = [], {}, 0
+        for i, (doc, start) in enumerate(zip(docs, starts)):
+            if doc.extract:
+                keep_base[i] = kept_rows
+                keep.append(torch.arange(start, start + doc.tokens))
+                kept_rows += doc.tokens
+        if keep:
+            plan.keep_rows = self._upload(torch.cat(keep))
         hidden = self.model(self._upload(torch.cat(ids)), self._upload(torch.cat(pos)), plan)
-        return self._readouts(docs, starts, hidden)
+        pending = self._readouts(docs, starts, hidden)
+        pending.kept, pending.keep_base = plan.kept, keep_base
+        return pending
 
     def _readouts(self, docs: list[FlatDoc], starts: list[int], hidden: torch.Tensor
                   ) -> PendingPass:
@@ -110,8 +125,11 @@ class ModelRunner:
         sorted by readout row so each LM-head chunk fills one slice: no data-dependent
         indexing, no host sync."""
         rows, readout, token, base = [], [], [], 0
-        for doc, start in zip(docs, starts):
+        first_at: dict[int, tuple[int, int]] = {}   # readout index -> (doc, branch)
+        for i, (doc, start) in enumerate(zip(docs, starts)):
             rows.append(start + doc.readout_rows)
+            for b, (r, _) in doc.extract.items():
+                first_at[base + r] = (i, b)
             for branch in doc.terms:
                 for opt in branch:
                     for r, t in opt:
@@ -127,11 +145,15 @@ class ModelRunner:
         readout_d = self._upload(readout_sorted)
         token_d = self._upload(torch.tensor(token)[order])
         values = torch.empty(len(readout), dtype=torch.float32, device=self.device)
+        first = {}
         for c, lo in enumerate(range(0, base, READOUT_CHUNK)):
             a, b = bounds[c], bounds[c + 1]
             logprobs = self.model.readout_logprobs(hidden[rows_d[lo:lo + READOUT_CHUNK]])
             values[a:b] = logprobs[readout_d[a:b] - lo, token_d[a:b]]
-        return PendingPass(docs, values, order)
+            for r, key in first_at.items():
+                if lo <= r < lo + READOUT_CHUNK:
+                    first[key] = logprobs[r - lo].clone()
+        return PendingPass(docs, values, order, first)
 
     def finish(self, pending: PendingPass) -> list[DocScores]:
         """Wait for the pass and turn its summands into per-option logprobs."""
@@ -145,7 +167,7 @@ class ModelRunner:
                 for opt in branch:
                     sums.append(values[i:i + len(opt)].sum())
                     i += len(opt)
-                lp = torch.stack(sums)
+                lp = torch.stack(sums) if sums else torch.empty(0)
                 scores.logprobs.append(lp)
                 scores.residual.append(float(1.0 - lp.double().exp().sum()))
             out.append(scores)
