@@ -15,9 +15,12 @@ from pydantic import (
     Discriminator,
     Field,
     PrivateAttr,
+    StrictFloat,
+    StrictInt,
     Tag,
     ValidationError,
     field_validator,
+    model_serializer,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
@@ -28,6 +31,15 @@ from spinf_worker.errors import InvalidRequestError, SpinfError
 DEFAULT_MAX_COMBINATIONS = 4096  # grid cap at parse time; the engine may apply a stricter one
 MAX_QUERIES = 1024
 MAX_QUERY_ID_LENGTH = 128
+
+# Extraction queries ({*}, {n}, {$}): decoding limits, (default, lowest, highest).
+MAX_TOKENS = (32, 1, 256)      # tokens decoded for one answer
+BEAM_WIDTH = (4, 1, 16)        # answers searched side by side; candidates defaults to it
+# Generated {*} slots (``generate``).
+GENERATE_MAX_TOKENS = (64, 1, 512)
+GENERATE_TEMPERATURE = (0.0, 0.0, 2.0)
+GENERATE_MAX_STOPS = 4
+MAX_SEED = 2**63 - 1
 
 # Our validators raise PydanticCustomError carrying the InvalidRequestError under this context
 # key; `parse` takes message, code and (relative) param from it. Pydantic substitutes context
@@ -113,9 +125,52 @@ class Message(BaseModel):
         return "".join(pieces)
 
 
+def _check_range(value: int | float, limits: tuple, *, name: str, where: str) -> None:
+    _default, low, high = limits
+    if not (low <= value <= high):  # NaN fails too
+        raise _invalid(f"{name} {where}must be between {low} and {high}, got {value}",
+                       param=name, code="value_out_of_range")
+
+
+class GenerateSpec(BaseModel):
+    """A generated ``{*}`` slot: free text up to a stop string or ``max_tokens``, instead of a
+    span searched with a beam. ``temperature`` 0 is greedy; above 0 sampling uses ``seed``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_tokens: StrictInt = GENERATE_MAX_TOKENS[0]
+    stop: list[str] = Field(default_factory=list)
+    temperature: StrictFloat = GENERATE_TEMPERATURE[0]
+    seed: StrictInt | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> GenerateSpec:
+        _check_range(self.max_tokens, GENERATE_MAX_TOKENS, name="max_tokens", where="")
+        _check_range(self.temperature, GENERATE_TEMPERATURE, name="temperature", where="")
+        if len(self.stop) > GENERATE_MAX_STOPS:
+            raise _invalid(f"stop has {len(self.stop)} strings; at most {GENERATE_MAX_STOPS} "
+                           "are allowed", param="stop", code="value_out_of_range")
+        for index, stop in enumerate(self.stop):
+            if stop == "":
+                raise _invalid(f"stop string {index} is empty", param=f"stop.{index}")
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
+            raise _invalid(f"seed must be between 0 and {MAX_SEED}, got {self.seed}",
+                           param="seed", code="value_out_of_range")
+        return self
+
+
+_EXTRACTION_FIELDS = ("max_tokens", "beam_width", "candidates", "generate")
+_SEARCH_FIELDS = ("max_tokens", "beam_width", "candidates")  # not with ``generate``
+
+
 class Query(BaseModel):
     """One question. Its template is checked at parse time, so a bad template fails the
-    request before any work is queued."""
+    request before any work is queued.
+
+    ``{?}`` queries need ``options``. Extraction queries (``{*}``, ``{n}``, ``{$}``) must not
+    have them; they take ``max_tokens``, ``beam_width`` and ``candidates`` (set to their
+    defaults after parsing), and ``{*}`` alone may instead ask for ``generate``, in which
+    case those three stay None."""
 
     model_config = ConfigDict(extra="forbid")  # a misspelt field must not be silently dropped
 
@@ -123,6 +178,10 @@ class Query(BaseModel):
     template: str
     options: list[str] | None = None
     values: dict[str, list[str]] = Field(default_factory=dict)
+    max_tokens: StrictInt | None = None
+    beam_width: StrictInt | None = None
+    candidates: StrictInt | None = None
+    generate: GenerateSpec | None = None
 
     _parsed: templates.Template | None = PrivateAttr(default=None)
 
@@ -132,14 +191,24 @@ class Query(BaseModel):
             self._parsed = templates.parse_template(self.template)
         return self._parsed
 
+    @property
+    def slot_kind(self) -> str:
+        """``"?"``, ``"*"``, ``"n"`` or ``"$"``."""
+        return self.parsed_template.slot.kind
+
     @model_validator(mode="after")
     def _check(self) -> Query:
         try:
             parsed = templates.parse_template(self.template, param="template")
-            templates.check_scored_template(parsed, param="template")
+            slot = templates.check_template(parsed, param="template")
         except InvalidRequestError as error:
             raise _carry(error) from None
-        self._check_options()
+        if slot.kind == templates.SCORED:
+            self._forbid(_EXTRACTION_FIELDS, "the scored slot {?}", "extraction slots "
+                         "({*}, {n}, {$})")
+            self._check_options()
+        else:
+            self._check_extraction(slot.kind)
         try:
             templates.check_grid(parsed, self.values, max_combinations=DEFAULT_MAX_COMBINATIONS,
                                  param="values")
@@ -147,6 +216,12 @@ class Query(BaseModel):
             raise _carry(error) from None
         self._parsed = parsed
         return self
+
+    def _forbid(self, fields: tuple[str, ...], has: str, applies_to: str) -> None:
+        for name in fields:
+            if getattr(self, name) is not None:
+                raise _invalid(f"query {self.id!r} has {has}; {name!r} applies only to "
+                               f"{applies_to}", param=name, code="field_not_allowed")
 
     def _check_options(self) -> None:
         if self.options is None:
@@ -163,6 +238,29 @@ class Query(BaseModel):
                 raise _invalid(f"duplicate option {option!r} in query {self.id!r}",
                                param=f"options.{index}", code="duplicate_option")
             seen.add(option)
+
+    def _check_extraction(self, kind: str) -> None:
+        slot = f"the extraction slot {{{kind}}}"
+        self._forbid(("options",), slot, "the scored slot {?}")
+        if self.generate is not None:
+            if kind != "*":
+                self._forbid(("generate",), slot, "the span slot {*}")
+            self._forbid(_SEARCH_FIELDS, "a generated slot ('generate')", "searched "
+                         "extraction slots; set generate.max_tokens for a generated slot")
+            return
+        where = f"of query {self.id!r} "
+        if self.max_tokens is None:
+            self.max_tokens = MAX_TOKENS[0]
+        _check_range(self.max_tokens, MAX_TOKENS, name="max_tokens", where=where)
+        if self.beam_width is None:
+            self.beam_width = BEAM_WIDTH[0]
+        _check_range(self.beam_width, BEAM_WIDTH, name="beam_width", where=where)
+        if self.candidates is None:
+            self.candidates = self.beam_width
+        if not 1 <= self.candidates <= self.beam_width:
+            raise _invalid(f"candidates {where}must be between 1 and beam_width "
+                           f"({self.beam_width}), got {self.candidates}", param="candidates",
+                           code="value_out_of_range")
 
 
 class Scoring(BaseModel):
@@ -268,10 +366,52 @@ class OptionScore(BaseModel):
     floor_p: float  # p for the same question with empty content
 
 
+class AmountValue(BaseModel):
+    """The value of a ``{$}`` candidate; ``currency`` is an ISO 4217 style code or None."""
+
+    amount: float
+    currency: str | None
+
+    @model_serializer(mode="wrap")
+    def _keep_currency(self, handler) -> dict:
+        data = handler(self)
+        data["currency"] = self.currency  # null, not missing, even with exclude_none
+        return data
+
+
+class Candidate(BaseModel):
+    """One answer of an extraction slot, most likely first in ``candidates``."""
+
+    text: str  # the decoded text, without the stop string
+    logprob: float  # summed over the answer's tokens
+    p: float  # over the candidates returned; exp(logprob) for a generated slot
+    value: float | int | AmountValue | None = None  # {n}: the number, {$}: the amount
+
+    @model_serializer(mode="wrap")
+    def _drop_missing_value(self, handler) -> dict:
+        data = handler(self)
+        if self.value is None:
+            data.pop("value", None)  # spans have no value
+        return data
+
+
 class CombinationScore(BaseModel):
+    """A scored combination has ``options`` and ``residual``; an extraction combination has
+    ``candidates`` (and ``options == []``). Fields that are None are left out of every dump,
+    so scored results keep exactly the keys they always had."""
+
     values: dict[str, str]
-    options: list[OptionScore]
-    residual: float  # 1 - sum(exp(logprob)): mass outside the options
+    options: list[OptionScore] = Field(default_factory=list)
+    residual: float | None = None  # 1 - sum(exp(logprob)): mass outside the options
+    candidates: list[Candidate] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler) -> dict:
+        data = handler(self)
+        for name in ("residual", "candidates"):
+            if getattr(self, name) is None:
+                data.pop(name, None)
+        return data
 
 
 class QueryScore(BaseModel):

@@ -4,11 +4,12 @@ A template is text appended after the presented content:
 
 - ``{?}`` is the scored slot: options are scored as continuations of the text before it.
 - ``{name}`` is a placeholder (``name`` an identifier) filled from the query's ``values``.
-- ``{*}``, ``{n}`` and ``{$}`` are extraction slots (span, number, money). The parser knows
-  them so templates can be checked; scoring rejects them until extraction exists.
+- ``{*}``, ``{n}`` and ``{$}`` are extraction slots (span, number, money amount): the answer
+  is decoded after the text before the slot. The literal text right after an extraction slot
+  is its stop string (``'A: "{*}"'`` stops at ``'"'``); no placeholder may follow the slot.
 - ``{{`` and ``}}`` stand for literal braces. Any other brace is an error.
 
-Because ``{n}`` is a slot, no placeholder can be called ``n``.
+A template has exactly one slot. Because ``{n}`` is a slot, no placeholder can be called ``n``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ from spinf_worker.errors import InvalidRequestError
 SCORED = "?"
 EXTRACTION_KINDS = ("*", "n", "$")
 SLOT_KINDS = (SCORED, *EXTRACTION_KINDS)
+SLOT_NAMES = {SCORED: "scored slot", "*": "span slot", "n": "number slot", "$": "amount slot"}
+UNSUPPORTED_EXTRACTION = ("extraction slots ({*}, {n}, {$}) are not supported by this server "
+                          "yet")
 
 
 @dataclass(frozen=True)
@@ -58,11 +62,20 @@ class Template:
     def slots(self) -> tuple[Slot, ...]:
         return tuple(part for part in self.parts if isinstance(part, Slot))
 
+    @property
+    def slot(self) -> Slot:
+        """The template's one slot; ``InvalidRequestError`` (``invalid_template``, param
+        ``template``) when it has none or several. ``check_template`` names the param."""
+        return _one_slot(self, "template")
+
 
 @dataclass(frozen=True)
 class Combination:
     values: dict[str, str]  # placeholder name -> chosen value ({} when the template has none)
-    prefix: str  # the template text before {?}, placeholders filled, escapes resolved
+    prefix: str  # the template text before the slot, placeholders filled, escapes resolved
+    # Extraction slots: the literal text after the slot (decoding ends where it appears), or
+    # None when the slot ends the template. Always None for {?}.
+    stop: str | None = None
 
 
 def parse_template(source: str, *, param: str = "template") -> Template:
@@ -137,29 +150,64 @@ def _template_error(message: str, param: str) -> InvalidRequestError:
     return InvalidRequestError(f"template: {message}", param=param, code="invalid_template")
 
 
-def check_scored_template(template: Template, *, param: str = "template") -> None:
-    """Require exactly one ``{?}``, no extraction slots, and no placeholder used only after
-    ``{?}`` (text after the scored slot is ignored, so such a placeholder would only repeat
-    the same question)."""
-    for slot in template.slots:
-        if slot.kind in EXTRACTION_KINDS:
-            raise InvalidRequestError(
-                f"template uses the extraction slot {{{slot.kind}}}; extraction slots "
-                "({*}, {n}, {$}) are not supported yet", param=param, code="unsupported_slot")
-    scored = sum(1 for slot in template.slots if slot.kind == SCORED)
-    if scored == 0:
-        raise InvalidRequestError("template has no scored slot {?}", param=param,
-                                  code="invalid_template")
-    if scored > 1:
+def _one_slot(template: Template, param: str) -> Slot:
+    slots = template.slots
+    if len(slots) == 1:
+        return slots[0]
+    if not slots:
         raise InvalidRequestError(
-            f"template has {scored} scored slots; exactly one is allowed", param=param,
-            code="invalid_template")
-    before = set(_placeholders_before_scored(template))
-    for name in template.placeholders:
-        if name not in before:
-            raise InvalidRequestError(
-                f"placeholder {{{name}}} appears only after {{?}}; text after the scored slot "
-                "is ignored", param=param, code="invalid_template")
+            "template has no slot (no scored slot {?} and no extraction slot {*}, {n} or "
+            "{$}); exactly one is required", param=param, code="invalid_template")
+    counts = {kind: sum(1 for slot in slots if slot.kind == kind)
+              for kind in dict.fromkeys(slot.kind for slot in slots)}
+    kinds = ", ".join(f"{count} {SLOT_NAMES[kind]}{'s' if count > 1 else ''} {{{kind}}}"
+                      for kind, count in counts.items())
+    raise InvalidRequestError(
+        f"template has {len(slots)} slots ({kinds}); exactly one is allowed", param=param,
+        code="invalid_template")
+
+
+def check_template(template: Template, *, param: str = "template") -> Slot:
+    """Check the rules every query template follows and return its one slot.
+
+    - exactly one slot (``{?}``, ``{*}``, ``{n}`` or ``{$}``);
+    - ``{?}``: no placeholder used only after the slot (text after the scored slot is ignored,
+      so such a placeholder would only repeat the same question);
+    - extraction slots: no placeholder after the slot (the text after it is the literal stop
+      string, the same for every combination).
+    """
+    slot = _one_slot(template, param)
+    after = _placeholders_after_slot(template)
+    if slot.kind == SCORED:
+        before = set(_placeholders_before_slot(template))
+        for name in after:
+            if name not in before:
+                raise InvalidRequestError(
+                    f"placeholder {{{name}}} appears only after {{?}}; text after the scored "
+                    "slot is ignored", param=param, code="invalid_template")
+    elif after:
+        raise InvalidRequestError(
+            f"placeholder {{{after[0]}}} appears after the extraction slot {{{slot.kind}}}; "
+            "the text after an extraction slot is its stop string and must be literal",
+            param=param, code="invalid_template")
+    return slot
+
+
+def check_extraction_supported(template: Template, *, param: str = "template") -> None:
+    """Reject extraction slots (``unsupported_slot``) while this server cannot decode them.
+
+    The one place that says so: the engine reaches it through ``expand_grid`` until its
+    decoder lands (then it passes ``allow_extraction=True``). Request parsing does not call
+    it, so the API accepts extraction queries and the workers decide."""
+    if any(slot.kind in EXTRACTION_KINDS for slot in template.slots):
+        raise InvalidRequestError(UNSUPPORTED_EXTRACTION, param=param, code="unsupported_slot")
+
+
+def check_scored_template(template: Template, *, param: str = "template") -> None:
+    """Require exactly one slot and that it is ``{?}`` (``check_template``'s rules; an
+    extraction slot fails with ``unsupported_slot``)."""
+    check_template(template, param=param)
+    check_extraction_supported(template, param=param)
 
 
 def check_grid(template: Template, values: dict[str, list[str]], *, max_combinations: int,
@@ -198,23 +246,32 @@ def check_grid(template: Template, values: dict[str, list[str]], *, max_combinat
 
 
 def expand_grid(template: Template, values: dict[str, list[str]], *, max_combinations: int,
-                param: str = "values", template_param: str = "template") -> list[Combination]:
-    """Every combination of placeholder values, with the text each one scores after.
+                param: str = "values", template_param: str = "template",
+                allow_extraction: bool = False) -> list[Combination]:
+    """Every combination of placeholder values, with the text before the slot and, for an
+    extraction slot, the stop string after it.
 
-    Enforces the scored-query rules (``check_scored_template``) and the values rules
-    (``check_grid``) first. Text after ``{?}`` is ignored for scoring. The grid is the
-    cartesian product in order of first appearance: the first placeholder varies slowest.
+    Enforces ``check_template`` and the values rules (``check_grid``) first. Text after
+    ``{?}`` is ignored; the literal text after an extraction slot is ``Combination.stop``.
+    The grid is the cartesian product in order of first appearance: the first placeholder
+    varies slowest.
+
+    Extraction slots fail with ``unsupported_slot`` (``check_extraction_supported``) unless
+    ``allow_extraction`` is true: the engine keeps the default until its decoder lands.
     """
-    check_scored_template(template, param=template_param)
+    slot = check_template(template, param=template_param)
+    if not allow_extraction:
+        check_extraction_supported(template, param=template_param)
     check_grid(template, values, max_combinations=max_combinations, param=param)
     names = template.placeholders
-    before = _parts_before_scored(template)
+    before = _parts_before_slot(template)
+    stop = _stop_string(template) if slot.kind in EXTRACTION_KINDS else None
     combinations = []
     for chosen in product(*(values[name] for name in names)):
         filled = dict(zip(names, chosen, strict=True))
         prefix = "".join(
             filled[part.name] if isinstance(part, Placeholder) else part.text for part in before)
-        combinations.append(Combination(values=filled, prefix=prefix))
+        combinations.append(Combination(values=filled, prefix=prefix, stop=stop))
     return combinations
 
 
@@ -227,16 +284,27 @@ def scored_prefix_combinations(template_source: str, values: dict[str, list[str]
                        template_param=template_param)
 
 
-def _parts_before_scored(template: Template) -> list[Literal | Placeholder]:
-    before: list[Literal | Placeholder] = []
-    for part in template.parts:
-        if isinstance(part, Slot):
-            if part.kind == SCORED:
-                break
-            continue
-        before.append(part)
-    return before
+def _slot_index(template: Template) -> int:
+    """Index in ``parts`` of the first slot (the only one once the template is checked)."""
+    return next(i for i, part in enumerate(template.parts) if isinstance(part, Slot))
 
 
-def _placeholders_before_scored(template: Template) -> list[str]:
-    return [part.name for part in _parts_before_scored(template) if isinstance(part, Placeholder)]
+def _parts_before_slot(template: Template) -> list[Literal | Placeholder]:
+    return list(template.parts[:_slot_index(template)])
+
+
+def _placeholders_before_slot(template: Template) -> list[str]:
+    return [part.name for part in _parts_before_slot(template) if isinstance(part, Placeholder)]
+
+
+def _placeholders_after_slot(template: Template) -> list[str]:
+    after = template.parts[_slot_index(template) + 1:]
+    return list(dict.fromkeys(part.name for part in after if isinstance(part, Placeholder)))
+
+
+def _stop_string(template: Template) -> str | None:
+    """The literal text right after the slot, up to the next placeholder, slot or the end."""
+    after = template.parts[_slot_index(template) + 1:]
+    if after and isinstance(after[0], Literal):
+        return after[0].text
+    return None

@@ -6,8 +6,11 @@ from spinf_worker.errors import InvalidRequestError
 from spinf_worker.protocol import (
     DEFAULT_MAX_COMBINATIONS,
     MAX_QUERIES,
+    AmountValue,
+    Candidate,
     CombinationScore,
     ErrorResponse,
+    GenerateSpec,
     Message,
     OptionScore,
     QueryScore,
@@ -69,11 +72,14 @@ def test_spec_example_parses_without_the_extraction_query():
     assert request.content_messages()[0].text().startswith("Customer support message:\nI was")
 
 
-def test_spec_example_extraction_query_fails_as_unsupported_slot():
-    error = parse_error(SPEC_EXAMPLE)
-    assert error.code == "unsupported_slot"
-    assert error.param == "scoring.queries.2.template"
-    assert "{*}" in error.message
+def test_spec_example_parses_with_its_extraction_query():
+    request = ScoreRequest.parse(SPEC_EXAMPLE)
+    month = request.scoring.queries[2]
+    assert month.id == "month"
+    assert month.options is None
+    assert month.slot_kind == "*"
+    assert (month.max_tokens, month.beam_width, month.candidates, month.generate) == (
+        32, 4, 4, None)
 
 
 def test_parsed_template_is_kept_on_the_query():
@@ -301,3 +307,247 @@ def test_response_serialises_in_the_spec_shape():
 def test_error_response_matches_the_openai_shape():
     error = InvalidRequestError("bad", param="scoring.queries.0.options", code="duplicate_option")
     assert ErrorResponse.from_error(error).model_dump() == error.to_openai()
+
+
+def scored_combination():
+    return CombinationScore(values={}, residual=0.44, options=[
+        OptionScore(text=" yes", logprob=-0.9, p=0.72, floor_p=0.6),
+        OptionScore(text=" no", logprob=-1.86, p=0.28, floor_p=0.4)])
+
+
+def extraction_combination():
+    return CombinationScore(values={"who": "Ann"}, candidates=[
+        Candidate(text="$1,284.50", logprob=-0.4, p=0.7,
+                  value=AmountValue(amount=1284.5, currency="USD")),
+        Candidate(text="1,284", logprob=-1.6, p=0.2, value=AmountValue(amount=1284.0,
+                                                                        currency=None)),
+        Candidate(text="12", logprob=-2.0, p=0.1, value=12),
+        Candidate(text="September", logprob=-2.5, p=0.05)])
+
+
+def full_response(*combinations):
+    return ScoreResponse(
+        id="score-1", created=1764500000, model="m", system_fingerprint="fp",
+        usage=Usage(prompt_tokens=10, scored_tokens=4, total_tokens=14),
+        queries=[QueryScore(id="q", combinations=list(combinations))])
+
+
+@pytest.mark.parametrize("exclude_none", [False, True])
+def test_scored_combinations_keep_exactly_their_keys(exclude_none):
+    dumped = scored_combination().model_dump(exclude_none=exclude_none)
+    assert dumped == {"values": {}, "residual": 0.44, "options": [
+        {"text": " yes", "logprob": -0.9, "p": 0.72, "floor_p": 0.6},
+        {"text": " no", "logprob": -1.86, "p": 0.28, "floor_p": 0.4}]}
+    assert list(dumped) == ["values", "options", "residual"]
+
+
+def test_scored_response_json_is_unchanged():
+    response = full_response(scored_combination())
+    assert response.model_dump_json() == (
+        '{"id":"score-1","object":"score","created":1764500000,"model":"m",'
+        '"system_fingerprint":"fp","usage":{"prompt_tokens":10,"scored_tokens":4,'
+        '"total_tokens":14},"queries":[{"id":"q","combinations":[{"values":{},"options":['
+        '{"text":" yes","logprob":-0.9,"p":0.72,"floor_p":0.6},'
+        '{"text":" no","logprob":-1.86,"p":0.28,"floor_p":0.4}],"residual":0.44}]}],'
+        '"packs":[]}')
+    assert response.model_dump(mode="json") == response.model_dump(mode="json",
+                                                                    exclude_none=True)
+
+
+@pytest.mark.parametrize("exclude_none", [False, True])
+def test_extraction_combination_shape(exclude_none):
+    dumped = extraction_combination().model_dump(mode="json", exclude_none=exclude_none)
+    assert dumped == {"values": {"who": "Ann"}, "options": [], "candidates": [
+        {"text": "$1,284.50", "logprob": -0.4, "p": 0.7,
+         "value": {"amount": 1284.5, "currency": "USD"}},
+        {"text": "1,284", "logprob": -1.6, "p": 0.2,
+         "value": {"amount": 1284.0, "currency": None}},
+        {"text": "12", "logprob": -2.0, "p": 0.1, "value": 12},
+        {"text": "September", "logprob": -2.5, "p": 0.05}]}
+
+
+def test_responses_round_trip_through_json():
+    response = full_response(scored_combination(), extraction_combination())
+    again = ScoreResponse.model_validate_json(response.model_dump_json())
+    assert again == response
+    candidates = again.queries[0].combinations[1].candidates
+    assert isinstance(candidates[0].value, AmountValue)
+    assert type(candidates[2].value) is int
+    assert again.queries[0].combinations[0].candidates is None
+
+
+# ---- extraction queries ------------------------------------------------------------------
+
+
+def extraction(template='\n\nQ: Which month?\nA: "{*}"', **fields):
+    query = {"id": "x", "template": template, **fields}
+    return minimal(scoring={"queries": [REFUND, query]})
+
+
+def extraction_query(template='A: "{*}"', **fields) -> object:
+    return ScoreRequest.parse(extraction(template, **fields)).scoring.queries[1]
+
+
+@pytest.mark.parametrize("template", ['A: "{*}"', "Total: {n}\n", "Amount: {$}"])
+def test_extraction_defaults(template):
+    query = extraction_query(template)
+    assert (query.max_tokens, query.beam_width, query.candidates) == (32, 4, 4)
+    assert query.options is None and query.generate is None
+
+
+def test_candidates_default_to_the_beam_width():
+    query = extraction_query("{n}", beam_width=8)
+    assert (query.beam_width, query.candidates) == (8, 8)
+
+
+def test_extraction_limits_are_inclusive():
+    query = extraction_query("{$}", max_tokens=256, beam_width=16, candidates=16)
+    assert (query.max_tokens, query.beam_width, query.candidates) == (256, 16, 16)
+    query = extraction_query("{$}", max_tokens=1, beam_width=1, candidates=1)
+    assert (query.max_tokens, query.beam_width, query.candidates) == (1, 1, 1)
+
+
+@pytest.mark.parametrize(("fields", "param", "fragment"), [
+    ({"max_tokens": 257}, "max_tokens", "max_tokens of query 'x' must be between 1 and 256, "
+                                        "got 257"),
+    ({"max_tokens": 0}, "max_tokens", "between 1 and 256"),
+    ({"beam_width": 17}, "beam_width", "beam_width of query 'x' must be between 1 and 16"),
+    ({"beam_width": 0}, "beam_width", "between 1 and 16"),
+    ({"candidates": 5}, "candidates", "between 1 and beam_width (4), got 5"),
+    ({"beam_width": 2, "candidates": 3}, "candidates", "beam_width (2), got 3"),
+    ({"candidates": 0}, "candidates", "got 0"),
+])
+def test_extraction_limits(fields, param, fragment):
+    error = parse_error(extraction(**fields))
+    assert error.param == f"scoring.queries.1.{param}"
+    assert fragment in error.message
+    assert error.code == "value_out_of_range"
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("max_tokens", True), ("max_tokens", 3.0), ("max_tokens", "3"), ("beam_width", "4"),
+    ("candidates", 1.5),
+])
+def test_extraction_integers_are_strict(field, value):
+    error = parse_error(extraction(**{field: value}))
+    assert error.param == f"scoring.queries.1.{field}"
+    assert "valid integer" in error.message
+
+
+@pytest.mark.parametrize("template", ['A: "{*}"', "{n}", "{$}"])
+def test_options_are_forbidden_for_extraction(template):
+    error = parse_error(extraction(template, options=[" a", " b"]))
+    assert error.param == "scoring.queries.1.options"
+    assert error.code == "field_not_allowed"
+    assert "query 'x'" in error.message
+    assert "'options' applies only to the scored slot {?}" in error.message
+
+
+def test_empty_options_are_forbidden_for_extraction_too():
+    assert parse_error(extraction(options=[])).param == "scoring.queries.1.options"
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("max_tokens", 8), ("beam_width", 2), ("candidates", 1), ("generate", {}),
+])
+def test_extraction_fields_are_forbidden_for_scored_queries(field, value):
+    error = parse_error(with_query(**{field: value}))
+    assert error.param == f"scoring.queries.0.{field}"
+    assert error.code == "field_not_allowed"
+    assert f"query 'refund' has the scored slot {{?}}; {field!r} applies only to " \
+           "extraction slots" in error.message
+
+
+def test_scored_queries_keep_extraction_fields_unset():
+    query = ScoreRequest.parse(minimal()).scoring.queries[0]
+    assert (query.max_tokens, query.beam_width, query.candidates, query.generate) == (
+        None, None, None, None)
+    assert query.slot_kind == "?"
+
+
+def test_extraction_query_with_values():
+    query = extraction_query('Who paid {what}? "{*}"', values={"what": ["rent", "tax"]})
+    assert query.values == {"what": ["rent", "tax"]}
+
+
+def test_placeholder_after_extraction_slot_fails_at_parse_time():
+    error = parse_error(extraction('A: "{*}" {x}', values={"x": ["a"]}))
+    assert error.param == "scoring.queries.1.template"
+    assert error.code == "invalid_template"
+
+
+@pytest.mark.parametrize(("template", "fragment"), [
+    ("no slot", "template has no slot"), ("{n} or {$}", "template has 2 slots")])
+def test_slot_count_errors_at_parse_time(template, fragment):
+    error = parse_error(extraction(template))
+    assert error.param == "scoring.queries.1.template"
+    assert fragment in error.message
+
+
+def test_parsed_extraction_request_survives_a_dump_and_parse():
+    # the API queues model_dump(mode="json", exclude_none=True) and the worker parses it again
+    request = ScoreRequest.parse(minimal(scoring={"queries": [
+        REFUND, {"id": "m", "template": "{n}", "beam_width": 2},
+        {"id": "g", "template": "{*}", "generate": {"stop": ["\n"], "seed": 7}}]}))
+    payload = request.model_dump(mode="json", exclude_none=True)
+    assert payload["scoring"]["queries"][0] == {**REFUND, "values": {}}  # no new keys
+    again = ScoreRequest.parse(payload)
+    assert again.scoring.queries == request.scoring.queries
+
+
+# ---- generated slots ---------------------------------------------------------------------
+
+
+def test_generate_defaults():
+    query = extraction_query("{*}", generate={})
+    assert query.generate == GenerateSpec(max_tokens=64, stop=[], temperature=0.0, seed=None)
+    assert (query.max_tokens, query.beam_width, query.candidates) == (None, None, None)
+
+
+def test_generate_fields():
+    spec = extraction_query("{*}", generate={"max_tokens": 512, "stop": ["\n", "."],
+                                              "temperature": 2, "seed": 0}).generate
+    assert (spec.max_tokens, spec.stop, spec.temperature, spec.seed) == (512, ["\n", "."],
+                                                                         2.0, 0)
+
+
+@pytest.mark.parametrize("template", ["{n}", "{$}"])
+def test_generate_only_with_span_slots(template):
+    error = parse_error(extraction(template, generate={}))
+    assert error.param == "scoring.queries.1.generate"
+    assert error.code == "field_not_allowed"
+    assert "applies only to the span slot {*}" in error.message
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "beam_width", "candidates"])
+def test_search_fields_do_not_apply_to_generated_slots(field):
+    error = parse_error(extraction("{*}", generate={}, **{field: 1}))
+    assert error.param == f"scoring.queries.1.{field}"
+    assert error.code == "field_not_allowed"
+    assert "generated slot" in error.message
+
+
+@pytest.mark.parametrize(("generate", "param", "fragment"), [
+    ({"max_tokens": 513}, "max_tokens", "max_tokens must be between 1 and 512, got 513"),
+    ({"max_tokens": 0}, "max_tokens", "between 1 and 512"),
+    ({"temperature": 2.01}, "temperature", "temperature must be between 0.0 and 2.0"),
+    ({"temperature": -0.1}, "temperature", "between 0.0 and 2.0"),
+    ({"temperature": float("nan")}, "temperature", "between 0.0 and 2.0"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "stop has 5 strings; at most 4"),
+    ({"stop": ["a", ""]}, "stop.1", "stop string 1 is empty"),
+    ({"seed": -1}, "seed", "seed must be between 0 and"),
+    ({"seed": 2**63}, "seed", "seed must be between 0 and"),
+    ({"top_p": 0.9}, "top_p", "unknown field"),
+    ({"max_tokens": "8"}, "max_tokens", "valid integer"),
+    ({"temperature": True}, "temperature", "valid number"),
+])
+def test_generate_limits(generate, param, fragment):
+    error = parse_error(extraction("{*}", generate=generate))
+    assert error.param == f"scoring.queries.1.generate.{param}"
+    assert fragment in error.message
+
+
+def test_generate_limits_are_inclusive():
+    spec = extraction_query("{*}", generate={"max_tokens": 1, "stop": ["a", "b", "c", "d"],
+                                              "temperature": 0, "seed": 2**63 - 1}).generate
+    assert (spec.max_tokens, len(spec.stop), spec.temperature) == (1, 4, 0.0)

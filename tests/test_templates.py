@@ -8,7 +8,9 @@ from spinf_worker.templates import (
     Literal,
     Placeholder,
     Slot,
+    check_extraction_supported,
     check_scored_template,
+    check_template,
     expand_grid,
     parse_template,
     scored_prefix_combinations,
@@ -79,34 +81,93 @@ def test_parse_error_param_defaults_to_template():
 # ---- scored-query rules ------------------------------------------------------------------
 
 
-def test_missing_scored_slot():
+def test_missing_slot():
     with pytest.raises(InvalidRequestError) as caught:
         grid("no slot here")
-    assert caught.value.message == "template has no scored slot {?}"
+    assert caught.value.message.startswith("template has no slot")
+    assert "no scored slot {?}" in caught.value.message  # the engine's tests look for this
     assert caught.value.param == "template"
+    assert caught.value.code == "invalid_template"
 
 
 def test_two_scored_slots():
     with pytest.raises(InvalidRequestError) as caught:
         grid("a{?} b{?}")
-    assert caught.value.message == "template has 2 scored slots; exactly one is allowed"
+    assert caught.value.message == (
+        "template has 2 slots (2 scored slots {?}); exactly one is allowed")
+    assert caught.value.code == "invalid_template"
+
+
+@pytest.mark.parametrize(("source", "count", "kinds"), [
+    ("a{?} b{n}", 2, "1 scored slot {?}, 1 number slot {n}"),
+    ("{*} {$} {*}", 3, "2 span slots {*}, 1 amount slot {$}"),
+])
+def test_several_slots_of_any_kind_name_each_kind(source, count, kinds):
+    with pytest.raises(InvalidRequestError) as caught:
+        check_template(parse_template(source), param="scoring.queries.1.template")
+    assert caught.value.message == f"template has {count} slots ({kinds}); exactly one is allowed"
+    assert caught.value.param == "scoring.queries.1.template"
+    assert caught.value.code == "invalid_template"
+
+
+@pytest.mark.parametrize("source, kind", [("Q{?}", "?"), ("A: {*}.", "*"), ("{n}", "n"),
+                                          ("x {$}", "$")])
+def test_the_one_slot(source, kind):
+    template = parse_template(source)
+    assert template.slot == Slot(kind)
+    assert check_template(template) == Slot(kind)
+
+
+@pytest.mark.parametrize(("source", "fragment"), [("none", "no slot"), ("{*}{n}", "2 slots")])
+def test_slot_property_raises_without_exactly_one_slot(source, fragment):
+    with pytest.raises(InvalidRequestError) as caught:
+        parse_template(source).slot  # noqa: B018
+    assert fragment in caught.value.message
+    assert caught.value.param == "template"
+    assert caught.value.code == "invalid_template"
 
 
 @pytest.mark.parametrize("slot", ["{*}", "{n}", "{$}"])
-def test_extraction_slots_are_not_supported_yet(slot):
+def test_extraction_slots_are_not_supported_by_default(slot):
     with pytest.raises(InvalidRequestError) as caught:
         scored_prefix_combinations(f"Q: {slot}", {}, max_combinations=10,
                                    template_param="scoring.queries.2.template")
     assert caught.value.code == "unsupported_slot"
-    assert "not supported yet" in caught.value.message
-    assert slot in caught.value.message
+    assert caught.value.message == (
+        "extraction slots ({*}, {n}, {$}) are not supported by this server yet")
     assert caught.value.param == "scoring.queries.2.template"
 
 
-def test_extraction_slot_is_rejected_even_next_to_a_scored_slot():
+@pytest.mark.parametrize("slot", ["{*}", "{n}", "{$}"])
+def test_expand_grid_rejects_extraction_unless_allowed(slot):
+    template = parse_template(f"Q: {slot}")
+    with pytest.raises(InvalidRequestError) as caught:
+        expand_grid(template, {}, max_combinations=10, template_param="t")
+    assert (caught.value.code, caught.value.param) == ("unsupported_slot", "t")
+    combos = expand_grid(template, {}, max_combinations=10, allow_extraction=True)
+    assert combos == [Combination(values={}, prefix="Q: ", stop=None)]
+
+
+def test_check_extraction_supported():
+    check_extraction_supported(parse_template("Q{?}"))
+    check_extraction_supported(parse_template("no slot"))  # judged by check_template
+    with pytest.raises(InvalidRequestError) as caught:
+        check_extraction_supported(parse_template("Q {n}"), param="scoring.queries.4.template")
+    assert caught.value.code == "unsupported_slot"
+    assert caught.value.param == "scoring.queries.4.template"
+
+
+def test_check_scored_template_rejects_extraction_as_unsupported():
+    check_scored_template(parse_template("Q{?}"))
+    with pytest.raises(InvalidRequestError) as caught:
+        check_scored_template(parse_template("Q {$}"))
+    assert caught.value.code == "unsupported_slot"
+
+
+def test_extraction_slot_next_to_a_scored_slot_is_an_invalid_template():
     with pytest.raises(InvalidRequestError) as caught:
         grid("a{?} b{n}")
-    assert caught.value.code == "unsupported_slot"
+    assert caught.value.code == "invalid_template"
 
 
 def test_placeholder_only_after_scored_slot_is_rejected():
@@ -209,3 +270,58 @@ def test_duplicate_values_in_one_list():
 
 def test_same_value_in_different_lists_is_fine():
     assert len(grid("{x}{y}{?}", {"x": ["a"], "y": ["a"]})) == 1
+
+
+# ---- extraction slots: prefix and stop ----------------------------------------------------
+
+
+def extraction_grid(source, values=None, cap=4096):
+    return expand_grid(parse_template(source), values or {}, max_combinations=cap,
+                       allow_extraction=True)
+
+
+@pytest.mark.parametrize(("source", "prefix", "stop"), [
+    ('\n\nQ: Which month?\nA: "{*}"', '\n\nQ: Which month?\nA: "', '"'),
+    ("Total: {$}\n", "Total: ", "\n"),
+    ("Amount: {n}", "Amount: ", None),
+    ("{n}", "", None),
+    ("A: {*} (end)", "A: ", " (end)"),
+    ("JSON: {{\"v\": {n}}}", 'JSON: {"v": ', "}"),
+])
+def test_prefix_and_stop_of_extraction_slots(source, prefix, stop):
+    assert extraction_grid(source) == [Combination(values={}, prefix=prefix, stop=stop)]
+
+
+def test_scored_slot_has_no_stop():
+    assert extraction_grid("Q:{?} trailing")[0].stop is None
+    assert grid("Q:{?} trailing")[0].stop is None
+
+
+def test_extraction_grid_fills_placeholders_before_the_slot():
+    combos = extraction_grid('When did {who} {act}? "{*}"', {"who": ["Ann", "Bo"], "act": ["go"]})
+    assert [(c.values, c.prefix, c.stop) for c in combos] == [
+        ({"who": "Ann", "act": "go"}, 'When did Ann go? "', '"'),
+        ({"who": "Bo", "act": "go"}, 'When did Bo go? "', '"'),
+    ]
+
+
+@pytest.mark.parametrize("source", ['A: "{*}" {x}', "Total {x}: {n}{x}", "{$}{x}"])
+def test_placeholder_after_an_extraction_slot_is_an_error(source):
+    with pytest.raises(InvalidRequestError) as caught:
+        extraction_grid(source, {"x": ["a"]})
+    assert caught.value.code == "invalid_template"
+    assert "{x} appears after the extraction slot" in caught.value.message
+    assert caught.value.param == "template"
+
+
+def test_placeholder_after_extraction_slot_fails_before_the_support_check():
+    template = parse_template("A {*} {x}")
+    with pytest.raises(InvalidRequestError) as caught:
+        expand_grid(template, {"x": ["a"]}, max_combinations=10)
+    assert caught.value.code == "invalid_template"
+
+
+def test_extraction_grid_checks_values():
+    with pytest.raises(InvalidRequestError) as caught:
+        extraction_grid("{a}{b}{n}", {"a": ["1", "2"], "b": ["1", "2", "3"]}, cap=5)
+    assert caught.value.code == "grid_too_large"
