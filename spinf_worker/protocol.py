@@ -384,7 +384,7 @@ class Candidate(BaseModel):
 
     text: str  # the decoded text, without the stop string
     logprob: float  # summed over the answer's tokens
-    p: float  # over the candidates returned; exp(logprob) for a generated slot
+    p: float  # exp(logprob): the model's probability of this answer (not renormalised)
     value: float | int | AmountValue | None = None  # {n}: the number, {$}: the amount
 
     @model_serializer(mode="wrap")
