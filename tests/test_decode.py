@@ -27,7 +27,7 @@ def _pass_with_slot(engine, prefix_text: str, extra_scored: bool):
 
 
 def _jobs(engine, flat, pending, **kwargs) -> SlotJob:
-    _, context = flat.extract[1]
+    _, context, _ = flat.extract[1]
     rows = torch.tensor(context)
     return SlotJob(rows + pending.keep_base[0], flat.positions[rows], pending.first[(0, 1)],
                    **kwargs)
@@ -47,7 +47,7 @@ def test_slot_branch_leaves_scores_unchanged(tiny_engine):
 def test_greedy_slot_equals_transformers_greedy(tiny_engine, tiny_oracle):
     root, prefix, flat, pending, _ = _pass_with_slot(tiny_engine, '\n\nQ: Which month?\nA: "',
                                                      True)
-    job = _jobs(tiny_engine, flat, pending, stop='"', max_tokens=6, beam_width=1, candidates=1)
+    job = _jobs(tiny_engine, flat, pending, stops=('"', "\n"), max_tokens=6, beam_width=1, candidates=1)
     found = _decoder(tiny_engine).decode([job], pending.kept)[0]
     assert len(found) == 1
     ids = torch.tensor([root + prefix])
@@ -62,7 +62,7 @@ def test_greedy_slot_equals_transformers_greedy(tiny_engine, tiny_oracle):
 
 def test_beam_candidates_carry_sequence_logprobs(tiny_engine, tiny_oracle):
     root, prefix, flat, pending, _ = _pass_with_slot(tiny_engine, "\n\nThe month was", True)
-    job = _jobs(tiny_engine, flat, pending, stop=None, max_tokens=4, beam_width=4, candidates=3)
+    job = _jobs(tiny_engine, flat, pending, max_tokens=4, beam_width=4, candidates=3)
     found = _decoder(tiny_engine).decode([job], pending.kept)[0]
     assert 1 <= len(found) <= 3
     assert [f.logprob for f in found] == sorted((f.logprob for f in found), reverse=True)
@@ -74,7 +74,7 @@ def test_beam_candidates_carry_sequence_logprobs(tiny_engine, tiny_oracle):
 def test_constrained_slot_emits_only_allowed_text(tiny_engine):
     *_, flat, pending, _ = _pass_with_slot(tiny_engine, "\n\nAmount charged:", True)
     digits = set("0123456789., ")
-    job = _jobs(tiny_engine, flat, pending, stop=None, max_tokens=4, beam_width=3, candidates=3,
+    job = _jobs(tiny_engine, flat, pending, max_tokens=4, beam_width=3, candidates=3,
                 allowed=lambda text: set(text) <= digits,
                 complete=lambda text: any(c.isdigit() for c in text))
     found = _decoder(tiny_engine).decode([job], pending.kept)[0]

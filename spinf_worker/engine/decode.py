@@ -24,7 +24,7 @@ class SlotJob:
     context_rows: torch.Tensor       # rows into the kept keys/values (root + own branch)
     context_pos: torch.Tensor        # their positions
     first_logprobs: torch.Tensor     # [vocab] fp32: the distribution after the template prefix
-    stop: str | None                 # text that ends the span (else a newline)
+    stops: tuple[str, ...] = ("\n",)  # texts that end the answer (not part of it)
     max_tokens: int = 32
     beam_width: int = 4
     candidates: int = 4
@@ -65,7 +65,7 @@ class DecodePlan:
         values = torch.cat((self.ctx_v[layer][self.beam_slot], gv), 1)
         pos = torch.cat((self.ctx_pos[self.beam_slot], self.gen_pos, self.q_pos[:, None]), 1)
         ok = torch.cat((self.ctx_ok[self.beam_slot],
-                        torch.ones(n, gk.shape[1], dtype=torch.bool)), 1)
+                        torch.ones(n, gk.shape[1], dtype=torch.bool, device=q.device)), 1)
         if sliding:
             ok &= (self.q_pos[:, None] - pos) < self.window
         hkv = keys.shape[2]
@@ -111,11 +111,10 @@ class SlotDecoder:
                 found.append(Found(beam.text, total, tokens))
             return
         text = self._text(tokens)
-        end = job.stop or "\n"
-        cut = text.find(end, max(len(beam.text) - len(end) + 1, 0))
-        if cut < 0 and job.stop:
-            cut = text.find("\n", len(beam.text))   # a newline ends any span
-        if cut >= 0:
+        ends = [i for i in (text.find(e, max(len(beam.text) - len(e) + 1, 0)) for e in job.stops)
+                if i >= 0]
+        if ends:
+            cut = min(ends)
             if job.complete(text[:cut]):
                 found.append(Found(text[:cut], total, tokens))
             return
@@ -159,6 +158,8 @@ class SlotDecoder:
         for i, j in enumerate(jobs):
             n = j.context_rows.shape[0]
             rows[i, :n], ok[i, :n], pos[i, :n] = j.context_rows, True, j.context_pos
+        dev = next(self.model.parameters()).device
+        rows, ok, pos = rows.to(dev), ok.to(dev), pos.to(dev)
         plan = DecodePlan({layer: k[rows] for layer, (k, _) in kept.items()},
                           {layer: v[rows] for layer, (_, v) in kept.items()},
                           pos, ok, self.model.cfg.sliding_window)
@@ -169,9 +170,10 @@ class SlotDecoder:
         beams = [b for s, job in enumerate(jobs)
                  for b in self._expand(job, start[s], job.first_logprobs, found[s], gens[s])]
         next_pos = [int(j.context_pos.max()) + 1 for j in jobs]
-        plan.gen_pos = torch.zeros(len(beams), 0, dtype=torch.long)
-        plan.beam_slot = torch.tensor([b.slot for b in beams], dtype=torch.long)
-        plan.q_pos = torch.tensor([next_pos[b.slot] for b in beams], dtype=torch.long)
+        plan.gen_pos = torch.zeros(len(beams), 0, dtype=torch.long, device=dev)
+        plan.beam_slot = torch.tensor([b.slot for b in beams], dtype=torch.long, device=dev)
+        plan.q_pos = torch.tensor([next_pos[b.slot] for b in beams], dtype=torch.long,
+                                  device=dev)
         for _ in range(max(j.max_tokens for j in jobs) - 1):
             if not beams:
                 break
@@ -194,7 +196,7 @@ class SlotDecoder:
                     continue   # no live beam can beat the answers already found
                 survivors.extend(grown)
             beams = [b for _, b in survivors]
-            plan.advance(torch.tensor([i for i, _ in survivors], dtype=torch.long))
+            plan.advance(torch.tensor([i for i, _ in survivors], dtype=torch.long, device=dev))
         for b in beams:   # still live after the last step: cut short at max_tokens
             if jobs[b.slot].complete(b.text):
                 found[b.slot].append(Found(b.text, b.logprob, b.tokens))
@@ -207,9 +209,10 @@ class SlotDecoder:
         """Feed each beam's last token; full-vocabulary logprobs of its next token."""
         n = len(beams)
         padded = -(-n // ROW_TILE) * ROW_TILE
-        ids = torch.full((padded,), self.pad_id, dtype=torch.long)
-        ids[:n] = torch.tensor([b.tokens[-1] for b in beams])
-        pos = torch.zeros(padded, dtype=torch.long)
+        dev = plan.q_pos.device
+        ids = torch.full((padded,), self.pad_id, dtype=torch.long, device=dev)
+        ids[:n] = torch.tensor([b.tokens[-1] for b in beams], device=dev)
+        pos = torch.zeros(padded, dtype=torch.long, device=dev)
         pos[:n] = plan.q_pos
         hidden = self.model(ids, pos, plan)
         readout = -(-n // 32) * 32

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import time
 import uuid
 from collections import OrderedDict
@@ -19,8 +20,10 @@ import torch
 
 from .. import __version__
 from ..errors import ContextLengthError, InvalidRequestError, ModelNotFoundError, SpinfError
+from ..extract_values import grammar_for, parse_value
 from ..models.loader import DEFAULT_MODEL, Checkpoint, load_checkpoint
 from ..protocol import (
+    Candidate,
     CombinationScore,
     OptionScore,
     Query,
@@ -30,10 +33,11 @@ from ..protocol import (
     Usage,
 )
 from ..templates import Combination, expand_grid
+from .decode import SlotDecoder, SlotJob
 from .layout import Branch, DocTree, FlatDoc
 from .packer import pack
 from .presentation import Presenter, choose_mode
-from .runner import DocScores, ModelRunner
+from .runner import DocScores, ModelRunner, PendingPass
 
 KERNEL_VERSION = "tree-split-mm-tiles-1"
 
@@ -110,6 +114,8 @@ class Engine:
         self.model = model.eval()
         self.pad_id = checkpoint.config.get("pad_token_id") or 0
         self.runner = ModelRunner(self.model, self.device, self.dtype, self.pad_id)
+        self.decoder = SlotDecoder(self.model, checkpoint.tokenizer, checkpoint.eos_token_id,
+                                   self.pad_id)
         mode = choose_mode(self.settings.presentation, checkpoint.name, checkpoint.chat_template)
         self.presenter = Presenter(checkpoint.tokenizer, checkpoint.bos_token_id, mode,
                                    checkpoint.chat_template)
@@ -173,13 +179,15 @@ class Engine:
     def _branches(self, queries: list[Query], grids: list[list[Combination]]) -> list[Branch]:
         enc = self.presenter.encode
         return [Branch(list(enc(c.prefix)), [list(enc(o)) for o in q.options])
+                if q.slot_kind == "?" else Branch(list(enc(c.prefix)), [], _slot_settings(q, c))
                 for q, grid in zip(queries, grids) for c in grid]
 
     def _grid(self, query: Query, index: int) -> list[Combination]:
         where = f"scoring.queries.{index}"
         return expand_grid(query.parsed_template, query.values,
                            max_combinations=self.settings.max_combinations,
-                           param=f"{where}.values", template_param=f"{where}.template")
+                           param=f"{where}.values", template_param=f"{where}.template",
+                           allow_extraction=True)
 
     def _prepare(self, raw: dict | ScoreRequest) -> _Prepared:
         request = ScoreRequest.parse(raw)
@@ -216,9 +224,9 @@ class Engine:
         for p in prepared:
             qkeys = []
             for q, grid in zip(p.request.scoring.queries, p.grids):
-                key = self._floor_key(q)
+                key = self._floor_key(q) if q.slot_kind == "?" else None
                 qkeys.append(key)
-                if key not in self._floor and key not in missing:
+                if key is not None and key not in self._floor and key not in missing:
                     tree = DocTree(list(floor_root), self._branches([q], [grid]))
                     missing[key] = tree.flatten(self.pad_id)
             keys[id(p)] = qkeys
@@ -229,7 +237,8 @@ class Engine:
         self._floor.update(zip(missing, scores))
         for qkeys in keys.values():
             for key in qkeys:
-                self._floor.move_to_end(key)
+                if key is not None:
+                    self._floor.move_to_end(key)
         while len(self._floor) > self.settings.floor_cache_size:
             self._floor.popitem(last=False)
 
@@ -242,8 +251,11 @@ class Engine:
 
         def collect(job) -> None:
             p, pending = job
-            for i, scores in zip(p.docs, self.runner.finish(pending)):
-                results[i] = scores
+            scores = self.runner.finish(pending)
+            if pending.first:
+                self._decode_slots(pending, scores)
+            for i, doc_scores in zip(p.docs, scores):
+                results[i] = doc_scores
 
         for p in pack(docs, self.settings.max_pass_tokens):
             job = (p, self.runner.launch([docs[i] for i in p.docs]))
@@ -254,29 +266,80 @@ class Engine:
             collect(in_flight)
         return results
 
+    def _decode_slots(self, pending: PendingPass, scores: list[DocScores]) -> None:
+        """Decode every extraction slot of a pass together, from its kept keys and values."""
+        keys, jobs = [], []
+        for (i, b), first in pending.first.items():
+            doc = pending.docs[i]
+            _, context, settings = doc.extract[b]
+            rows = torch.tensor(context)
+            jobs.append(SlotJob(rows + pending.keep_base[i], doc.positions[rows], first,
+                                **settings))
+            keys.append((i, b))
+        for (i, b), found in zip(keys, self.decoder.decode(jobs, pending.kept)):
+            scores[i].found[b] = found
+
     # ---- DocScores -> response --------------------------------------------------------
 
-    def _respond(self, p: _Prepared, scores: DocScores, floor_keys: list[tuple]) -> ScoreResponse:
-        query_scores, b = [], 0
+    def _respond(self, p: _Prepared, scores: DocScores, floor_keys: list[tuple | None]
+                 ) -> ScoreResponse:
+        query_scores, b, decoded = [], 0, 0
         for q, grid, fkey in zip(p.request.scoring.queries, p.grids, floor_keys):
-            floor = self._floor[fkey]
             combos = []
             for ci, combo in enumerate(grid):
-                lp = scores.logprobs[b]
-                probs = torch.softmax(lp.double(), 0)
-                floor_probs = torch.softmax(floor.logprobs[ci].double(), 0)
-                combos.append(CombinationScore(
-                    values=combo.values,
-                    options=[OptionScore(text=o, logprob=float(lp[k]), p=float(probs[k]),
-                                         floor_p=float(floor_probs[k]))
-                             for k, o in enumerate(q.options)],
-                    residual=scores.residual[b]))
+                if fkey is None:       # an extraction slot
+                    found = scores.found.get(b, [])
+                    decoded += sum(len(f.tokens) for f in found)
+                    combos.append(CombinationScore(values=combo.values, candidates=[
+                        Candidate(text=text, logprob=lp, p=math.exp(lp),
+                                  value=parse_value(q.slot_kind, text))
+                        for text, lp in _merge_same_text(found)]))
+                else:
+                    combos.append(self._option_scores(q, combo, scores.logprobs[b],
+                                                      scores.residual[b],
+                                                      self._floor[fkey].logprobs[ci]))
                 b += 1
             query_scores.append(QueryScore(id=q.id, combinations=combos))
-        scored = sum(len(o) for br in p.tree.branches for o in br.options)
+        scored = sum(len(o) for br in p.tree.branches for o in br.options) + decoded
         return ScoreResponse(
             id=f"score-{uuid.uuid4().hex}", created=int(time.time()), model=self.model_name,
             system_fingerprint=self.fingerprint,
             usage=Usage(prompt_tokens=p.flat.tokens, scored_tokens=scored,
                         total_tokens=p.flat.tokens + scored),
             queries=query_scores)
+
+    @staticmethod
+    def _option_scores(q: Query, combo: Combination, lp: torch.Tensor, residual: float,
+                       floor_lp: torch.Tensor) -> CombinationScore:
+        probs = torch.softmax(lp.double(), 0)
+        floor_probs = torch.softmax(floor_lp.double(), 0)
+        return CombinationScore(
+            values=combo.values,
+            options=[OptionScore(text=o, logprob=float(lp[k]), p=float(probs[k]),
+                                 floor_p=float(floor_probs[k])) for k, o in enumerate(q.options)],
+            residual=residual)
+
+
+def _merge_same_text(found: list) -> list[tuple[str, float]]:
+    """Answers with the same text (other tokenisations, other stop tokens) are one candidate
+    whose probability is their sum; most likely first."""
+    merged: dict[str, float] = {}
+    for f in found:
+        merged[f.text] = (f.logprob if f.text not in merged
+                          else float(torch.logaddexp(torch.tensor(merged[f.text]),
+                                                     torch.tensor(f.logprob))))
+    return sorted(merged.items(), key=lambda item: -item[1])
+
+
+def _slot_settings(q: Query, combo: Combination) -> dict:
+    """SlotJob settings of an extraction query (engine/decode.py)."""
+    if q.generate is not None:
+        g = q.generate
+        return dict(stops=tuple(g.stop), max_tokens=g.max_tokens, beam_width=1, candidates=1,
+                    sample=(g.temperature, g.seed))
+    settings = dict(stops=(combo.stop, "\n") if combo.stop else ("\n",),
+                    max_tokens=q.max_tokens, beam_width=q.beam_width, candidates=q.candidates)
+    grammar = grammar_for(q.slot_kind)
+    if grammar is not None:
+        settings.update(allowed=grammar.prefix_ok, complete=grammar.complete)
+    return settings

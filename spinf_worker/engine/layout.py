@@ -23,6 +23,7 @@ from ..kernels.matmul import READOUT_TILE, ROW_TILE
 class Branch:
     prefix: list[int]            # template tokens up to the slot (no BOS)
     options: list[list[int]]     # each option's tokens, in request order; [] for extraction
+    decode: dict | None = None   # extraction slots: SlotJob settings (engine/decode.py)
 
 
 @dataclass
@@ -40,8 +41,8 @@ class FlatDoc:
     readout_rows: torch.Tensor   # [n_readouts padded to READOUT_TILE] row within the document
     # terms[b][o] = [(readout index, token id), ...]: option o of branch b's logprob summands
     terms: list[list[list[tuple[int, int]]]]
-    # extraction branches: branch index -> (readout index, rows of its context: root + branch)
-    extract: dict[int, tuple[int, list[int]]] = field(default_factory=dict)
+    # extraction branches: branch -> (readout index, context rows (root + branch), settings)
+    extract: dict[int, tuple[int, list[int], dict]] = field(default_factory=dict)
 
     @property
     def length(self) -> int:
@@ -80,7 +81,7 @@ class DocTree:
         n_options = 0
         readout_rows: list[int] = []
         terms: list[list[list[tuple[int, int]]]] = []
-        extract: dict[int, tuple[int, list[int]]] = {}
+        extract: dict[int, tuple[int, list[int], dict]] = {}
 
         def add_node(tokens: list[int], start_pos: int, parent_path: list[int], branch: int,
                      option: int) -> list[int]:
@@ -104,7 +105,7 @@ class DocTree:
             readout_rows.append(first_row)
             shared = len(readout_rows) - 1
             if not br.options:   # an extraction slot: decoded later from this readout
-                extract[b] = (shared, [*range(len(self.root)), *branch_path])
+                extract[b] = (shared, [*range(len(self.root)), *branch_path], br.decode or {})
             br_terms = []
             for opt in br.options:
                 opt_terms = [(shared, opt[0])]

@@ -19,6 +19,7 @@ class DocScores:
 
     logprobs: list[torch.Tensor]    # [n_options] per branch
     residual: list[float]           # per branch: 1 - sum(exp(logprob))
+    found: dict = field(default_factory=dict)   # extraction branch -> decode.Found answers
 
 
 @dataclass
@@ -128,7 +129,7 @@ class ModelRunner:
         first_at: dict[int, tuple[int, int]] = {}   # readout index -> (doc, branch)
         for i, (doc, start) in enumerate(zip(docs, starts)):
             rows.append(start + doc.readout_rows)
-            for b, (r, _) in doc.extract.items():
+            for b, (r, *_) in doc.extract.items():
                 first_at[base + r] = (i, b)
             for branch in doc.terms:
                 for opt in branch:
@@ -136,14 +137,14 @@ class ModelRunner:
                         readout.append(base + r)
                         token.append(t)
             base += doc.readout_rows.shape[0]
-        readout_t = torch.tensor(readout)
+        readout_t = torch.tensor(readout, dtype=torch.long)
         order = torch.argsort(readout_t, stable=True)
         readout_sorted = readout_t[order]
         bounds = torch.searchsorted(readout_sorted, torch.arange(0, base + READOUT_CHUNK,
                                                                  READOUT_CHUNK)).tolist()
         rows_d = self._upload(torch.cat(rows))
         readout_d = self._upload(readout_sorted)
-        token_d = self._upload(torch.tensor(token)[order])
+        token_d = self._upload(torch.tensor(token, dtype=torch.long)[order])
         values = torch.empty(len(readout), dtype=torch.float32, device=self.device)
         first = {}
         for c, lo in enumerate(range(0, base, READOUT_CHUNK)):
