@@ -292,7 +292,7 @@ class Engine:
                     decoded += sum(len(f.tokens) for f in found)
                     combos.append(CombinationScore(values=combo.values, candidates=[
                         Candidate(text=text, logprob=lp, p=math.exp(lp),
-                                  value=parse_value(q.slot_kind, text))
+                                  value=_value(q.slot_kind, text))
                         for text, lp in _merge_same_text(found)]))
                 else:
                     combos.append(self._option_scores(q, combo, scores.logprobs[b],
@@ -320,6 +320,13 @@ class Engine:
             residual=residual)
 
 
+def _value(kind: str, text: str):
+    try:
+        return parse_value(kind, text)
+    except ValueError:   # e.g. a number too large for a float: the text still stands
+        return None
+
+
 def _merge_same_text(found: list) -> list[tuple[str, float]]:
     """Answers with the same text (other tokenisations, other stop tokens) are one candidate
     whose probability is their sum; most likely first."""
@@ -335,7 +342,8 @@ def _slot_settings(q: Query, combo: Combination) -> dict:
     """SlotJob settings of an extraction query (engine/decode.py)."""
     if q.generate is not None:
         g = q.generate
-        return dict(stops=tuple(g.stop), max_tokens=g.max_tokens, beam_width=1, candidates=1,
+        stops = (*g.stop, combo.stop) if combo.stop else tuple(g.stop)
+        return dict(stops=stops, max_tokens=g.max_tokens, beam_width=1, candidates=1,
                     sample=(g.temperature, g.seed))
     settings = dict(stops=(combo.stop, "\n") if combo.stop else ("\n",),
                     max_tokens=q.max_tokens, beam_width=q.beam_width, candidates=q.candidates)

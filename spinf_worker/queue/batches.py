@@ -387,9 +387,11 @@ def score_request_from_chat(body: Any) -> ScoreRequest:
 
 def score_to_chat_completion(score: dict) -> dict:
     """A ScoreResponse (as a dict) in the chat.completion shape: the message is the most
-    likely option of the first query's first combination; ``scoring`` holds the full scores."""
-    options = score["queries"][0]["combinations"][0]["options"]
-    top = max(options, key=lambda option: option["p"])
+    likely option (or extracted candidate) of the first query's first combination;
+    ``scoring`` holds the full scores."""
+    combination = score["queries"][0]["combinations"][0]
+    answers = combination.get("options") or combination.get("candidates") or []
+    content = max(answers, key=lambda answer: answer["p"])["text"] if answers else ""
     tokens = score.get("usage", {}).get("total_tokens", 0)
     return {
         "id": "chatcmpl-" + score["id"].removeprefix("score-"),
@@ -397,7 +399,7 @@ def score_to_chat_completion(score: dict) -> dict:
         "created": score["created"],
         "model": score["model"],
         "system_fingerprint": score.get("system_fingerprint"),
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": top["text"]},
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
                      "finish_reason": "stop", "logprobs": None}],
         # Everything was read, nothing generated: all tokens count as prompt tokens.
         "usage": {"prompt_tokens": tokens, "completion_tokens": 0, "total_tokens": tokens},
