@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cpu_news_job import QUESTIONS, ROOT, cpu_model, load_articles, sh  # noqa: E402
 
 from spinf_worker.engine import Engine  # noqa: E402
