@@ -134,16 +134,19 @@ def run_engine(engine: Engine, requests: list[dict], warmup: dict) -> dict:
     engine.score_batch([warmup])        # computes the floors of the 56 questions
     warmup_s = time.perf_counter() - t0
 
+    threads0 = thread_cpu_s(os.getpid())
     t0, c0, m0 = time.perf_counter(), time.process_time(), machine_busy_s()
     responses = engine.score_batch(requests)
     seconds, cpu_s = time.perf_counter() - t0, time.process_time() - c0
     other_s = machine_busy_s() - m0 - cpu_s
+    threads = busy_threads(threads0, thread_cpu_s(os.getpid()))
     for r in responses:
         if not isinstance(r, ScoreResponse):
             raise RuntimeError(f"engine returned an error: {r!r}")
     flats = [engine._prepare(r).flat for r in requests]   # the layout score_batch packed
     passes = pack(flats, engine.settings.max_pass_tokens)
     return dict(seconds=seconds, cpu_s=cpu_s, other_cpu_s=other_s, warmup_s=warmup_s,
+                threads=threads,
                 bodies=[r.model_dump(mode="json") for r in responses],
                 passes=len(passes), doc_rows=[f.length for f in flats],
                 fill=sum(f.tokens for f in flats) / sum(p.rows for p in passes),
@@ -163,6 +166,25 @@ def process_cpu_s(pid: int) -> float:
     """User + system CPU seconds of a process (all its threads) so far."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu_s(pid: int) -> dict[str, float]:
+    """CPU seconds so far of each thread of a process (thread id -> seconds)."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:          # the thread ended
+            continue
+        out[task.name] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return out
+
+
+def busy_threads(before: dict[str, float], after: dict[str, float]) -> str:
+    """CPU seconds per thread between two samples, threads above 0.5 s, busiest first:
+    which threads the passes ran on (each thread that runs torch ops has its own OpenMP team)."""
+    used = sorted((after[t] - before.get(t, 0.0) for t in after), reverse=True)
+    return "/".join(f"{x:.1f}" for x in used if x >= 0.5)
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -280,6 +302,12 @@ async def score_one(client: httpx.AsyncClient, body: dict) -> tuple[dict, float]
     return r.json(), time.perf_counter() - t0
 
 
+def pass_log(service: Service, offset: int) -> dict:
+    events = service.pass_events(offset)
+    return dict(calls=[e.get("docs") for e in events],
+                pass_seconds=[float(e.get("seconds") or 0.0) for e in events])
+
+
 async def metrics(client: httpx.AsyncClient) -> dict[str, float]:
     return parse_metrics((await client.get("/metrics")).text)
 
@@ -294,20 +322,21 @@ def metric_delta(before: dict, after: dict) -> dict:
 async def run_concurrent(service: Service, client: httpx.AsyncClient,
                          requests: list[dict]) -> dict:
     before, offset = await metrics(client), service.log_offset()
+    threads0 = thread_cpu_s(service.process.pid)
     cpu0, own0, m0 = process_cpu_s(service.process.pid), time.process_time(), machine_busy_s()
     t0 = time.perf_counter()
     done = await asyncio.gather(*(score_one(client, r) for r in requests))
     seconds = time.perf_counter() - t0
     cpu_s = process_cpu_s(service.process.pid) - cpu0
     other_s = machine_busy_s() - m0 - cpu_s - (time.process_time() - own0)
+    threads = busy_threads(threads0, thread_cpu_s(service.process.pid))
     await asyncio.sleep(0.5)     # the worker logs "pass done" just after it answers
     latencies = [s for _, s in done]
     return dict(seconds=seconds, bodies=[b for b, _ in done], service_cpu_s=cpu_s,
-                other_cpu_s=other_s,
+                other_cpu_s=other_s, threads=threads,
                 latency_min_s=min(latencies), latency_median_s=statistics.median(latencies),
                 latency_max_s=max(latencies),
-                calls=[e.get("docs") for e in service.pass_events(offset)],
-                **metric_delta(before, await metrics(client)))
+                **pass_log(service, offset), **metric_delta(before, await metrics(client)))
 
 
 async def run_batch(service: Service, client: httpx.AsyncClient, requests: list[dict]) -> dict:
@@ -322,6 +351,7 @@ async def run_batch(service: Service, client: httpx.AsyncClient, requests: list[
     upload_s = time.perf_counter() - t_upload
 
     before, offset = await metrics(client), service.log_offset()
+    threads0 = thread_cpu_s(service.process.pid)
     cpu0, own0, m0 = process_cpu_s(service.process.pid), time.process_time(), machine_busy_s()
     t0 = time.perf_counter()
     r = await client.post("/v1/batches", json={"input_file_id": file_id,
@@ -335,6 +365,7 @@ async def run_batch(service: Service, client: httpx.AsyncClient, requests: list[
     seconds = time.perf_counter() - t0
     cpu_s = process_cpu_s(service.process.pid) - cpu0
     other_s = machine_busy_s() - m0 - cpu_s - (time.process_time() - own0)
+    threads = busy_threads(threads0, thread_cpu_s(service.process.pid))
     await asyncio.sleep(0.5)     # the worker logs "pass done" just after it answers
     if batch["status"] != "completed":
         raise RuntimeError(f"batch ended {batch['status']}: {batch}")
@@ -349,10 +380,9 @@ async def run_batch(service: Service, client: httpx.AsyncClient, requests: list[
         raise RuntimeError(f"batch output: {len(rows)} lines, expected {len(requests)} with "
                            f"status 200; counts {batch.get('request_counts')}")
     return dict(seconds=seconds, upload_s=upload_s, service_cpu_s=cpu_s, other_cpu_s=other_s,
-                output_lines=len(rows),
+                threads=threads, output_lines=len(rows),
                 bodies=[by_id[x["custom_id"]]["response"]["body"] for x in lines],
-                calls=[e.get("docs") for e in service.pass_events(offset)],
-                **metric_delta(before, await metrics(client)))
+                **pass_log(service, offset), **metric_delta(before, await metrics(client)))
 
 
 async def run_http(service: Service, requests: list[dict], warmup: dict) -> dict:
@@ -417,6 +447,10 @@ def markdown(r: dict, command: str) -> str:
         f"{r['http_batch_other_cpu_share']:.2f}",
         f"- code measured: {r['measured_tree']} (a snapshot of spinf_worker/ and api/ taken at "
         "the start; both sides ran it)",
+        f"- worker pass seconds: concurrent {r['http_concurrent_worker_pass_seconds']}, batch "
+        f"{r['http_batch_worker_pass_seconds']}",
+        f"- CPU seconds per thread (> 0.5 s): engine {r['engine_thread_cpu_s']}; service "
+        f"concurrent {r['http_concurrent_thread_cpu_s']}, batch {r['http_batch_thread_cpu_s']}",
         f"- concurrent request latency: min {r['http_concurrent_latency_min_s']:.1f} s, median "
         f"{r['http_concurrent_latency_median_s']:.1f} s, max "
         f"{r['http_concurrent_latency_max_s']:.1f} s",
@@ -451,6 +485,9 @@ def main() -> None:
     out = ROOT / args.out
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{r['date']}-service-{r['commit']}.json"
+    n = 2
+    while path.exists():     # a second run on the same commit keeps the first one's figures
+        path, n = out / f"{r['date']}-service-{r['commit']}-{n}.json", n + 1
     path.write_text(json.dumps(r, indent=1) + "\n")
     command = ("/work/venv/bin/python benchmarks/service_http.py"
                + (f" --model {args.model}" if args.model else "")
@@ -507,6 +544,7 @@ def measure(args: argparse.Namespace, src: Path, tmp: Path) -> dict:
         engine_warmup_s=e["warmup_s"],
         engine_cpu_share=e["cpu_s"] / (e["seconds"] * cores),
         engine_other_cpu_share=e["other_cpu_s"] / (e["seconds"] * cores),
+        engine_thread_cpu_s=e["threads"],
         max_pass_tokens=e["max_pass_tokens"],
         doc_rows_min=min(e["doc_rows"]), doc_rows_max=max(e["doc_rows"]),
     )
@@ -521,6 +559,8 @@ def measure(args: argparse.Namespace, src: Path, tmp: Path) -> dict:
             f"{key}_docs_per_worker_pass": "/".join(str(c) for c in m["calls"]),
             f"{key}_cpu_share": m["service_cpu_s"] / (m["seconds"] * cores),
             f"{key}_other_cpu_share": m["other_cpu_s"] / (m["seconds"] * cores),
+            f"{key}_thread_cpu_s": m["threads"],
+            f"{key}_worker_pass_seconds": "/".join(f"{x:.1f}" for x in m["pass_seconds"]),
         })
     r.update(
         http_concurrent_latency_min_s=h["concurrent"]["latency_min_s"],
