@@ -20,15 +20,15 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
 
 from .errors import SpinfError
+from .queue.engine_thread import ENGINE_THREAD
 from .queue.keys import Keys
 from .queue.settings import ServiceSettings
 
@@ -253,31 +253,6 @@ class Tiers:
     dispatcher: bool = False
 
 
-def _in_daemon_thread(fn: Callable, *args) -> asyncio.Future:
-    """``fn(*args)`` on a daemon thread: unlike ``asyncio.to_thread``, a process asked to
-    stop does not wait for it (a model load can take minutes the first time)."""
-    loop = asyncio.get_running_loop()
-    future = loop.create_future()
-
-    def settle(value, error) -> None:
-        if not future.done():
-            if error is not None:
-                future.set_exception(error)
-            else:
-                future.set_result(value)
-
-    def target() -> None:
-        try:
-            value, error = fn(*args), None
-        except BaseException as err:   # noqa: BLE001 - handed to the awaiting coroutine
-            value, error = None, err
-        with contextlib.suppress(RuntimeError):     # the loop is gone: nobody waits
-            loop.call_soon_threadsafe(settle, value, error)
-
-    threading.Thread(target=target, name=f"{fn.__name__}", daemon=True).start()
-    return future
-
-
 def load_engine(spec: WorkerSpec, settings: ServiceSettings):
     from .engine.engine import Engine, EngineSettings
 
@@ -290,7 +265,8 @@ def load_engine(spec: WorkerSpec, settings: ServiceSettings):
 async def _run_worker(spec: WorkerSpec, settings: ServiceSettings, redis, keys: Keys,
                       stop: asyncio.Event) -> None:
     log.info("loading the model", model=spec.model or "default", device=spec.device or "auto")
-    loading = _in_daemon_thread(load_engine, spec, settings)
+    # On the thread that will run every pass (queue/engine_thread.py).
+    loading = ENGINE_THREAD.run(load_engine, spec, settings)
     stopping = asyncio.ensure_future(stop.wait())
     await asyncio.wait([loading, stopping], return_when=asyncio.FIRST_COMPLETED)
     stopping.cancel()

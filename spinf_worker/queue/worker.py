@@ -28,6 +28,7 @@ from redis.exceptions import RedisError, ResponseError
 from ..errors import SpinfError
 from ..kernels.matmul import ROW_TILE
 from ..protocol import ScoreRequest, ScoreResponse
+from .engine_thread import ENGINE_THREAD
 from .keys import GROUP, Keys
 from .settings import ServiceSettings
 
@@ -407,7 +408,7 @@ class Worker:
 
     async def _score_batch(self, entries: list[Entry]) -> list[ScoreResponse | SpinfError]:
         self.passes += 1
-        return await asyncio.to_thread(self.engine.score_batch, [e.request for e in entries])
+        return await ENGINE_THREAD.run(self.engine.score_batch, [e.request for e in entries])
 
     async def _mark_running(self, entries: list[Entry]) -> None:
         async with self.redis.pipeline(transaction=False) as pipe:

@@ -1,0 +1,51 @@
+"""One thread for every torch call of a process.
+
+Each thread that runs torch ops gets an OpenMP pool of its own, and idle pools still compete
+for the cores: passes hopping between executor threads ran 1.7x slower on 2 cores, and the
+slowdown stayed after the hopping stopped. So the model is loaded and every pass runs on this
+one thread, in order. It is a daemon thread: a process asked to stop does not wait for a
+model load that can take minutes the first time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import queue
+import threading
+from collections.abc import Callable
+
+
+class EngineThread:
+    def __init__(self, name: str = "spinf-engine"):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    def run(self, fn: Callable, *args) -> asyncio.Future:
+        """``fn(*args)`` on the engine thread, after the calls queued before it."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._jobs.put((fn, args, loop, future))
+        return future
+
+    def _serve(self) -> None:
+        while True:
+            fn, args, loop, future = self._jobs.get()
+            try:
+                value, error = fn(*args), None
+            except BaseException as err:   # noqa: BLE001 - handed to the awaiting coroutine
+                value, error = None, err
+            with contextlib.suppress(RuntimeError):     # the loop is gone: nobody waits
+                loop.call_soon_threadsafe(_settle, future, value, error)
+
+
+def _settle(future: asyncio.Future, value, error) -> None:
+    if not future.done():
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(value)
+
+
+ENGINE_THREAD = EngineThread()
