@@ -25,8 +25,6 @@ SCORED = "?"
 EXTRACTION_KINDS = ("*", "n", "$")
 SLOT_KINDS = (SCORED, *EXTRACTION_KINDS)
 SLOT_NAMES = {SCORED: "scored slot", "*": "span slot", "n": "number slot", "$": "amount slot"}
-UNSUPPORTED_EXTRACTION = ("extraction slots ({*}, {n}, {$}) are not supported by this server "
-                          "yet")
 
 
 @dataclass(frozen=True)
@@ -193,21 +191,11 @@ def check_template(template: Template, *, param: str = "template") -> Slot:
     return slot
 
 
-def check_extraction_supported(template: Template, *, param: str = "template") -> None:
-    """Reject extraction slots (``unsupported_slot``) while this server cannot decode them.
-
-    The one place that says so: the engine reaches it through ``expand_grid`` until its
-    decoder lands (then it passes ``allow_extraction=True``). Request parsing does not call
-    it, so the API accepts extraction queries and the workers decide."""
-    if any(slot.kind in EXTRACTION_KINDS for slot in template.slots):
-        raise InvalidRequestError(UNSUPPORTED_EXTRACTION, param=param, code="unsupported_slot")
-
-
 def check_scored_template(template: Template, *, param: str = "template") -> None:
-    """Require exactly one slot and that it is ``{?}`` (``check_template``'s rules; an
-    extraction slot fails with ``unsupported_slot``)."""
-    check_template(template, param=param)
-    check_extraction_supported(template, param=param)
+    """Require exactly one slot and that it is ``{?}`` (``check_template``'s rules)."""
+    if check_template(template, param=param).kind != SCORED:
+        raise InvalidRequestError("this template needs the scored slot {?}", param=param,
+                                  code="invalid_template")
 
 
 def check_grid(template: Template, values: dict[str, list[str]], *, max_combinations: int,
@@ -246,8 +234,7 @@ def check_grid(template: Template, values: dict[str, list[str]], *, max_combinat
 
 
 def expand_grid(template: Template, values: dict[str, list[str]], *, max_combinations: int,
-                param: str = "values", template_param: str = "template",
-                allow_extraction: bool = False) -> list[Combination]:
+                param: str = "values", template_param: str = "template") -> list[Combination]:
     """Every combination of placeholder values, with the text before the slot and, for an
     extraction slot, the stop string after it.
 
@@ -255,13 +242,8 @@ def expand_grid(template: Template, values: dict[str, list[str]], *, max_combina
     ``{?}`` is ignored; the literal text after an extraction slot is ``Combination.stop``.
     The grid is the cartesian product in order of first appearance: the first placeholder
     varies slowest.
-
-    Extraction slots fail with ``unsupported_slot`` (``check_extraction_supported``) unless
-    ``allow_extraction`` is true: the engine keeps the default until its decoder lands.
     """
     slot = check_template(template, param=template_param)
-    if not allow_extraction:
-        check_extraction_supported(template, param=template_param)
     check_grid(template, values, max_combinations=max_combinations, param=param)
     names = template.placeholders
     before = _parts_before_slot(template)
@@ -280,6 +262,7 @@ def scored_prefix_combinations(template_source: str, values: dict[str, list[str]
                                template_param: str = "template") -> list[Combination]:
     """Parse a scored query's template and expand it (see ``expand_grid``)."""
     template = parse_template(template_source, param=template_param)
+    check_scored_template(template, param=template_param)
     return expand_grid(template, values, max_combinations=max_combinations, param=param,
                        template_param=template_param)
 

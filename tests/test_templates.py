@@ -8,7 +8,6 @@ from spinf_worker.templates import (
     Literal,
     Placeholder,
     Slot,
-    check_extraction_supported,
     check_scored_template,
     check_template,
     expand_grid,
@@ -128,40 +127,26 @@ def test_slot_property_raises_without_exactly_one_slot(source, fragment):
 
 
 @pytest.mark.parametrize("slot", ["{*}", "{n}", "{$}"])
-def test_extraction_slots_are_not_supported_by_default(slot):
+def test_scored_helper_rejects_extraction_slots(slot):
     with pytest.raises(InvalidRequestError) as caught:
         scored_prefix_combinations(f"Q: {slot}", {}, max_combinations=10,
                                    template_param="scoring.queries.2.template")
-    assert caught.value.code == "unsupported_slot"
-    assert caught.value.message == (
-        "extraction slots ({*}, {n}, {$}) are not supported by this server yet")
+    assert caught.value.code == "invalid_template"
+    assert "{?}" in caught.value.message
     assert caught.value.param == "scoring.queries.2.template"
 
 
 @pytest.mark.parametrize("slot", ["{*}", "{n}", "{$}"])
-def test_expand_grid_rejects_extraction_unless_allowed(slot):
-    template = parse_template(f"Q: {slot}")
-    with pytest.raises(InvalidRequestError) as caught:
-        expand_grid(template, {}, max_combinations=10, template_param="t")
-    assert (caught.value.code, caught.value.param) == ("unsupported_slot", "t")
-    combos = expand_grid(template, {}, max_combinations=10, allow_extraction=True)
+def test_expand_grid_expands_extraction_slots(slot):
+    combos = expand_grid(parse_template(f"Q: {slot}"), {}, max_combinations=10)
     assert combos == [Combination(values={}, prefix="Q: ", stop=None)]
 
 
-def test_check_extraction_supported():
-    check_extraction_supported(parse_template("Q{?}"))
-    check_extraction_supported(parse_template("no slot"))  # judged by check_template
-    with pytest.raises(InvalidRequestError) as caught:
-        check_extraction_supported(parse_template("Q {n}"), param="scoring.queries.4.template")
-    assert caught.value.code == "unsupported_slot"
-    assert caught.value.param == "scoring.queries.4.template"
-
-
-def test_check_scored_template_rejects_extraction_as_unsupported():
+def test_check_scored_template():
     check_scored_template(parse_template("Q{?}"))
     with pytest.raises(InvalidRequestError) as caught:
         check_scored_template(parse_template("Q {$}"))
-    assert caught.value.code == "unsupported_slot"
+    assert caught.value.code == "invalid_template"
 
 
 def test_extraction_slot_next_to_a_scored_slot_is_an_invalid_template():
@@ -276,8 +261,7 @@ def test_same_value_in_different_lists_is_fine():
 
 
 def extraction_grid(source, values=None, cap=4096):
-    return expand_grid(parse_template(source), values or {}, max_combinations=cap,
-                       allow_extraction=True)
+    return expand_grid(parse_template(source), values or {}, max_combinations=cap)
 
 
 @pytest.mark.parametrize(("source", "prefix", "stop"), [

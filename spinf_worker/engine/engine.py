@@ -186,8 +186,7 @@ class Engine:
         where = f"scoring.queries.{index}"
         return expand_grid(query.parsed_template, query.values,
                            max_combinations=self.settings.max_combinations,
-                           param=f"{where}.values", template_param=f"{where}.template",
-                           allow_extraction=True)
+                           param=f"{where}.values", template_param=f"{where}.template")
 
     def _prepare(self, raw: dict | ScoreRequest) -> _Prepared:
         request = ScoreRequest.parse(raw)
