@@ -38,11 +38,6 @@ class RateLimitError(ApiError):
     code = "queue_full"
 
 
-class ConflictError(ApiError):
-    status = 409
-    type = "invalid_request_error"
-
-
 class ServiceUnavailableError(ApiError):
     status = 503
     type = "server_error"

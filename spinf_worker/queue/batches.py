@@ -47,9 +47,7 @@ from .keys import Keys
 
 BATCH_ID_PREFIX = "batch_"
 LINE_ID_PREFIX = "batch_req_"
-ENDPOINTS = ("/v1/score", "/v1/chat/completions")
 COMPLETION_WINDOWS = {"24h": 24 * 3600}
-TERMINAL_STATUSES = frozenset({"failed", "completed", "expired", "cancelled"})
 TIMESTAMP_FIELDS = ("created_at", "in_progress_at", "expires_at", "finalizing_at",
                     "completed_at", "failed_at", "expired_at", "cancelling_at", "cancelled_at")
 
