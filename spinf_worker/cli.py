@@ -140,6 +140,22 @@ def _needs(settings, *, redis: bool = True, secret: bool = False) -> None:
                            "into its state dir)")
 
 
+def cmd_packs(args: argparse.Namespace) -> int:
+    from .packs import PackError, load_packs, official_packs
+
+    try:
+        packs = {**official_packs(), **load_packs(*map(Path, args.packs))}
+    except PackError as err:
+        print(f"spinf-serve: {err}", file=sys.stderr)
+        return 2
+    for pack in packs.values():
+        summary = pack.summary()
+        print(json.dumps(summary) if args.json else
+              f"{summary['id']}@{summary['version']}  {summary['questions']} questions  "
+              f"categories: {', '.join(summary['categories'])}")
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from .serve import serve
 
@@ -246,6 +262,12 @@ def build_parser() -> argparse.ArgumentParser:
     score.add_argument("--max-pass-tokens", type=int, default=None)
     score.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     score.set_defaults(func=cmd_score)
+
+    packs = sub.add_parser("packs", help="list the prompt packs that load (and check them)")
+    packs.add_argument("--packs", action="append", default=[], metavar="DIR",
+                       help="also load the packs in DIR (repeatable)")
+    packs.add_argument("--json", action="store_true", help="one JSON object per pack")
+    packs.set_defaults(func=cmd_packs)
     return parser
 
 

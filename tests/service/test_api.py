@@ -235,6 +235,8 @@ def test_ready_models_and_metrics(tiny_engine, tiny_dir, api_server, settings):
     not_ready = client.get("/ready")
     assert_openai_error(not_ready, 503, "no_live_worker")
     assert client.get("/v1/models").json() == {"object": "list", "data": []}
+    packs = client.get("/v1/packs").json()["data"]
+    assert "spinf/support-triage" in {p["id"] for p in packs}
 
     with InProcessWorker(tiny_engine, settings):
         ready = client.get("/ready")
