@@ -155,10 +155,13 @@ def combine(values: list[float], weights: list[float], how: str) -> float:
 
 
 def category_scores(pack: Pack, scores: dict[str, tuple[float, float]]) -> dict[str, float]:
-    """``scores``: question id -> (p, floor_p) of its positive option."""
+    """``scores``: question id -> (p, floor_p) of its positive option. Categories none of
+    whose questions were scored (a request asking for some categories only) are left out."""
     out = {}
     for category in pack.categories:
-        mine = [q for q in pack.questions if q.category == category.id]
+        mine = [q for q in pack.questions if q.category == category.id and q.id in scores]
+        if not mine:
+            continue
         values = [scores[q.id][0] if category.on == "p"
                   else max(scores[q.id][0] - scores[q.id][1], 0.0) for q in mine]
         out[category.id] = combine(values, [q.weight for q in mine], category.combine)
@@ -166,9 +169,10 @@ def category_scores(pack: Pack, scores: dict[str, tuple[float, float]]) -> dict[
 
 
 def decide(pack: Pack, categories: dict[str, float]) -> dict:
-    """The first rule whose thresholds all hold decides; the reasons are its conditions."""
+    """The first rule whose thresholds all hold decides; the reasons are its conditions.
+    Rules naming a category that was not scored are skipped."""
     for rule in pack.decision.rules:
-        if all(categories[name] >= threshold for name, threshold in rule.when.items()):
+        if all(name in categories for name in rule.when) and all(categories[name] >= threshold for name, threshold in rule.when.items()):
             return {"label": rule.label,
                     "reasons": [{"category": name, "score": categories[name],
                                  "threshold": threshold} for name, threshold in rule.when.items()]}

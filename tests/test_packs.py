@@ -99,3 +99,30 @@ def test_cli_lists_packs_and_names_a_bad_one(tmp_path, capsys):
     bad = write(tmp_path, {**GOOD, "version": "x"})
     assert main(["packs", "--packs", str(tmp_path)]) == 2
     assert str(bad) in capsys.readouterr().err
+
+
+def test_pack_scores_equal_plain_queries(tiny_engine):
+    """A pack's questions ride in the same read; their scores equal the same questions sent
+    as plain queries, and the categories and decision follow from them."""
+    pack = official_packs()["spinf/support-triage"]
+    text = "I was charged twice for September and I want my money back now, or I leave."
+    with_pack = tiny_engine.score({"text": text, "scoring": {"queries": [
+        {"id": "mine", "template": "\n\nAny refund?{?}", "options": [" yes", " no"]}]},
+        "packs": [{"id": pack.id}]})
+    plain = tiny_engine.score({"text": text, "scoring": {"queries": [
+        {"id": q.id, "template": q.template, "options": q.options} for q in pack.questions]}})
+    assert [q.id for q in with_pack.queries] == ["mine"]
+    result = with_pack.packs[0]
+    assert (result["id"], result["version"]) == (pack.id, pack.version)
+    for question, plain_q in zip(result["questions"], plain.queries):
+        positive = next(o for o in plain_q.combinations[0].options if o.text == " yes")
+        assert question["p"] == pytest.approx(positive.p, abs=1e-6)
+        assert question["floor_p"] == positive.floor_p    # the same cached floor
+    scores = {q["id"]: (q["p"], q["floor_p"]) for q in result["questions"]}
+    assert result["categories"] == category_scores(pack, scores)
+    assert result["decision"] == decide(pack, result["categories"])
+    only = tiny_engine.score({"text": text, "scoring": {"queries": [
+        {"id": "mine", "template": "\n\nAny refund?{?}", "options": [" yes", " no"]}]},
+        "packs": [{"id": pack.id, "categories": ["billing"]}]}).packs[0]
+    assert set(only["categories"]) == {"billing"}
+    assert {q["category"] for q in only["questions"]} == {"billing"}

@@ -14,7 +14,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -22,6 +22,7 @@ from .. import __version__
 from ..errors import ContextLengthError, InvalidRequestError, ModelNotFoundError, SpinfError
 from ..extract_values import grammar_for, parse_value
 from ..models.loader import DEFAULT_MODEL, Checkpoint, load_checkpoint
+from ..packs import Pack, PackQuestion, category_scores, decide, find_pack, official_packs
 from ..protocol import (
     Candidate,
     CombinationScore,
@@ -54,9 +55,11 @@ class EngineSettings:
 @dataclass
 class _Prepared:
     request: ScoreRequest
+    queries: list[Query]             # the request's, then those its packs add
     grids: list[list[Combination]]   # per query
     tree: DocTree
     flat: FlatDoc | None = None
+    packs: list[tuple[Pack, list[PackQuestion]]] = field(default_factory=list)
 
 
 def _pick_device(device: str | None) -> torch.device:
@@ -114,6 +117,7 @@ class Engine:
         self.model = model.eval()
         self.pad_id = checkpoint.config.get("pad_token_id") or 0
         self.runner = ModelRunner(self.model, self.device, self.dtype, self.pad_id)
+        self.packs = official_packs()
         self.decoder = SlotDecoder(self.model, checkpoint.tokenizer, checkpoint.eos_token_id,
                                    self.pad_id)
         mode = choose_mode(self.settings.presentation, checkpoint.name, checkpoint.chat_template)
@@ -191,10 +195,10 @@ class Engine:
     def _prepare(self, raw: dict | ScoreRequest) -> _Prepared:
         request = ScoreRequest.parse(raw)
         self._check_model(request.model)
-        if request.packs:
-            raise InvalidRequestError("prompt packs are not available on this server yet",
-                                      param="packs", code="unsupported_packs")
-        queries = request.scoring.queries
+        packs = [self._pack_questions(ref, i) for i, ref in enumerate(request.packs)]
+        queries = [*request.scoring.queries,
+                   *(Query(id=f"{named.id}#{q.id}", template=q.template, options=q.options)
+                     for named, chosen in packs for q in chosen)]
         grids = [self._grid(q, i) for i, q in enumerate(queries)]
         messages = [{"role": m.role, "content": m.text(param=f"messages.{i}.content")}
                     for i, m in enumerate(request.content_messages())]
@@ -205,7 +209,20 @@ class Engine:
             raise ContextLengthError(
                 f"content plus the longest question is {flat.max_position + 1} tokens; "
                 f"the model's context is {limit} tokens", param="messages")
-        return _Prepared(request, grids, tree, flat)
+        return _Prepared(request, queries, grids, tree, flat, packs)
+
+    def _pack_questions(self, ref, index: int) -> tuple[Pack, list[PackQuestion]]:
+        """The pack a request names, and its questions (of the categories asked for)."""
+        named = find_pack(self.packs, ref.id, ref.version)
+        if ref.categories is None:
+            return named, list(named.questions)
+        known = {c.id for c in named.categories}
+        for name in ref.categories:
+            if name not in known:
+                raise InvalidRequestError(f"pack {named.id} has no category {name!r}",
+                                          param=f"packs.{index}.categories",
+                                          code="unknown_category")
+        return named, [q for q in named.questions if q.category in ref.categories]
 
     # ---- floor ------------------------------------------------------------------------
 
@@ -222,7 +239,7 @@ class Engine:
         floor_root = self.presenter.floor_root_ids()
         for p in prepared:
             qkeys = []
-            for q, grid in zip(p.request.scoring.queries, p.grids):
+            for q, grid in zip(p.queries, p.grids):
                 key = self._floor_key(q) if q.slot_kind == "?" else None
                 qkeys.append(key)
                 if key is not None and key not in self._floor and key not in missing:
@@ -283,7 +300,7 @@ class Engine:
     def _respond(self, p: _Prepared, scores: DocScores, floor_keys: list[tuple | None]
                  ) -> ScoreResponse:
         query_scores, b, decoded = [], 0, 0
-        for q, grid, fkey in zip(p.request.scoring.queries, p.grids, floor_keys):
+        for q, grid, fkey in zip(p.queries, p.grids, floor_keys):
             combos = []
             for ci, combo in enumerate(grid):
                 if fkey is None:       # an extraction slot
@@ -305,7 +322,8 @@ class Engine:
             system_fingerprint=self.fingerprint,
             usage=Usage(prompt_tokens=p.flat.tokens, scored_tokens=scored,
                         total_tokens=p.flat.tokens + scored),
-            queries=query_scores)
+            queries=query_scores[:len(p.request.scoring.queries)],
+            packs=_pack_results(p.packs, query_scores[len(p.request.scoring.queries):]))
 
     @staticmethod
     def _option_scores(q: Query, combo: Combination, lp: torch.Tensor, residual: float,
@@ -317,6 +335,23 @@ class Engine:
             options=[OptionScore(text=o, logprob=float(lp[k]), p=float(probs[k]),
                                  floor_p=float(floor_probs[k])) for k, o in enumerate(q.options)],
             residual=residual)
+
+
+def _pack_results(packs: list[tuple[Pack, list[PackQuestion]]],
+                  scored: list[QueryScore]) -> list[dict]:
+    """Per requested pack: its questions' positive-option scores, categories, decision."""
+    out, it = [], iter(scored)
+    for named, chosen in packs:
+        questions = []
+        for question, score in zip(chosen, it):
+            positive = next(o for o in score.combinations[0].options
+                            if o.text == question.positive)
+            questions.append({"id": question.id, "category": question.category,
+                              "p": positive.p, "floor_p": positive.floor_p})
+        categories = category_scores(named, {q["id"]: (q["p"], q["floor_p"]) for q in questions})
+        out.append({"id": named.id, "version": named.version, "questions": questions,
+                    "categories": categories, "decision": decide(named, categories)})
+    return out
 
 
 def _value(kind: str, text: str):
