@@ -126,3 +126,15 @@ def test_pack_scores_equal_plain_queries(tiny_engine):
         "packs": [{"id": pack.id, "categories": ["billing"]}]}).packs[0]
     assert set(only["categories"]) == {"billing"}
     assert {q["category"] for q in only["questions"]} == {"billing"}
+
+
+def test_published_json_schema_is_current():
+    """docs/prompt-pack.schema.json is the format's JSON Schema; regenerate it when it changes:
+    python -c "import json; from spinf_worker.packs import Pack; print(json.dumps(
+    Pack.model_json_schema(), indent=1, sort_keys=True))" > docs/prompt-pack.schema.json"""
+    from pathlib import Path
+
+    from spinf_worker.packs import Pack
+
+    path = Path(__file__).resolve().parents[1] / "docs" / "prompt-pack.schema.json"
+    assert json.loads(path.read_text()) == Pack.model_json_schema()
