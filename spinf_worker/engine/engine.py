@@ -366,9 +366,11 @@ def _merge_same_text(found: list) -> list[tuple[str, float]]:
     whose probability is their sum; most likely first."""
     merged: dict[str, float] = {}
     for f in found:
-        merged[f.text] = (f.logprob if f.text not in merged
-                          else float(torch.logaddexp(torch.tensor(merged[f.text]),
-                                                     torch.tensor(f.logprob))))
+        if f.text in merged:   # log(exp(a) + exp(b)) in float64, without overflow
+            a, b = sorted((merged[f.text], f.logprob))
+            merged[f.text] = b + math.log1p(math.exp(a - b))
+        else:
+            merged[f.text] = f.logprob
     return sorted(merged.items(), key=lambda item: -item[1])
 
 
