@@ -11,23 +11,24 @@ from ..quant.fp8 import INV_FP8_MAX
 
 
 @triton.jit
-def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, D, eps, BLOCK: tl.constexpr):
+def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, D, eps, OFFSET: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
     x = tl.load(x_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     rms = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
-    tl.store(out_ptr + row * D + cols, (x * rms * (1.0 + w)).to(out_ptr.dtype.element_ty),
+    tl.store(out_ptr + row * D + cols, (x * rms * (OFFSET + w)).to(out_ptr.dtype.element_ty),
              mask=mask)
 
 
-def gemma_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Gemma's RMSNorm (``x / rms(x) * (1 + w)``, fp32 inside) over the last dimension."""
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
+    """RMSNorm ``x / rms(x) * (offset + w)`` (Gemma: offset 1), fp32 inside, over the last dim."""
     d = x.shape[-1]
     x2 = x.contiguous().view(-1, d)
     out = torch.empty_like(x2)
-    _rmsnorm_kernel[(x2.shape[0],)](x2, weight, out, d, eps, BLOCK=triton.next_power_of_2(d))
+    _rmsnorm_kernel[(x2.shape[0],)](x2, weight, out, d, eps, OFFSET=offset,
+                                      BLOCK=triton.next_power_of_2(d))
     return out.view(x.shape)
 
 

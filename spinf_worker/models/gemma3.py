@@ -16,7 +16,7 @@ from torch import nn
 
 from ..kernels.attention import AttentionPlan
 from ..kernels.matmul import READOUT_TILE, linear
-from ..quant.fp8 import quantize_weight
+from .layers import Linear, RMSNorm, apply_rope, rope_cos_sin
 
 
 @dataclass
@@ -75,57 +75,6 @@ class Gemma3Config:
         )
 
 
-class RMSNorm(nn.Module):
-    """Gemma's RMSNorm: computed in fp32, scaled by ``1 + w``, row-wise."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.zeros(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:
-            from ..kernels.rowwise import gemma_rmsnorm
-
-            return gemma_rmsnorm(x, self.weight, self.eps)
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * (1.0 + self.weight.float())).type_as(x)
-
-
-class Linear(nn.Module):
-    """Bias-free linear layer through the batch-invariant matmul (bf16/fp32, or fp8 W8A8)."""
-
-    def __init__(self, d_in: int, d_out: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(d_out, d_in))
-        self.weight_scale: torch.Tensor | None = None
-
-    def to_fp8(self) -> None:
-        """Per-output-channel fp8 weights, computed once at load."""
-        w8, scale = quantize_weight(self.weight.data)
-        self.weight = nn.Parameter(w8, requires_grad=False)
-        self.weight_scale = scale
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.weight_scale)
-
-
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, base: float, linear_factor: float,
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float,
-                                            device=positions.device) / head_dim))
-    freqs = positions.float()[:, None] * (inv_freq / linear_factor)
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: Gemma3Config, sliding: bool, layer: int):
         super().__init__()
@@ -135,8 +84,8 @@ class Attention(nn.Module):
         self.k_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * hd)
         self.v_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * hd)
         self.o_proj = Linear(cfg.num_heads * hd, cfg.hidden_size)
-        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, offset=1.0)
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, offset=1.0)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 plan: AttentionPlan) -> torch.Tensor:
@@ -169,10 +118,10 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, sliding, layer)
         self.mlp = MLP(cfg)
         eps = cfg.rms_norm_eps
-        self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
-        self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps)
-        self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, offset=1.0)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, offset=1.0)
+        self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, offset=1.0)
+        self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, offset=1.0)
 
     def forward(self, x, rope, plan):
         x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, plan))
@@ -191,7 +140,7 @@ class Gemma3Model(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, t == "sliding_attention", i) for i, t in enumerate(cfg.layer_types))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=1.0)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
