@@ -3,15 +3,16 @@ scores, and how category scores become a decision (pure Python, no torch).
 
 A pack is a JSON file (docs/prompt-packs.md). This module holds its format, loading with
 precise errors (file, field, reason), and the arithmetic from per-question scores to
-categories and a decision.
+(calibrated) categories and a decision.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -20,6 +21,9 @@ from .templates import check_scored_template, parse_template
 
 PACK_ID = r"^[a-z0-9][a-z0-9_.-]*/[a-z0-9][a-z0-9_.-]*$"
 VERSION = r"^\d+\.\d+\.\d+$"
+SHA256 = r"^[0-9a-f]{64}$"
+DATE = r"^\d{4}-\d{2}-\d{2}$"
+LOGIT_EPS = 1e-6          # p is clipped to [eps, 1 - eps] before its logit
 
 
 class _Strict(BaseModel):
@@ -52,13 +56,98 @@ class Category(_Strict):
     combine: Literal["max", "mean", "weighted", "noisy_or"] = "max"
     # "p": the positive option's probability; "lift": max(p - floor_p, 0), what the content added
     on: Literal["p", "lift"] = "p"
+    # the labels that mean this category in labelled data (besides its id), for calibration
+    labels: list[str] = Field(default_factory=list)
 
 
 class Rule(_Strict):
-    """Fires when every named category's score is at least its threshold."""
+    """Fires when every named category's score is at least its threshold; "fitted" is the
+    threshold the pack's calibration fitted for that category."""
 
     label: str
-    when: dict[str, float] = Field(min_length=1)
+    when: dict[str, float | Literal["fitted"]] = Field(min_length=1)
+
+
+# ---- calibration: maps a raw score to a probability fitted on labelled data -----------------
+
+
+def logit(p: float) -> float:
+    p = min(max(p, LOGIT_EPS), 1.0 - LOGIT_EPS)
+    return math.log(p / (1.0 - p))
+
+
+def sigmoid(z: float) -> float:
+    if z >= 0:
+        return 1.0 / (1.0 + math.exp(-z))
+    e = math.exp(z)          # no overflow for very negative z
+    return e / (1.0 + e)
+
+
+class Platt(_Strict):
+    """sigmoid(a * logit(s) + b)."""
+
+    method: Literal["platt"]
+    a: float
+    b: float
+
+    def apply(self, s: float) -> float:
+        return sigmoid(self.a * logit(s) + self.b)
+
+
+class Isotonic(_Strict):
+    """A non-decreasing step-free curve: linear between the breakpoints (x, y), flat outside."""
+
+    method: Literal["isotonic"]
+    x: list[float] = Field(min_length=1)
+    y: list[float] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> Isotonic:
+        if len(self.x) != len(self.y):
+            raise ValueError(f"x has {len(self.x)} breakpoints and y {len(self.y)}")
+        if any(b < a for a, b in zip(self.x, self.x[1:])):
+            raise ValueError("x must be non-decreasing")
+        if any(b < a for a, b in zip(self.y, self.y[1:])):
+            raise ValueError("y must be non-decreasing")
+        if not all(0.0 <= v <= 1.0 for v in self.y):
+            raise ValueError("y must lie in [0, 1]")
+        return self
+
+    def apply(self, s: float) -> float:
+        x, y = self.x, self.y
+        if s <= x[0]:
+            return y[0]
+        if s >= x[-1]:
+            return y[-1]
+        i = bisect.bisect_right(x, s)          # x[i - 1] <= s < x[i]
+        x0, x1, y0, y1 = x[i - 1], x[i], y[i - 1], y[i]
+        return y0 if x1 == x0 else y0 + (y1 - y0) * (s - x0) / (x1 - x0)
+
+
+Calibrator = Annotated[Platt | Isotonic, Field(discriminator="method")]
+
+
+class FittedOn(_Strict):
+    """The labelled data a calibration was fitted on."""
+
+    name: str = Field(min_length=1)
+    sha256: str = Field(pattern=SHA256)
+    n: int = Field(ge=1)                 # documents used for fitting
+    date: str = Field(pattern=DATE)      # YYYY-MM-DD
+    model: str = ""                      # the model whose scores were fitted
+
+
+class Calibration(_Strict):
+    """Maps fitted on labelled data. A question's map applies to its positive option's p (and,
+    for ``lift``, to its floor_p) before categories combine; a category's map applies to the
+    combined score. ``thresholds`` are per category, on the calibrated score."""
+
+    fitted_on: FittedOn
+    questions: dict[str, Calibrator] = Field(default_factory=dict)
+    categories: dict[str, Calibrator] = Field(default_factory=dict)
+    thresholds: dict[str, float] = Field(default_factory=dict)
+    target: dict[Literal["precision", "recall"], float] = Field(default_factory=dict,
+                                                                max_length=1)
 
 
 class Decision(_Strict):
@@ -75,6 +164,7 @@ class Pack(_Strict):
     questions: list[PackQuestion] = Field(min_length=1)
     categories: list[Category] = Field(min_length=1)
     decision: Decision = Field(default_factory=Decision)
+    calibration: Calibration | None = None
 
     @model_validator(mode="after")
     def _check(self) -> Pack:
@@ -85,44 +175,79 @@ class Pack(_Strict):
         for i, q in enumerate(self.questions):
             if q.category not in known:
                 raise ValueError(f"questions.{i}: category {q.category!r} is not declared")
+        cal = self.calibration
+        fitted = cal.thresholds if cal else {}
         for i, rule in enumerate(self.decision.rules):
-            for name in rule.when:
+            for name, threshold in rule.when.items():
                 if name not in known:
                     raise ValueError(f"decision.rules.{i}: unknown category {name!r}")
+                if threshold == "fitted" and name not in fitted:
+                    raise ValueError(f"decision.rules.{i}: category {name!r} has no fitted "
+                                     "threshold (calibration.thresholds)")
+        if cal is not None:
+            for field, names, kind in (("questions", set(ids), "question"),
+                                       ("categories", known, "category"),
+                                       ("thresholds", known, "category")):
+                for name in getattr(cal, field):
+                    if name not in names:
+                        raise ValueError(f"calibration.{field}: unknown {kind} {name!r}")
         return self
 
     def summary(self) -> dict:
-        return {"id": self.id, "version": self.version, "questions": len(self.questions),
-                "categories": [c.id for c in self.categories]}
+        out = {"id": self.id, "version": self.version, "questions": len(self.questions),
+               "categories": [c.id for c in self.categories],
+               "calibrated": self.calibration is not None}
+        if self.calibration is not None:
+            fitted = self.calibration.fitted_on
+            out["fitted_on"] = {"name": fitted.name, "n": fitted.n, "date": fitted.date}
+        return out
+
+    def uncalibrated(self) -> Pack:
+        """The same pack without its calibration (raw scores), rules with "fitted" dropped."""
+        rules = [r for r in self.decision.rules if "fitted" not in r.when.values()]
+        return self.model_copy(update={"calibration": None, "decision": self.decision.model_copy(
+            update={"rules": rules})})
 
 
 class PackError(ValueError):
     """A pack that cannot be loaded: which file, which field, why."""
 
 
-def load_pack(path: Path) -> Pack:
+def load_pack(path: Path, shown: str | None = None) -> Pack:
+    """``shown``: how errors name the file (default: its path)."""
+    shown = str(path) if shown is None else shown
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as err:
-        raise PackError(f"{path}: cannot read the pack: {err}") from None
+        raise PackError(f"{shown}: cannot read the pack: {err}") from None
     try:
         return Pack.model_validate(data)
     except ValidationError as err:
         first = err.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "(top level)"
-        raise PackError(f"{path}: {where}: {first['msg']}") from None
+        # a tagged union adds the tag to the location ("questions.q.platt.a"): keep the data path
+        loc = [p for p in first["loc"] if p not in ("platt", "isotonic")]
+        where = ".".join(str(p) for p in loc) or "(top level)"
+        raise PackError(f"{shown}: {where}: {first['msg']}") from None
 
 
-def load_packs(*dirs: Path) -> dict[str, Pack]:
-    """Every ``*.json`` pack under the directories, by id (the highest version wins)."""
+def load_packs(*dirs: Path, shown: str | None = None) -> dict[str, Pack]:
+    """Every ``*.json`` pack under the directories, by id (the highest version wins).
+    ``shown``: errors name files as ``{shown}/{path relative to the directory}``."""
     packs: dict[str, Pack] = {}
     for folder in dirs:
         for path in sorted(Path(folder).glob("**/*.json")):
-            pack = load_pack(path)
-            have = packs.get(pack.id)
-            if have is None or _version(pack.version) > _version(have.version):
-                packs[pack.id] = pack
+            name = None if shown is None else f"{shown}/{path.relative_to(folder)}"
+            merge_packs(packs, {0: load_pack(path, name)})
     return packs
+
+
+def merge_packs(into: dict[str, Pack], more: dict) -> dict[str, Pack]:
+    """Adds ``more``'s packs to ``into``, by id; the highest version wins."""
+    for pack in more.values():
+        have = into.get(pack.id)
+        if have is None or _version(pack.version) > _version(have.version):
+            into[pack.id] = pack
+    return into
 
 
 def official_packs() -> dict[str, Pack]:
@@ -156,24 +281,40 @@ def combine(values: list[float], weights: list[float], how: str) -> float:
 
 def category_scores(pack: Pack, scores: dict[str, tuple[float, float]]) -> dict[str, float]:
     """``scores``: question id -> (p, floor_p) of its positive option. Categories none of
-    whose questions were scored (a request asking for some categories only) are left out."""
+    whose questions were scored (a request asking for some categories only) are left out.
+    With a calibration, questions' maps apply before combining, categories' maps after."""
+    cal = pack.calibration
     out = {}
     for category in pack.categories:
         mine = [q for q in pack.questions if q.category == category.id and q.id in scores]
         if not mine:
             continue
-        values = [scores[q.id][0] if category.on == "p"
-                  else max(scores[q.id][0] - scores[q.id][1], 0.0) for q in mine]
-        out[category.id] = combine(values, [q.weight for q in mine], category.combine)
+        values = []
+        for q in mine:
+            p, floor_p = scores[q.id]
+            qmap = cal.questions.get(q.id) if cal else None
+            if qmap is not None:
+                p, floor_p = qmap.apply(p), qmap.apply(floor_p)
+            values.append(p if category.on == "p" else max(p - floor_p, 0.0))
+        value = combine(values, [q.weight for q in mine], category.combine)
+        cmap = cal.categories.get(category.id) if cal else None
+        out[category.id] = cmap.apply(value) if cmap is not None else value
     return out
+
+
+def thresholds(pack: Pack, rule: Rule) -> dict[str, float]:
+    """A rule's thresholds as numbers ("fitted" resolved from the calibration)."""
+    fitted = pack.calibration.thresholds if pack.calibration else {}
+    return {name: fitted[name] if t == "fitted" else t for name, t in rule.when.items()}
 
 
 def decide(pack: Pack, categories: dict[str, float]) -> dict:
     """The first rule whose thresholds all hold decides; the reasons are its conditions.
     Rules naming a category that was not scored are skipped."""
     for rule in pack.decision.rules:
-        if all(name in categories for name in rule.when) and all(categories[name] >= threshold for name, threshold in rule.when.items()):
+        when = thresholds(pack, rule)
+        if all(name in categories and categories[name] >= t for name, t in when.items()):
             return {"label": rule.label,
-                    "reasons": [{"category": name, "score": categories[name],
-                                 "threshold": threshold} for name, threshold in rule.when.items()]}
+                    "reasons": [{"category": name, "score": categories[name], "threshold": t}
+                                for name, t in when.items()]}
     return {"label": pack.decision.default, "reasons": []}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -138,3 +139,73 @@ def test_published_json_schema_is_current():
 
     path = Path(__file__).resolve().parents[1] / "docs" / "prompt-pack.schema.json"
     assert json.loads(path.read_text()) == Pack.model_json_schema()
+
+
+FITTED_ON = {"name": "labelled.jsonl", "sha256": "ab" * 32, "n": 100, "date": "2026-11-30"}
+
+
+def test_platt_and_isotonic_apply():
+    from spinf_worker.packs import Isotonic, Platt, logit
+
+    identity = Platt(method="platt", a=1.0, b=0.0)
+    assert identity.apply(0.3) == pytest.approx(0.3)
+    # a = 2: the odds are squared; b = ln 3: the odds are tripled
+    assert Platt(method="platt", a=2.0, b=0.0).apply(0.75) == pytest.approx(0.9)
+    assert Platt(method="platt", a=1.0, b=math.log(3)).apply(0.5) == pytest.approx(0.75)
+    assert logit(0.0) == pytest.approx(-logit(1.0)) and abs(logit(0.0)) < 20   # clipped
+    iso = Isotonic(method="isotonic", x=[0.2, 0.4, 0.8], y=[0.0, 0.5, 0.9])
+    assert [iso.apply(s) for s in (0.0, 0.2, 0.3, 0.4, 0.6, 0.8, 1.0)] == pytest.approx(
+        [0.0, 0.0, 0.25, 0.5, 0.7, 0.9, 0.9])
+    steps = Isotonic(method="isotonic", x=[0.5, 0.5], y=[0.1, 0.6])
+    assert steps.apply(0.49) == 0.1 and steps.apply(0.51) == 0.6
+
+
+def test_calibration_applies_to_questions_then_categories(tmp_path):
+    data = json.loads(json.dumps(GOOD))
+    data["calibration"] = {
+        "fitted_on": FITTED_ON,
+        "questions": {"a": {"method": "isotonic", "x": [0.0, 1.0], "y": [0.0, 0.5]}},
+        "categories": {"c": {"method": "platt", "a": 1.0, "b": math.log(3)}},
+        "thresholds": {"c": 0.8}}
+    data["decision"]["rules"] = [{"label": "block", "when": {"c": "fitted"}},
+                                 {"label": "review", "when": {"c": 0.5}}]
+    pack = load_pack(write(tmp_path, data))
+    # a: 0.5 -> 0.25 by its isotonic map; weighted (1, 3): (0.25 + 3 * 0.75) / 4 = 0.625;
+    # the category map triples the odds: 0.625 -> 5/6
+    cats = category_scores(pack, {"a": (0.5, 0.1), "b": (0.75, 0.5)})
+    assert cats == {"c": pytest.approx(5 / 6)}
+    assert decide(pack, cats)["reasons"] == [{"category": "c", "score": pytest.approx(5 / 6),
+                                              "threshold": 0.8}]
+    assert decide(pack, {"c": 0.7})["label"] == "review"
+    raw = pack.uncalibrated()
+    assert raw.calibration is None and [r.label for r in raw.decision.rules] == ["review"]
+    assert category_scores(raw, {"a": (0.5, 0.1), "b": (0.75, 0.5)}) == {"c": 0.6875}
+    assert pack.summary()["calibrated"] and pack.summary()["fitted_on"]["n"] == 100
+
+
+@pytest.mark.parametrize("calibration, where, reason", [
+    ({"categories": {"c": {"method": "platt", "a": "x", "b": 0}}}, "calibration.categories.c.a",
+     "valid number"),
+    ({"categories": {"c": {"method": "spline"}}}, "calibration.categories.c", "tag"),
+    ({"questions": {"a": {"method": "isotonic", "x": [0.1, 0.2], "y": [0.9, 0.1]}}},
+     "calibration.questions.a", "y must be non-decreasing"),
+    ({"questions": {"zz": {"method": "platt", "a": 1, "b": 0}}}, "(top level)",
+     "unknown question 'zz'"),
+    ({"thresholds": {"zz": 0.5}}, "(top level)", "unknown category 'zz'"),
+    ({"fitted_on": {**FITTED_ON, "sha256": "xyz"}}, "calibration.fitted_on.sha256", "pattern"),
+])
+def test_bad_calibration_names_the_field(tmp_path, calibration, where, reason):
+    data = json.loads(json.dumps(GOOD))
+    data["calibration"] = {"fitted_on": FITTED_ON, **calibration}
+    path = write(tmp_path, data)
+    with pytest.raises(PackError) as caught:
+        load_pack(path)
+    assert str(caught.value).startswith(f"{path}: {where}:")
+    assert reason in str(caught.value)
+
+
+def test_fitted_threshold_needs_a_calibration(tmp_path):
+    data = json.loads(json.dumps(GOOD))
+    data["decision"]["rules"][0]["when"] = {"c": "fitted"}
+    with pytest.raises(PackError, match="decision.rules.0: category 'c' has no fitted"):
+        load_pack(write(tmp_path, data))
