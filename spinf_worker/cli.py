@@ -118,8 +118,18 @@ def _service_settings(args: argparse.Namespace):
     """ServiceSettings from SPINF_* variables, with the flags given overriding them."""
     from .queue.settings import ServiceSettings
 
-    flags = {"redis_url": args.redis, "prefix": args.prefix}
-    return ServiceSettings(**{k: v for k, v in flags.items() if v is not None})
+    flags = {"redis_url": args.redis, "prefix": args.prefix, "packs": args.packs or None}
+    settings = ServiceSettings(**{k: v for k, v in flags.items() if v is not None})
+    if settings.packs and args.command != "dispatcher":
+        from .pack_sources import pin_sources
+        from .packs import PackError
+        from .serve import ServiceError
+
+        try:   # every pack checked before anything starts; git revisions pinned to commits
+            settings = settings.model_copy(update={"packs": pin_sources(settings.packs)})
+        except PackError as err:
+            raise ServiceError(str(err)) from None
+    return settings
 
 
 def _start_logging(args: argparse.Namespace) -> None:
@@ -141,10 +151,11 @@ def _needs(settings, *, redis: bool = True, secret: bool = False) -> None:
 
 
 def cmd_packs(args: argparse.Namespace) -> int:
-    from .packs import PackError, load_packs, official_packs
+    from .pack_sources import load_sources
+    from .packs import PackError
 
     try:
-        packs = {**official_packs(), **load_packs(*map(Path, args.packs))}
+        packs = load_sources(args.packs)
     except PackError as err:
         print(f"spinf-serve: {err}", file=sys.stderr)
         return 2
@@ -200,6 +211,9 @@ def _service_options(redis_help: str) -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--redis", default=None, metavar="URL", help=redis_help)
     common.add_argument("--prefix", default=None, help="key prefix (default: $SPINF_PREFIX or spinf)")
+    common.add_argument("--packs", action="append", default=None, metavar="SOURCE",
+                        help="also load the packs of a directory or git+URL[@rev] (repeatable; "
+                             "default: $SPINF_PACKS, a JSON list)")
     common.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
     common.add_argument("--log-format", choices=("auto", "json", "console"), default="auto",
                         help="auto: console lines on a terminal, JSON lines otherwise")
@@ -264,8 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
     score.set_defaults(func=cmd_score)
 
     packs = sub.add_parser("packs", help="list the prompt packs that load (and check them)")
-    packs.add_argument("--packs", action="append", default=[], metavar="DIR",
-                       help="also load the packs in DIR (repeatable)")
+    packs.add_argument("--packs", action="append", default=[], metavar="SOURCE",
+                       help="also load the packs of a directory or git+URL[@rev][#subdir] "
+                            "(repeatable)")
     packs.add_argument("--json", action="store_true", help="one JSON object per pack")
     packs.set_defaults(func=cmd_packs)
     return parser

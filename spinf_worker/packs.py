@@ -14,7 +14,14 @@ import math
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    model_validator,
+)
 
 from .errors import InvalidRequestError
 from .templates import check_scored_template, parse_template
@@ -165,6 +172,8 @@ class Pack(_Strict):
     categories: list[Category] = Field(min_length=1)
     decision: Decision = Field(default_factory=Decision)
     calibration: Calibration | None = None
+    # where it was loaded from, for git sources: {"url", "rev", "commit"} (not part of the file)
+    _origin: dict | None = PrivateAttr(default=None)
 
     @model_validator(mode="after")
     def _check(self) -> Pack:
@@ -200,6 +209,8 @@ class Pack(_Strict):
         if self.calibration is not None:
             fitted = self.calibration.fitted_on
             out["fitted_on"] = {"name": fitted.name, "n": fitted.n, "date": fitted.date}
+        if self._origin is not None:
+            out["source"] = dict(self._origin)
         return out
 
     def uncalibrated(self) -> Pack:

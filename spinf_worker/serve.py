@@ -255,11 +255,15 @@ class Tiers:
 
 def load_engine(spec: WorkerSpec, settings: ServiceSettings):
     from .engine.engine import Engine, EngineSettings
+    from .pack_sources import load_sources
 
+    packs = load_sources(settings.packs)      # before the model: a bad pack fails fast
     engine_settings = EngineSettings()
     if settings.max_pass_tokens:
         engine_settings.max_pass_tokens = settings.max_pass_tokens
-    return Engine.load(spec.model, device=spec.device, settings=engine_settings)
+    engine = Engine.load(spec.model, device=spec.device, settings=engine_settings)
+    engine.packs = packs
+    return engine
 
 
 async def _run_worker(spec: WorkerSpec, settings: ServiceSettings, redis, keys: Keys,

@@ -13,6 +13,8 @@ class ServiceSettings(BaseSettings):
     prefix: str = "spinf"
     # results and job records
     result_ttl_s: int = 7 * 24 * 3600
+    # prompt packs besides the official ones: directories and git+URL[@rev] (JSON list)
+    packs: list[str] = Field(default_factory=list)
     # workers
     max_pass_tokens: int | None = None    # None: the engine's default for the device
     max_wait_ms: int = 50                 # a lone request is not held longer for a fuller pass

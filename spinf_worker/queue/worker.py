@@ -632,6 +632,9 @@ def main(argv: list[str] | None = None) -> int:
     if settings.max_pass_tokens:
         engine_settings.max_pass_tokens = settings.max_pass_tokens
     engine = Engine.load(args.model, device=args.device, settings=engine_settings)
+    from ..pack_sources import load_sources
+
+    engine.packs = load_sources(settings.packs)
     asyncio.run(serve(engine, settings, name=args.name))
     return 0
 

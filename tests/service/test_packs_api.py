@@ -1,0 +1,69 @@
+"""Packs through the service: SPINF_PACKS (here a pinned git revision) reaches both the API's
+GET /v1/packs and the worker's engine, and a pack's scores equal its questions sent plain."""
+
+from __future__ import annotations
+
+import shutil
+
+import httpx
+import pytest
+
+from spinf_worker.pack_sources import load_sources, pin_sources
+
+from ..test_pack_sources import PACK, commit
+from .live import InProcessWorker, LiveServer
+
+TWO = {**PACK, "id": "acme/service-pack",
+       "questions": [*PACK["questions"],
+                     {"id": "b", "category": "d", "template": "\n\nAnother?{?}",
+                      "options": [" yes", " no", " maybe"], "positive": " maybe"}],
+       "categories": [{"id": "c"}, {"id": "d", "on": "lift"}],
+       "decision": {"rules": [{"label": "flag", "when": {"c": 0.0}}], "default": "pass"}}
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
+def test_git_pack_scores_through_the_api_equal_plain_queries(tmp_path, monkeypatch, settings,
+                                                             tiny_engine):
+    import subprocess
+
+    monkeypatch.setenv("SPINF_CACHE_DIR", str(tmp_path / "cache"))
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    subprocess.run(["git", "-C", str(repo), "init", "-q", "-b", "main"], check=True)
+    sha = commit(repo, {"service.json": TWO}, "pack")
+    settings = settings.model_copy(update={"packs": pin_sources([f"git+file://{repo}@main"])})
+    assert settings.packs == [f"git+file://{repo}@{sha}"]
+    # what serve.load_engine does for a worker
+    monkeypatch.setattr(tiny_engine, "packs", load_sources(settings.packs))
+    text = "I was charged twice for September and I want my money back now."
+    with LiveServer(settings) as server, InProcessWorker(tiny_engine, settings):
+        client = httpx.Client(base_url=server.v1, timeout=60)
+        listed = {p["id"]: p for p in client.get("/packs").json()["data"]}
+        assert listed["acme/service-pack"]["source"]["commit"] == sha
+        assert "spinf/support-triage" in listed
+
+        own = {"id": "own", "template": "\n\nRefund?{?}", "options": [" yes", " no"]}
+        with_pack = client.post("/score", json={"text": text, "scoring": {"queries": [own]},
+                                                "packs": [{"id": "acme/service-pack"}]})
+        assert with_pack.status_code == 200, with_pack.text
+        plain = client.post("/score", json={"text": text, "scoring": {"queries": [
+            {"id": q["id"], "template": q["template"], "options": q["options"]}
+            for q in TWO["questions"]]}}).json()
+        body = with_pack.json()
+        assert [q["id"] for q in body["queries"]] == ["own"]
+        result = body["packs"][0]
+        assert (result["id"], result["version"]) == ("acme/service-pack", "1.0.0")
+        by_id = {q["id"]: q for q in plain["queries"]}
+        for question, spec in zip(result["questions"], TWO["questions"]):
+            option = next(o for o in by_id[spec["id"]]["combinations"][0]["options"]
+                          if o["text"] == spec["positive"])
+            assert question["p"] == pytest.approx(option["p"], abs=1e-6)
+            assert question["floor_p"] == option["floor_p"]
+        a, b = result["questions"]
+        assert result["categories"] == {"c": pytest.approx(a["p"]),
+                                        "d": pytest.approx(max(b["p"] - b["floor_p"], 0.0))}
+        assert result["decision"]["label"] == "flag"
+
+        unknown = client.post("/score", json={"text": text, "scoring": {"queries": [own]},
+                                              "packs": [{"id": "acme/nope"}]})
+        assert unknown.status_code == 400 and unknown.json()["error"]["code"] == "unknown_pack"
