@@ -207,6 +207,32 @@ def cmd_dispatcher(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_ingest(args: argparse.Namespace) -> int:
+    """A news-feed ingestion consumer (docs/INGEST.md)."""
+    from .ingest import config as ingest_config
+    from .ingest.run import ingest
+    from .pack_sources import load_sources
+
+    _start_logging(args)
+    settings = _service_settings(args)
+
+    def here(path: str) -> str:     # flags are relative to the working directory
+        return str(Path(path).resolve())
+
+    feeds = ([{"url": url} for url in args.feed] + [{"jsonl": here(p)} for p in args.jsonl]
+             + [{"stream": key} for key in args.stream])
+    sinks = [f"jsonl:{here(s[6:])}" if s.startswith("jsonl:") else s for s in args.sink]
+    config = ingest_config.load(
+        args.config, packs=load_sources(settings.packs), feeds=feeds, sinks=sinks,
+        pack=args.pack or None, queries=here(args.queries) if args.queries else None,
+        interval_s=args.interval, fetch_pages=args.fetch_pages, fetch_allow=args.fetch_allow,
+        name=args.name)
+    ingest(settings, config, once=args.once, model=args.model, device=args.device,
+           state_dir=args.state_dir, metrics_port=args.metrics_port,
+           metrics_host=args.metrics_host)
+    return 0
+
+
 def _service_options(redis_help: str) -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--redis", default=None, metavar="URL", help=redis_help)
@@ -265,6 +291,47 @@ def build_parser() -> argparse.ArgumentParser:
     dispatcher = sub.add_parser("dispatcher", parents=[_service_options(external)],
                                 help="only the webhook callback dispatcher")
     dispatcher.set_defaults(func=cmd_dispatcher)
+
+    ingest = sub.add_parser(
+        "ingest", parents=[_service_options(
+            "Redis URL of a deployment (default: $SPINF_REDIS_URL; none: a private "
+            "redis-server and a worker in this process)")],
+        help="follow RSS/Atom feeds, JSONL files or a Redis stream; score each new item once")
+    ingest.add_argument("--config", type=Path, default=None, metavar="FILE",
+                        help="YAML: feeds (each with its pack/queries/interval), sinks, defaults")
+    ingest.add_argument("--feed", action="append", default=[], metavar="URL",
+                        help="an RSS/Atom feed (repeatable)")
+    ingest.add_argument("--jsonl", action="append", default=[], metavar="PATH",
+                        help="a JSONL file followed as it grows (repeatable)")
+    ingest.add_argument("--stream", action="append", default=[], metavar="KEY",
+                        help="a Redis stream of articles (repeatable)")
+    ingest.add_argument("--sink", action="append", default=[], metavar="SPEC",
+                        help="jsonl:PATH, redis:STREAM or webhook:URL (repeatable)")
+    ingest.add_argument("--pack", action="append", default=[], metavar="ID",
+                        help="score with this prompt pack (repeatable)")
+    ingest.add_argument("--queries", default=None, metavar="FILE",
+                        help="scoring block or list of queries, as for `score --queries`")
+    ingest.add_argument("--interval", type=float, default=None, metavar="S",
+                        help="seconds between polls (default: 300 for feeds, 1 for files and "
+                             "streams)")
+    ingest.add_argument("--fetch-pages", action="store_true",
+                        help="fetch the linked page of items that carry only a summary")
+    ingest.add_argument("--fetch-allow", action="append", default=[], metavar="HOST|CIDR",
+                        help="private hosts/networks pages may be fetched from (repeatable)")
+    ingest.add_argument("--name", default=None,
+                        help="consumer name: its state in Redis (default: default)")
+    ingest.add_argument("--once", action="store_true",
+                        help="poll every source once, wait until every new item is in the "
+                             "sinks, exit")
+    ingest.add_argument("--metrics-port", type=int, default=None,
+                        help="serve Prometheus metrics on this port")
+    ingest.add_argument("--metrics-host", default="127.0.0.1",
+                        help="address of the metrics server (default 127.0.0.1)")
+    ingest.add_argument("--state-dir", type=Path, default=None,
+                        help="without --redis: the private Redis data (default: the user data "
+                             "dir's ingest/)")
+    _model_options(ingest)
+    ingest.set_defaults(func=cmd_ingest)
 
     score = sub.add_parser("score", help="score a JSONL file offline (no server)")
     score.add_argument("input", help="JSONL: /v1/score bodies or {\"id\", \"text\"} lines; - for stdin")

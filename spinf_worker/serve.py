@@ -21,8 +21,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
@@ -251,6 +251,9 @@ class Tiers:
     api: tuple[str, int] | None = None       # (host, port)
     worker: WorkerSpec | None = None
     dispatcher: bool = False
+    # more coroutines on the loop (e.g. ``ingest``), given the stop event; one that returns
+    # normally ends the run as a signal would (``ingest --once`` is done)
+    jobs: dict[str, Callable[[asyncio.Event], Awaitable[None]]] = field(default_factory=dict)
 
 
 def load_engine(spec: WorkerSpec, settings: ServiceSettings):
@@ -352,12 +355,18 @@ async def run_tiers(settings: ServiceSettings, tiers: Tiers) -> None:
         if tiers.dispatcher:
             dispatcher = CallbackDispatcher(redis, keys, settings)
             tasks["dispatcher"] = asyncio.create_task(dispatcher.run(stop), name="dispatcher")
+        for name, job in tiers.jobs.items():
+            tasks[name] = asyncio.create_task(job(stop), name=name)
         stopping = asyncio.ensure_future(stop.wait())
         await asyncio.wait([stopping, *tasks.values()], return_when=asyncio.FIRST_COMPLETED)
         stopping.cancel()
         if not stop.is_set():
             ended = next(name for name, task in tasks.items() if task.done())
-            log.error("a tier stopped; stopping the others", tier=ended)
+            if ended in tiers.jobs and not tasks[ended].cancelled() \
+                    and tasks[ended].exception() is None:
+                log.info("finished; stopping the others", tier=ended)
+            else:
+                log.error("a tier stopped; stopping the others", tier=ended)
             stop.set()
         if server is not None:
             server.should_exit = True
