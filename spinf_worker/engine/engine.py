@@ -50,6 +50,7 @@ class EngineSettings:
     floor_cache_size: int = 100_000
     presentation: str = "auto"       # auto | raw | chat
     scheme: str = "auto"             # auto | fp32 | bf16 | fp8 (W8A8; GPUs with fp8 tensor cores)
+    #                                  | int8 (weight-only, per-channel scales; CPU or CUDA)
 
 
 @dataclass
@@ -73,9 +74,9 @@ def _pick_scheme(scheme: str, device: torch.device) -> str:
         if device.type != "cuda":
             return "fp32"
         return "fp8" if torch.cuda.get_device_capability(device) >= (8, 9) else "bf16"
-    if scheme not in ("fp32", "bf16", "fp8"):
-        raise ValueError(f"unknown quantisation scheme {scheme!r} (fp32, bf16, fp8)")
-    if scheme != "fp32" and device.type != "cuda":
+    if scheme not in ("fp32", "bf16", "fp8", "int8"):
+        raise ValueError(f"unknown quantisation scheme {scheme!r} (fp32, bf16, fp8, int8)")
+    if scheme not in ("fp32", "int8") and device.type != "cuda":
         raise ValueError(f"scheme {scheme} runs on CUDA only; the CPU runs fp32")
     return scheme
 
@@ -88,24 +89,30 @@ def _init_random(model: torch.nn.Module, seed: int = 0) -> None:
             p.zero_()
         else:
             p.normal_(0.0, 0.02, generator=gen)
+    for module in model.modules():   # norms that scale by w (not 1 + w) start at 1
+        if getattr(module, "offset", None) == 0:
+            module.weight.data.fill_(1.0)
 
 
 class Engine:
     def __init__(self, checkpoint: Checkpoint, device: str | None = None,
                  settings: EngineSettings | None = None):
         """``checkpoint.weights = None`` builds random weights with the real shapes."""
-        from ..models.gemma3 import Gemma3Config, Gemma3Model
+        from ..models.registry import family_for
 
         self.checkpoint = checkpoint
         self.settings = replace(settings) if settings else EngineSettings()
         self.device = _pick_device(device)
         self.scheme = _pick_scheme(self.settings.scheme, self.device)
-        self.dtype = torch.float32 if self.scheme == "fp32" else torch.bfloat16
+        # int8 is weight-only: activations in fp32 on the CPU, bf16 on CUDA.
+        self.dtype = (torch.float32 if self.scheme == "fp32" or
+                      (self.scheme == "int8" and self.device.type != "cuda") else torch.bfloat16)
         if self.settings.max_pass_tokens is None:
             self.settings.max_pass_tokens = 16384 if self.device.type == "cuda" else 8192
-        self.config = Gemma3Config.from_hf(checkpoint.config)
+        family = family_for(checkpoint.config)
+        self.config = family.config(checkpoint.config)
         with torch.device("meta"):
-            model = Gemma3Model(self.config)
+            model = family.build(self.config)
         model = model.to_empty(device=self.device).to(self.dtype)
         with torch.no_grad():
             if checkpoint.weights is None:
@@ -114,6 +121,10 @@ class Engine:
                 model.load_hf_weights(checkpoint.weights)
             if self.scheme == "fp8":
                 model.to_fp8()
+            elif self.scheme == "int8":
+                from ..quant.int8 import quantize_linears
+
+                quantize_linears(model)
         self.model = model.eval()
         self.pad_id = checkpoint.config.get("pad_token_id") or 0
         self.runner = ModelRunner(self.model, self.device, self.dtype, self.pad_id)
@@ -121,8 +132,10 @@ class Engine:
         self.decoder = SlotDecoder(self.model, checkpoint.tokenizer, checkpoint.eos_token_id,
                                    self.pad_id)
         mode = choose_mode(self.settings.presentation, checkpoint.name, checkpoint.chat_template)
-        self.presenter = Presenter(checkpoint.tokenizer, checkpoint.bos_token_id, mode,
-                                   checkpoint.chat_template)
+        tok = checkpoint.tokenizer
+        self.presenter = Presenter(tok, checkpoint.bos_token_id, mode, checkpoint.chat_template,
+                                   bos_text=tok.id_to_token(checkpoint.bos_token_id) or "<bos>",
+                                   eos_text=tok.id_to_token(checkpoint.eos_token_id) or "<eos>")
         self.fingerprint = self._fingerprint()
         self._floor: OrderedDict[tuple, list[DocScores]] = OrderedDict()
 
@@ -311,9 +324,9 @@ class Engine:
                                   value=_value(q.slot_kind, text))
                         for text, lp in _merge_same_text(found)]))
                 else:
-                    combos.append(self._option_scores(q, combo, scores.logprobs[b],
-                                                      scores.residual[b],
-                                                      self._floor[fkey].logprobs[ci]))
+                    combos.append(self._option_scores(q, combo, scores.branch(b),
+                                                      float(scores.residual[b]),
+                                                      self._floor[fkey].branch(ci)))
                 b += 1
             query_scores.append(QueryScore(id=q.id, combinations=combos))
         scored = sum(len(o) for br in p.tree.branches for o in br.options) + decoded
@@ -326,15 +339,23 @@ class Engine:
             packs=_pack_results(p.packs, query_scores[len(p.request.scoring.queries):]))
 
     @staticmethod
-    def _option_scores(q: Query, combo: Combination, lp: torch.Tensor, residual: float,
-                       floor_lp: torch.Tensor) -> CombinationScore:
-        probs = torch.softmax(lp.double(), 0)
-        floor_probs = torch.softmax(floor_lp.double(), 0)
+    def _option_scores(q: Query, combo: Combination, lp, residual: float,
+                       floor_lp) -> CombinationScore:
+        lp, probs, floor_probs = lp.tolist(), _softmax(lp), _softmax(floor_lp)
         return CombinationScore(
             values=combo.values,
-            options=[OptionScore(text=o, logprob=float(lp[k]), p=float(probs[k]),
-                                 floor_p=float(floor_probs[k])) for k, o in enumerate(q.options)],
+            options=[OptionScore(text=o, logprob=lp[k], p=probs[k], floor_p=floor_probs[k])
+                     for k, o in enumerate(q.options)],
             residual=residual)
+
+
+def _softmax(logprobs) -> list[float]:
+    """The options' probabilities renormalised over the options, in float64."""
+    values = logprobs.tolist()
+    top = max(values)
+    weights = [math.exp(v - top) for v in values]
+    total = math.fsum(weights)
+    return [w / total for w in weights]
 
 
 def _pack_results(packs: list[tuple[Pack, list[PackQuestion]]],

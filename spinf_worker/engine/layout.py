@@ -39,8 +39,14 @@ class FlatDoc:
     branch_of: torch.Tensor      # [length] branch index per row, -1 for root and padding
     option_of: torch.Tensor      # [length] option sub-branch index per row, -1 elsewhere
     readout_rows: torch.Tensor   # [n_readouts padded to READOUT_TILE] row within the document
-    # terms[b][o] = [(readout index, token id), ...]: option o of branch b's logprob summands
-    terms: list[list[list[tuple[int, int]]]]
+    # An option's logprob is the sum of its summands: (readout index, token id) pairs, listed
+    # option after option; option k belongs to branch option_branch[k].
+    term_readout: np.ndarray     # [summands] readout index
+    term_token: np.ndarray       # [summands] the token whose logprob is read there
+    term_option: np.ndarray      # [summands] option index within the document
+    option_branch: np.ndarray    # [options] branch index
+    n_branches: int
+    n_option_paths: int          # option sub-branches (options of several tokens)
     # extraction branches: branch -> (readout index, context rows (root + branch), settings)
     extract: dict[int, tuple[int, list[int], dict]] = field(default_factory=dict)
 
@@ -80,7 +86,10 @@ class DocTree:
         option_of: list[int] = [-1] * len(self.root)
         n_options = 0
         readout_rows: list[int] = []
-        terms: list[list[list[tuple[int, int]]]] = []
+        term_readout: list[int] = []
+        term_token: list[int] = []
+        term_option: list[int] = []
+        option_branch: list[int] = []
         extract: dict[int, tuple[int, list[int], dict]] = {}
 
         def add_node(tokens: list[int], start_pos: int, parent_path: list[int], branch: int,
@@ -106,16 +115,19 @@ class DocTree:
             shared = len(readout_rows) - 1
             if not br.options:   # an extraction slot: decoded later from this readout
                 extract[b] = (shared, [*range(len(self.root)), *branch_path], br.decode or {})
-            br_terms = []
             for opt in br.options:
-                opt_terms = [(shared, opt[0])]
+                k = len(option_branch)
+                option_branch.append(b)
+                term_readout.append(shared)
+                term_token.append(opt[0])
+                term_option.append(k)
                 option_path = add_node(opt[:-1], first_pos + 1, branch_path, b, n_options)
                 n_options += len(opt) > 1
                 for row, tok in zip(option_path[len(branch_path):], opt[1:]):
                     readout_rows.append(row)
-                    opt_terms.append((len(readout_rows) - 1, tok))
-                br_terms.append(opt_terms)
-            terms.append(br_terms)
+                    term_readout.append(len(readout_rows) - 1)
+                    term_token.append(tok)
+                    term_option.append(k)
 
         tokens = len(ids)
         path_rows, path_ok = _pad_paths(paths)
@@ -131,6 +143,11 @@ class DocTree:
             branch_of=torch.tensor(branch_of + [-1] * pad, dtype=torch.int32),
             option_of=torch.tensor(option_of + [-1] * pad, dtype=torch.int32),
             readout_rows=torch.tensor(readout_rows + [0] * rpad, dtype=torch.long),
-            terms=terms,
+            term_readout=np.array(term_readout, dtype=np.int64),
+            term_token=np.array(term_token, dtype=np.int64),
+            term_option=np.array(term_option, dtype=np.int64),
+            option_branch=np.array(option_branch, dtype=np.int64),
+            n_branches=len(self.branches),
+            n_option_paths=n_options,
             extract=extract,
         )

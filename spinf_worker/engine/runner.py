@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ..kernels.attention import AttentionPlan, DocSpan
@@ -15,11 +16,20 @@ PASS_BUCKET = 4096    # CUDA passes are padded to a multiple of this
 
 @dataclass
 class DocScores:
-    """Per branch, per option: the summed logprob (fp32) and the full-vocab residual."""
+    """Per option its summed logprob (fp32), per branch the full-vocab residual."""
 
-    logprobs: list[torch.Tensor]    # [n_options] per branch
-    residual: list[float]           # per branch: 1 - sum(exp(logprob))
+    option_logprobs: np.ndarray     # [options] fp32, option after option (FlatDoc order)
+    branch_start: np.ndarray        # [branches + 1]: branch b's options are [start[b], start[b+1])
+    residual: np.ndarray            # [branches] float64: 1 - sum(exp(logprob))
     found: dict = field(default_factory=dict)   # extraction branch -> decode.Found answers
+
+    def branch(self, b: int) -> np.ndarray:
+        return self.option_logprobs[self.branch_start[b]:self.branch_start[b + 1]]
+
+    @property
+    def logprobs(self) -> list[torch.Tensor]:
+        """Per branch, its options' logprobs."""
+        return [torch.from_numpy(self.branch(b)) for b in range(len(self.residual))]
 
 
 @dataclass
@@ -67,8 +77,8 @@ class ModelRunner:
             branch.append(torch.where(doc.branch_of >= 0, doc.branch_of + n_branches, -1))
             option.append(torch.where(doc.option_of >= 0, doc.option_of + n_options, -1))
             pos.append(doc.positions)
-            n_branches += len(doc.terms)
-            n_options += int(doc.option_of.max()) + 1
+            n_branches += doc.n_branches
+            n_options += doc.n_option_paths
         pad = rows - sum(d.length for d in docs)
         fill = torch.full((pad,), -1)
         tokens = TreeTokens(*(self._upload(torch.cat([*parts, fill if j < 3 else torch.zeros(pad)])
@@ -131,21 +141,18 @@ class ModelRunner:
             rows.append(start + doc.readout_rows)
             for b, (r, *_) in doc.extract.items():
                 first_at[base + r] = (i, b)
-            for branch in doc.terms:
-                for opt in branch:
-                    for r, t in opt:
-                        readout.append(base + r)
-                        token.append(t)
+            readout.append(doc.term_readout + base)
+            token.append(doc.term_token)
             base += doc.readout_rows.shape[0]
-        readout_t = torch.tensor(readout, dtype=torch.long)
+        readout_t = torch.from_numpy(np.concatenate(readout))
         order = torch.argsort(readout_t, stable=True)
         readout_sorted = readout_t[order]
         bounds = torch.searchsorted(readout_sorted, torch.arange(0, base + READOUT_CHUNK,
                                                                  READOUT_CHUNK)).tolist()
         rows_d = self._upload(torch.cat(rows))
         readout_d = self._upload(readout_sorted)
-        token_d = self._upload(torch.tensor(token, dtype=torch.long)[order])
-        values = torch.empty(len(readout), dtype=torch.float32, device=self.device)
+        token_d = self._upload(torch.from_numpy(np.concatenate(token))[order])
+        values = torch.empty(readout_t.shape[0], dtype=torch.float32, device=self.device)
         first = {}
         for c, lo in enumerate(range(0, base, READOUT_CHUNK)):
             a, b = bounds[c], bounds[c + 1]
@@ -158,18 +165,18 @@ class ModelRunner:
 
     def finish(self, pending: PendingPass) -> list[DocScores]:
         """Wait for the pass and turn its summands into per-option logprobs."""
-        values = torch.empty(pending.values.shape[0], dtype=torch.float32)
-        values[pending.order] = pending.values.cpu()
+        values = np.empty(pending.values.shape[0], dtype=np.float32)
+        values[pending.order.numpy()] = pending.values.cpu().numpy()
         out, i = [], 0
         for doc in pending.docs:
-            scores = DocScores([], [])
-            for branch in doc.terms:
-                sums = []
-                for opt in branch:
-                    sums.append(values[i:i + len(opt)].sum())
-                    i += len(opt)
-                lp = torch.stack(sums) if sums else torch.empty(0)
-                scores.logprobs.append(lp)
-                scores.residual.append(float(1.0 - lp.double().exp().sum()))
-            out.append(scores)
+            n_terms, n_options = len(doc.term_option), len(doc.option_branch)
+            # Summands added one by one in option order (np.add.at is unbuffered), so an
+            # option's sum never depends on the other documents of the pass.
+            lp = np.zeros(n_options, dtype=np.float32)
+            np.add.at(lp, doc.term_option, values[i:i + n_terms])
+            i += n_terms
+            mass = np.zeros(doc.n_branches, dtype=np.float64)
+            np.add.at(mass, doc.option_branch, np.exp(lp.astype(np.float64)))
+            start = np.searchsorted(doc.option_branch, np.arange(doc.n_branches + 1))
+            out.append(DocScores(lp, start, 1.0 - mass))
         return out
