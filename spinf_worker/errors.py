@@ -38,3 +38,9 @@ class ModelNotFoundError(SpinfError):
     status = 404
     type = "invalid_request_error"
     code = "model_not_found"
+
+
+class UnsupportedModelError(ModelNotFoundError):
+    """The checkpoint loads, but its architecture (or a variant of it) has no stack here."""
+
+    code = "model_not_supported"

@@ -3,6 +3,8 @@ rotary embeddings over packed ``[tokens, ...]`` activations."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -30,12 +32,14 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Module):
-    """Bias-free linear layer through the batch-invariant matmul (bf16/fp32, or fp8 W8A8)."""
+    """Linear layer through the batch-invariant matmul (bf16/fp32, fp8 W8A8 or int8 weights);
+    bias-free unless asked (Llama-style ``attention_bias`` / ``mlp_bias``)."""
 
-    def __init__(self, d_in: int, d_out: int):
+    def __init__(self, d_in: int, d_out: int, bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(d_out, d_in))
         self.weight_scale: torch.Tensor | None = None
+        self.bias = nn.Parameter(torch.empty(d_out)) if bias else None
 
     def to_fp8(self) -> None:
         """Per-output-channel fp8 weights, computed once at load."""
@@ -43,8 +47,22 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(w8, requires_grad=False)
         self.weight_scale = scale
 
+    def to_int8(self) -> None:
+        """int8 weights with per-output-channel scales (weight-only), computed once at load."""
+        from ..quant.int8 import quantize_weight_int8
+
+        w8, scale = quantize_weight_int8(self.weight.data)
+        self.weight = nn.Parameter(w8, requires_grad=False)
+        self.weight_scale = scale
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.weight_scale)
+        if self.weight.dtype == torch.int8:
+            from ..quant.int8 import int8_linear
+
+            y = int8_linear(x, self.weight, self.weight_scale)
+        else:
+            y = linear(x, self.weight, self.weight_scale)
+        return y if self.bias is None else y + self.bias   # row-wise: still batch-invariant
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, base: float, linear_factor: float,
@@ -60,3 +78,45 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+def rope_inv_freq(head_dim: int, params: dict) -> torch.Tensor:
+    """Inverse frequencies of one RoPE variant, from transformers' ``rope_parameters`` (or an
+    old ``rope_scaling`` dict plus ``rope_theta``): default, linear, llama3 (Llama 3.1+) and
+    proportional (Gemma 4 global layers: the first ``partial_rotary_factor`` of the angles
+    rotate, the rest keep frequency 0). Computed on the CPU, in float32, as transformers does."""
+    kind = params.get("rope_type") or params.get("type") or "default"
+    base = float(params.get("rope_theta", 10_000.0))
+    partial = float(params.get("partial_rotary_factor") or 1.0)
+    if kind == "proportional":
+        angles = int(partial * head_dim // 2)
+        inv = 1.0 / (base ** (torch.arange(0, 2 * angles, 2, dtype=torch.float) / head_dim))
+        inv = torch.cat((inv, torch.zeros(head_dim // 2 - angles)))
+        return inv / float(params.get("factor", 1.0))
+    if partial != 1.0:
+        raise ValueError(f"partial rotary embeddings are not supported for RoPE type {kind!r}")
+    inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+    if kind == "default":
+        return inv
+    if kind == "linear":
+        return inv / float(params["factor"])
+    if kind == "llama3":
+        factor, low, high = (float(params[k]) for k in ("factor", "low_freq_factor",
+                                                        "high_freq_factor"))
+        old = float(params["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old / low, inv / factor, inv)
+        smooth = (old / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old / high) * ~(wavelen > old / low)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"RoPE type {kind!r} is not supported "
+                     "(supported: default, linear, llama3, proportional)")
+
+
+def rope_cos_sin_from(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin ``[T, 1, head_dim]`` for given inverse frequencies (see ``rope_inv_freq``)."""
+    freqs = positions.float()[:, None] * inv_freq.to(positions.device)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]

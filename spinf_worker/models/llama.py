@@ -1,0 +1,197 @@
+"""Llama text stack (Llama 2/3.x, SmolLM2) over packed ``[tokens, dim]`` activations.
+
+Pre-norm blocks (RMSNorm with plain ``w``), GQA, RoPE (default, linear or llama3 scaling),
+SwiGLU MLP, optional attention / MLP biases, tied or separate LM head. Qwen3 (qwen3.py) is the
+same block plus qk-norm and optional sliding-window layers, so both share the modules here.
+Every linear layer goes through the tiled, batch-invariant matmul; attention follows the
+read-once tree rule (kernels/attention.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..kernels.attention import AttentionPlan
+from ..kernels.matmul import READOUT_TILE, linear
+from ..quant.int8 import quantize_linears
+from .layers import Linear, RMSNorm, apply_rope, rope_cos_sin_from, rope_inv_freq
+
+NO_WINDOW = 1 << 30   # "sliding_window" of a stack without sliding layers: never masks
+
+
+def rope_params(cfg: dict, default_theta: float) -> dict:
+    """One RoPE parameter dict from a transformers 5 config (``rope_parameters``) or an older
+    one (``rope_theta`` + ``rope_scaling``)."""
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    params.setdefault("rope_theta", cfg.get("rope_theta", default_theta))
+    if params.get("rope_type", params.get("type", "default")) == "llama3":
+        params.setdefault("original_max_position_embeddings",
+                          cfg.get("max_position_embeddings", 8192))
+    return params
+
+
+@dataclass
+class LlamaConfig:
+    vocab_size: int = 128256
+    hidden_size: int = 2048
+    intermediate_size: int = 8192
+    num_layers: int = 16
+    num_heads: int = 32
+    num_kv_heads: int = 8
+    head_dim: int = 64
+    rms_norm_eps: float = 1e-5
+    rope: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 500_000.0})
+    max_position_embeddings: int = 131072
+    tie_word_embeddings: bool = True
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False                    # Qwen3
+    sliding_window: int = NO_WINDOW          # the window of the layers marked sliding
+    layer_types: tuple[str, ...] = ()        # "full_attention" | "sliding_attention" per layer
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> LlamaConfig:
+        cfg = cfg.get("text_config", cfg)
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"activation {cfg['hidden_act']!r} is not supported (silu)")
+        if cfg.get("pretraining_tp", 1) not in (1, None):
+            raise ValueError("pretraining_tp > 1 is not supported")
+        heads = cfg["num_attention_heads"]
+        rope = rope_params(cfg, 10_000.0)
+        rope_inv_freq(2, rope)   # unsupported RoPE types fail here, at load
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope=rope,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            layer_types=("full_attention",) * cfg["num_hidden_layers"],
+        )
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig, layer: int):
+        super().__init__()
+        self.cfg, self.layer = cfg, layer
+        self.sliding = cfg.layer_types[layer] == "sliding_attention"
+        hd, bias = cfg.head_dim, cfg.attention_bias
+        self.q_proj = Linear(cfg.hidden_size, cfg.num_heads * hd, bias)
+        self.k_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * hd, bias)
+        self.v_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * hd, bias)
+        self.o_proj = Linear(cfg.num_heads * hd, cfg.hidden_size, bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                plan: AttentionPlan) -> torch.Tensor:
+        """``plan``: a packed pass (AttentionPlan) or decoding steps (engine.decode.DecodePlan)."""
+        t, hd = x.shape[0], self.cfg.head_dim
+        q = self.q_proj(x).view(t, -1, hd)
+        k = self.k_proj(x).view(t, -1, hd)
+        v = self.v_proj(x).view(t, -1, hd)
+        if self.cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        o = plan.attend(q, k, v, layer=self.layer, sliding=self.sliding, scale=hd ** -0.5)
+        return self.o_proj(o.reshape(t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        bias = cfg.mlp_bias
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig, layer: int):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, rope, plan):
+        x = x + self.self_attn(self.input_layernorm(x), rope, plan)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """``forward`` returns the final-norm hidden states of every packed token;
+    ``readout_logprobs`` applies the LM head to the few rows that predict option tokens."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                plan: AttentionPlan) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        rope = rope_cos_sin_from(positions, rope_inv_freq(self.cfg.head_dim, self.cfg.rope),
+                                 x.dtype)
+        for layer in self.layers:
+            x = layer(x, rope, plan)
+        return self.norm(x)
+
+    def readout_logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary log-softmax in fp32 for ``[n, dim]`` rows, ``n % READOUT_TILE == 0``."""
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        logits = linear(hidden, head, tile=READOUT_TILE, out_dtype=torch.float32).float()
+        return torch.log_softmax(logits, dim=-1)
+
+    def _body_linears(self):
+        return [m for m in self.modules() if isinstance(m, Linear) and m is not self.lm_head]
+
+    def to_fp8(self) -> None:
+        """W8A8 for every linear layer of the body; embeddings and the LM head stay as they are."""
+        for module in self._body_linears():
+            module.to_fp8()
+
+    def to_int8(self) -> None:
+        """int8 weights for every linear layer of the body; embeddings and the LM head stay."""
+        quantize_linears(self)
+
+    def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Load HF-named tensors (``model.layers.0.self_attn.q_proj.weight`` ...)."""
+        load_named(self, weights)
+
+
+def load_named(model: nn.Module, weights: dict[str, torch.Tensor],
+               optional: tuple[str, ...] = ()) -> None:
+    """Copy HF-named tensors (with or without the ``model.`` prefix) into ``model``'s state;
+    names ending in one of ``optional`` keep their value when the checkpoint lacks them."""
+    missing = []
+    for name, param in model.state_dict().items():
+        src = weights.get("model." + name, weights.get(name))
+        if src is None:
+            if not name.endswith(optional):
+                missing.append(name)
+            continue
+        if src.shape != param.shape:
+            raise ValueError(f"weight {name}: checkpoint shape {tuple(src.shape)}, "
+                             f"model shape {tuple(param.shape)}")
+        param.copy_(src)
+    if missing:
+        raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")

@@ -1,0 +1,71 @@
+"""Which stack runs a checkpoint: its config.json's ``model_type`` (or, failing that, its
+``architectures``) -> a family (config class + model class)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import UnsupportedModelError
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    module: str          # spinf_worker.models.<module>
+    config_class: str
+    model_class: str
+
+    def classes(self):
+        import importlib
+
+        mod = importlib.import_module(f"spinf_worker.models.{self.module}")
+        return getattr(mod, self.config_class), getattr(mod, self.model_class)
+
+    def config(self, hf_config: dict):
+        """The family's dataclass config; a variant this stack cannot run is an error here."""
+        config_class, _ = self.classes()
+        try:
+            return config_class.from_hf(hf_config)
+        except (ValueError, KeyError) as exc:
+            detail = f"missing config key {exc}" if isinstance(exc, KeyError) else str(exc)
+            raise UnsupportedModelError(f"{self.name} checkpoint not supported: {detail}",
+                                        param="model") from exc
+
+    def build(self, config):
+        _, model_class = self.classes()
+        return model_class(config)
+
+
+GEMMA3 = Family("Gemma 3", "gemma3", "Gemma3Config", "Gemma3Model")
+GEMMA4 = Family("Gemma 4", "gemma4", "Gemma4Config", "Gemma4Model")
+LLAMA = Family("Llama", "llama", "LlamaConfig", "LlamaModel")
+QWEN3 = Family("Qwen3", "qwen3", "Qwen3Config", "Qwen3Model")
+
+MODEL_TYPES = {
+    "gemma3": GEMMA3, "gemma3_text": GEMMA3,
+    "gemma4": GEMMA4, "gemma4_text": GEMMA4,
+    "llama": LLAMA,                     # Llama 2 / 3.x, SmolLM / SmolLM2
+    "qwen3": QWEN3,
+}
+ARCHITECTURES = {
+    "Gemma3ForCausalLM": GEMMA3, "Gemma3ForConditionalGeneration": GEMMA3,
+    "Gemma4ForCausalLM": GEMMA4, "Gemma4ForConditionalGeneration": GEMMA4,
+    "LlamaForCausalLM": LLAMA,
+    "Qwen3ForCausalLM": QWEN3,
+}
+
+
+def family_for(config: dict) -> Family:
+    """The family of an HF config dict (the wrapper's or the text model's)."""
+    text = config.get("text_config") or {}
+    for model_type in (text.get("model_type"), config.get("model_type")):
+        if model_type in MODEL_TYPES:
+            return MODEL_TYPES[model_type]
+    for arch in config.get("architectures") or []:
+        if arch in ARCHITECTURES:
+            return ARCHITECTURES[arch]
+    seen = config.get("model_type") or ", ".join(config.get("architectures") or []) or "unknown"
+    supported = sorted({f.name for f in MODEL_TYPES.values()})
+    raise UnsupportedModelError(
+        f"architecture {seen!r} is not supported; supported families: {', '.join(supported)} "
+        f"(model_type {', '.join(sorted(MODEL_TYPES))})", param="model")

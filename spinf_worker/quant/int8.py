@@ -1,0 +1,41 @@
+"""int8 weight-only: symmetric per-output-channel scales computed once at load; activations
+stay in the engine's dtype (fp32 on the CPU, bf16 on CUDA).
+
+The product runs on the dequantised weight through the same batch-invariant ``linear`` as the
+other schemes (fixed row tiles on the CPU, the fixed-tiling GEMM on CUDA), so a row's bits still
+depend on nothing but the row. int8 values are exact in fp32 and bf16, so dequantising is a
+cast; the per-channel scale multiplies the output columns, a row-wise step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels.matmul import ROW_TILE, linear
+
+INT8_MAX = 127.0
+
+
+def quantize_weight_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] -> (int8 [N, K], fp32 scale [N]), round to nearest, symmetric in [-127, 127]."""
+    w = weight.float()
+    scale = w.abs().amax(dim=1).clamp(min=1e-12) / INT8_MAX
+    return torch.round(w / scale[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale
+
+
+def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *,
+                tile: int = ROW_TILE) -> torch.Tensor:
+    """``x @ (weight * scale[:, None]).T`` for an int8 ``weight``, batch-invariant."""
+    y = linear(x, weight.to(x.dtype), tile=tile)
+    return (y.float() * scale).to(x.dtype)
+
+
+def quantize_linears(model: torch.nn.Module) -> None:
+    """int8 weights for every linear layer of a stack's body; the embeddings, the LM head
+    (``model.lm_head``, or the tied embedding) and the norms stay in the engine's dtype."""
+    from ..models.layers import Linear
+
+    head = getattr(model, "lm_head", None)
+    for module in model.modules():
+        if isinstance(module, Linear) and module is not head:
+            module.to_int8()

@@ -1,0 +1,301 @@
+"""Model families (Llama, Qwen3, Gemma 4 text) against transformers on tiny random checkpoints
+written by ``save_pretrained``, through the real Engine; the registry's errors; the int8 scheme.
+
+The tiny models use the default model's tokenizer (so its vocabulary size) and larger-than-init
+random weights, so a wrong norm, bias, RoPE or sharing rule cannot hide behind near-uniform
+logits."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from spinf_worker.errors import ModelNotFoundError, UnsupportedModelError
+
+from .test_engine_parity import NEWS, QUERIES, TOL, check_against_oracle
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 262144
+SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=4096, bos_token_id=2,
+             eos_token_id=1, pad_token_id=0)
+CHAT = "{{ bos_token }}{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+
+
+def _randomise(model, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in [*model.named_parameters(), *model.named_buffers()]:
+            if not p.is_floating_point() or "rotary" in name or "embed_scale" in name:
+                continue
+            if "norm" in name or "layer_scalar" in name:
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(0.15 * torch.randn(p.shape, generator=gen))
+
+
+def _write(model, path: Path, tokenizer_dir: Path, **save) -> Path:
+    model.save_pretrained(path, **save)
+    shutil.copy(tokenizer_dir / "tokenizer.json", path / "tokenizer.json")
+    return path
+
+
+def tiny_llama(path: Path, tokenizer_dir: Path) -> Path:
+    """Llama 3.1-style: llama3 RoPE scaling, attention and MLP biases, separate LM head,
+    sharded safetensors, a chat template in tokenizer_config.json."""
+    cfg = transformers.LlamaConfig(
+        **SMALL, num_hidden_layers=3, head_dim=8, attention_bias=True, mlp_bias=True,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500_000.0, "factor": 8.0,
+                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 512})
+    model = transformers.LlamaForCausalLM(cfg)
+    _randomise(model, 1)
+    _write(model, path, tokenizer_dir, max_shard_size="20MB")
+    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT}))
+    return path
+
+
+def tiny_smollm(path: Path, tokenizer_dir: Path) -> Path:
+    """SmolLM2-style: tied head, linear RoPE scaling, no biases."""
+    cfg = transformers.LlamaConfig(
+        **SMALL, num_hidden_layers=2, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "linear", "rope_theta": 100_000.0, "factor": 2.0})
+    model = transformers.LlamaForCausalLM(cfg)
+    _randomise(model, 2)
+    return _write(model, path, tokenizer_dir)
+
+
+def tiny_qwen3(path: Path, tokenizer_dir: Path) -> Path:
+    """Qwen3 with qk-norm and sliding windows (window 16) on the last two of four layers."""
+    cfg = transformers.Qwen3Config(
+        **SMALL, num_hidden_layers=4, head_dim=16, use_sliding_window=True, sliding_window=16,
+        max_window_layers=2, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})
+    model = transformers.Qwen3ForCausalLM(cfg)
+    _randomise(model, 3)
+    _write(model, path, tokenizer_dir)
+    (path / "chat_template.jinja").write_text(CHAT)
+    return path
+
+
+def tiny_gemma4(path: Path, tokenizer_dir: Path) -> Path:
+    """Gemma 4 text: sliding/global layers (window 16), global head dim 32 with proportional
+    RoPE, per-layer input embeddings, the last two layers KV-shared (double-wide MLPs),
+    attention_k_eq_v with one global KV head, final logit soft-capping."""
+    cfg = transformers.Gemma4TextConfig(
+        **SMALL, num_hidden_layers=6, head_dim=16, global_head_dim=32,
+        num_global_key_value_heads=1, attention_k_eq_v=True, num_kv_shared_layers=2,
+        use_double_wide_mlp=True, hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=VOCAB, sliding_window=16, final_logit_softcapping=30.0,
+        layer_types=["sliding_attention", "full_attention"] * 3)
+    model = transformers.Gemma4ForCausalLM(cfg)
+    _randomise(model, 4)
+    return _write(model, path, tokenizer_dir)
+
+
+BUILDERS = {"llama": tiny_llama, "smollm": tiny_smollm, "qwen3": tiny_qwen3,
+            "gemma4": tiny_gemma4}
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory, default_checkpoint) -> dict[str, Path]:
+    return {name: build(tmp_path_factory.mktemp(f"tiny-{name}"), default_checkpoint.path)
+            for name, build in BUILDERS.items()}
+
+
+@pytest.fixture(scope="module")
+def engines(family_dirs):
+    from spinf_worker.engine import Engine
+
+    return {name: Engine.load(str(path), device="cpu") for name, path in family_dirs.items()}
+
+
+@pytest.fixture(scope="module")
+def oracles(family_dirs):
+    return {name: transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager").eval()
+        for name, path in family_dirs.items()}
+
+
+@pytest.mark.parametrize("family", list(BUILDERS))
+def test_family_parity(family, engines, oracles):
+    """Multi-token options, a placeholder grid and a bare slot, float32, |Δlogprob| <= 1e-4."""
+    check_against_oracle(engines[family], oracles[family], NEWS, QUERIES)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma4"])
+def test_family_content_longer_than_window(family, engines, oracles):
+    engine = engines[family]
+    assert engine.config.sliding_window == 16
+    assert len(engine.presenter.encode(NEWS * 3)) > 8 * engine.config.sliding_window
+    check_against_oracle(engine, oracles[family], NEWS * 3, QUERIES[:3])
+
+
+def test_family_configs(engines):
+    from spinf_worker.models.gemma4 import Gemma4Model
+    from spinf_worker.models.llama import NO_WINDOW, LlamaModel
+    from spinf_worker.models.qwen3 import Qwen3Model
+
+    llama, qwen, gemma = engines["llama"], engines["qwen3"], engines["gemma4"]
+    assert type(llama.model) is LlamaModel and llama.model.lm_head is not None
+    assert llama.config.rope["rope_type"] == "llama3" and llama.config.sliding_window == NO_WINDOW
+    assert llama.model.layers[0].mlp.up_proj.bias is not None
+    assert engines["smollm"].model.lm_head is None
+    assert type(qwen.model) is Qwen3Model
+    assert qwen.config.layer_types == ("full_attention",) * 2 + ("sliding_attention",) * 2
+    assert type(gemma.model) is Gemma4Model
+    assert gemma.config.head_dims == (16, 32) * 3 and gemma.config.kv_heads == (2, 1) * 3
+    assert [gemma.config.kv_source(i) for i in range(6)] == [None] * 4 + [2, 3]
+    assert gemma.model.layers[3].self_attn.v_proj is None      # k_eq_v on a global layer
+    assert not hasattr(gemma.model.layers[5].self_attn, "k_proj")
+
+
+def test_loading_local_dirs(family_dirs):
+    from spinf_worker.models.loader import load_checkpoint
+
+    llama = load_checkpoint(str(family_dirs["llama"]))
+    assert len(list(family_dirs["llama"].glob("model-*-of-*.safetensors"))) > 1   # sharded
+    assert "lm_head.weight" in llama.weights and llama.config["model_type"] == "llama"
+    assert llama.chat_template == CHAT                               # tokenizer_config.json
+    qwen = load_checkpoint(str(family_dirs["qwen3"]))
+    assert qwen.chat_template == CHAT                                # chat_template.jinja
+    assert "lm_head.weight" not in qwen.weights                      # tied
+    gemma = load_checkpoint(str(family_dirs["gemma4"]))
+    assert gemma.config["model_type"] == "gemma4_text"
+    assert "model.embed_tokens_per_layer.weight" in gemma.weights
+    assert (gemma.bos_token_id, gemma.eos_token_id) == (2, 1)
+
+
+def test_chat_presentation(family_dirs):
+    from spinf_worker.engine import Engine, EngineSettings
+
+    engine = Engine.load(str(family_dirs["qwen3"]), device="cpu",
+                         settings=EngineSettings(presentation="chat"))
+    text = engine.presenter.present([{"role": "user", "content": "hello"}])
+    assert text == "<user>hello\n"       # BOS comes as an id, never as text
+    assert engine.score({"messages": [{"role": "user", "content": "hello"}],
+                         "scoring": {"queries": QUERIES[1:2]}}).queries
+
+
+def test_unsupported_architecture(family_dirs, tmp_path):
+    from spinf_worker.engine import Engine
+    from spinf_worker.models.registry import family_for
+
+    path = tmp_path / "mistral"
+    shutil.copytree(family_dirs["smollm"], path)
+    config = json.loads((path / "config.json").read_text())
+    config.update(model_type="mistral", architectures=["MistralForCausalLM"])
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError) as err:
+        Engine.load(str(path), device="cpu")
+    assert "'mistral' is not supported" in err.value.message
+    for name in ("Gemma 3", "Gemma 4", "Llama", "Qwen3"):
+        assert name in err.value.message
+    assert isinstance(err.value, ModelNotFoundError) and err.value.status == 404
+    with pytest.raises(UnsupportedModelError, match="mixture-of-experts"):
+        family_for({"model_type": "gemma4_text"}).config(
+            {"model_type": "gemma4_text", "enable_moe_block": True})
+    with pytest.raises(UnsupportedModelError, match="RoPE type 'yarn'"):
+        family_for({"model_type": "llama"}).config(
+            {**json.loads((family_dirs["smollm"] / "config.json").read_text()),
+             "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}})
+
+
+def test_missing_files(family_dirs, tmp_path):
+    from spinf_worker.engine import Engine
+
+    path = tmp_path / "no-weights"
+    path.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        shutil.copy(family_dirs["qwen3"] / name, path / name)
+    with pytest.raises(ModelNotFoundError, match="has no model.safetensors"):
+        Engine.load(str(path), device="cpu")
+    shard = next(family_dirs["llama"].glob("model-00001-*.safetensors"))
+    sharded = tmp_path / "missing-shard"
+    shutil.copytree(family_dirs["llama"], sharded)
+    (sharded / shard.name).unlink()
+    with pytest.raises(ModelNotFoundError, match=f"has no {shard.name}"):
+        Engine.load(str(sharded), device="cpu")
+    with pytest.raises(ModelNotFoundError, match="does not exist"):
+        Engine.load(str(tmp_path / "nowhere"), device="cpu")
+
+
+# --- int8 weight-only -------------------------------------------------------------------------
+
+# max |Δp| int8 vs fp32: 0.027 measured on the default model over NEWS x QUERIES (and see
+# quantizations/google--gemma-3-270m/calibration.json for the news job).
+INT8_P_TOL = 0.05
+TINY_INT8_LOGPROB_TOL = 0.05   # tiny random Gemma 3: measured max |Δlogprob| ~0.01
+
+
+def _int8(path_or_ckpt):
+    from spinf_worker.engine import Engine, EngineSettings
+    from spinf_worker.models.loader import load_checkpoint
+
+    ckpt = load_checkpoint(str(path_or_ckpt)) if isinstance(path_or_ckpt, Path) else path_or_ckpt
+    return Engine(ckpt, device="cpu", settings=EngineSettings(scheme="int8"))
+
+
+def _max_deltas(a, b) -> tuple[float, float, bool]:
+    """(max |Δlogprob|, max |Δp|, same top-1 everywhere) between two responses."""
+    dlp = dp = 0.0
+    same = True
+    for qa, qb in zip(a.queries, b.queries):
+        for ca, cb in zip(qa.combinations, qb.combinations):
+            for oa, ob in zip(ca.options, cb.options):
+                dlp, dp = max(dlp, abs(oa.logprob - ob.logprob)), max(dp, abs(oa.p - ob.p))
+            pa, pb = [o.p for o in ca.options], [o.p for o in cb.options]
+            same &= pa.index(max(pa)) == pb.index(max(pb))
+    return dlp, dp, same
+
+
+REQUEST = {"messages": [{"role": "user", "content": NEWS}], "scoring": {"queries": QUERIES}}
+
+
+def test_int8_tiny_close_and_batch_invariant(tiny_dir, tiny_engine):
+    engine = _int8(tiny_dir)
+    layer = engine.model.layers[0]
+    assert layer.self_attn.q_proj.weight.dtype == torch.int8
+    assert layer.self_attn.q_proj.weight_scale.shape == (64,)
+    assert engine.model.embed_tokens.weight.dtype == torch.float32     # the head stays
+    assert engine.scheme == "int8" and engine.fingerprint != tiny_engine.fingerprint
+    alone = engine.score(REQUEST)
+    dlp, _, _ = _max_deltas(alone, tiny_engine.score(REQUEST))
+    assert dlp <= TINY_INT8_LOGPROB_TOL, dlp
+    others = [{"text": f"Report {i}: " + NEWS[i * 7:], "scoring": {"queries": QUERIES[:2]}}
+              for i in range(5)]
+    packed = engine.score_batch([*others[:3], REQUEST, *others[3:]])[3]
+    assert alone.model_dump()["queries"] == packed.model_dump()["queries"]   # bit-identical
+
+
+def test_int8_other_stacks(family_dirs):
+    """int8 on the other stacks (biases, KV sharing, PLE projections) equals fp32 run on the
+    dequantised weights: the scheme changes the weights and nothing else."""
+    from spinf_worker.engine import Engine
+    from spinf_worker.models.layers import Linear
+    from spinf_worker.quant.int8 import quantize_weight_int8
+
+    request = {"text": NEWS, "scoring": {"queries": QUERIES[:3]}}
+    for name in ("llama", "gemma4"):
+        ref = Engine.load(str(family_dirs[name]), device="cpu")
+        with torch.no_grad():
+            for m in ref.model.modules():
+                if isinstance(m, Linear) and m is not ref.model.lm_head:
+                    q, scale = quantize_weight_int8(m.weight)
+                    m.weight.copy_(q.float() * scale[:, None])
+        dlp, _, _ = _max_deltas(_int8(family_dirs[name]).score(request), ref.score(request))
+        assert dlp <= TOL, (name, dlp)
+
+
+@pytest.mark.slow
+def test_int8_default_model_close_to_fp32(default_checkpoint, default_engine):
+    dlp, dp, same = _max_deltas(_int8(default_checkpoint).score(REQUEST),
+                                default_engine.score(REQUEST))
+    assert dp <= INT8_P_TOL, dp
+    assert same
