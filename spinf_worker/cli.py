@@ -13,6 +13,9 @@ from pathlib import Path
 from .errors import InvalidRequestError, SpinfError
 
 CHUNK_DOCS = 64   # documents handed to the engine at once: enough to fill passes
+QUANT_SCHEMES = ("auto", "fp32", "bf16", "fp8", "int8")
+QUANT_HELP = ("weights at load: fp32, bf16 / fp8 (CUDA), int8 weight-only (default auto: "
+              "fp32 on the CPU, fp8 or bf16 on a GPU; $SPINF_QUANT for the service)")
 
 
 def _load_scoring(path: str | None) -> dict | None:
@@ -62,7 +65,7 @@ def cmd_score(args: argparse.Namespace) -> int:
     from .engine import Engine, EngineSettings
 
     scoring = _load_scoring(args.queries)
-    settings = EngineSettings()
+    settings = EngineSettings(scheme=args.quant or "auto")
     if args.max_pass_tokens:
         settings.max_pass_tokens = args.max_pass_tokens
     engine = Engine.load(args.model, device=args.device, settings=settings)
@@ -118,7 +121,8 @@ def _service_settings(args: argparse.Namespace):
     """ServiceSettings from SPINF_* variables, with the flags given overriding them."""
     from .queue.settings import ServiceSettings
 
-    flags = {"redis_url": args.redis, "prefix": args.prefix, "packs": args.packs or None}
+    flags = {"redis_url": args.redis, "prefix": args.prefix, "packs": args.packs or None,
+             "quant": getattr(args, "quant", None)}
     settings = ServiceSettings(**{k: v for k, v in flags.items() if v is not None})
     if settings.packs and args.command != "dispatcher":
         from .pack_sources import pin_sources
@@ -255,6 +259,7 @@ def _model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model id, HF directory or .gguf path "
                                                       "(default: the packaged Gemma 3 270M)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if present)")
+    parser.add_argument("--quant", default=None, choices=QUANT_SCHEMES, help=QUANT_HELP)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -341,6 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="JSON file with the scoring block for lines that have none")
     score.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if present)")
     score.add_argument("--max-pass-tokens", type=int, default=None)
+    score.add_argument("--quant", default=None, choices=QUANT_SCHEMES, help=QUANT_HELP)
     score.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     score.set_defaults(func=cmd_score)
 

@@ -261,7 +261,7 @@ def load_engine(spec: WorkerSpec, settings: ServiceSettings):
     from .pack_sources import load_sources
 
     packs = load_sources(settings.packs)      # before the model: a bad pack fails fast
-    engine_settings = EngineSettings()
+    engine_settings = EngineSettings(scheme=settings.quant)
     if settings.max_pass_tokens:
         engine_settings.max_pass_tokens = settings.max_pass_tokens
     engine = Engine.load(spec.model, device=spec.device, settings=engine_settings)
