@@ -171,6 +171,44 @@ def cmd_packs(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """Scores labelled data, fits the pack's calibration on one part, reports on the rest."""
+    from .calibrate import format_report, label_map, read_labelled, run
+    from .engine import Engine
+    from .pack_sources import load_sources
+    from .packs import PackError, load_pack
+
+    try:
+        pack = (load_pack(Path(args.pack)) if args.pack.endswith(".json")
+                else load_sources(args.packs).get(args.pack))
+    except PackError as err:
+        print(f"spinf-serve: {err}", file=sys.stderr)
+        return 2
+    if pack is None:
+        print(f"spinf-serve: unknown pack {args.pack!r} (see spinf-serve packs)", file=sys.stderr)
+        return 2
+    extra = args.label_map
+    if extra is not None:
+        extra = json.loads(Path(extra).read_text() if Path(extra).is_file() else extra)
+    data = read_labelled(Path(args.data), label_map(pack, extra), text_field=args.text_field,
+                         label_field=args.label_field, limit=args.max_docs)
+    target = ({"precision": args.target_precision} if args.target_precision is not None
+              else {"recall": args.target_recall} if args.target_recall is not None else None)
+    engine = Engine.load(args.model, device=args.device)
+    calibrated, report = run(pack, data, engine, method=args.method, level=args.level,
+                             target=target, fit_fraction=args.fit_fraction, seed=args.seed,
+                             categories=args.categories, report_dir=args.report_dir,
+                             log=lambda line: print(line, file=sys.stderr))   # stdout: report
+    Path(args.output).write_text(calibrated.model_dump_json(indent=1, exclude_defaults=True)
+                                 + "\n")
+    print(f"{pack.id} {pack.version} -> {calibrated.version}: fitted on {report['fit_docs']}, "
+          f"held out {report['held_out_docs']} documents ({args.method}, {args.level})")
+    print(format_report(report))
+    print(f"wrote {args.output} and {args.report_dir}/(report.json, reliability.png, "
+          "scores.jsonl)")
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from .serve import serve
 
@@ -356,6 +394,39 @@ def build_parser() -> argparse.ArgumentParser:
                             "(repeatable)")
     packs.add_argument("--json", action="store_true", help="one JSON object per pack")
     packs.set_defaults(func=cmd_packs)
+
+    cal = sub.add_parser("calibrate", help="fit a pack's calibration and thresholds on "
+                                           "labelled data; before/after report")
+    cal.add_argument("--pack", required=True, help="pack id, or a pack .json file")
+    cal.add_argument("--packs", action="append", default=[], metavar="SOURCE",
+                     help="also load the packs of a directory or git+URL[@rev] (repeatable)")
+    cal.add_argument("--data", required=True, help="labelled JSONL: a text and a label per line")
+    cal.add_argument("--text-field", default=None,
+                     help="the text's field (default: text, else title + description)")
+    cal.add_argument("--label-field", default="label", help="the label's field (default label)")
+    cal.add_argument("--label-map", default=None, metavar="JSON",
+                     help="label -> category id, a JSON object or file (besides the categories' "
+                          "ids and labels)")
+    aim = cal.add_mutually_exclusive_group()
+    aim.add_argument("--target-precision", type=float, default=None, metavar="P",
+                     help="thresholds: the most recall with at least this precision")
+    aim.add_argument("--target-recall", type=float, default=None, metavar="R",
+                     help="thresholds: the most precision with at least this recall")
+    cal.add_argument("--method", choices=("platt", "isotonic"), default="platt")
+    cal.add_argument("--level", choices=("category", "question"), default="category",
+                     help="fit a map per category score or per question (default category)")
+    cal.add_argument("--categories", nargs="+", default=None,
+                     help="categories to calibrate (default: those the labels name)")
+    cal.add_argument("--fit-fraction", type=float, default=0.5,
+                     help="share of the documents to fit on; the rest is held out (default 0.5)")
+    cal.add_argument("--seed", type=int, default=0, help="seed of the fit / held-out split")
+    cal.add_argument("--max-docs", type=int, default=None, help="only the first N lines")
+    cal.add_argument("-o", "--output", required=True, help="the calibrated pack (.json)")
+    cal.add_argument("--report-dir", default="calibration-report", type=Path,
+                     help="report.json, reliability.png, scores.jsonl (default "
+                          "./calibration-report)")
+    _model_options(cal)
+    cal.set_defaults(func=cmd_calibrate)
     return parser
 
 
