@@ -177,10 +177,11 @@ class Consumer:
                     await self._admit(item, source.source)
                 await source.commit()
                 delay = 0.0
-            except RedisError as err:
+            except Exception as err:     # Redis away, an unreadable file: later, again
                 delay = min(RETRY_MAX_S, max(0.5, delay * 2))
-                log.warning("redis error while reading a source", feed=source.name,
-                            error=str(err), retry_in_s=delay)
+                log.warning("reading a source failed", feed=source.name,
+                            error=f"{type(err).__name__}: {err}", retry_in_s=delay,
+                            exc_info=not isinstance(err, (RedisError, OSError)))
                 await asyncio.sleep(delay)
                 continue
             if self.once and not source.more:
@@ -218,10 +219,11 @@ class Consumer:
                 try:
                     result = await self._score(key, record)
                     break
-                except RedisError as err:
+                except Exception as err:     # the item stays pending: try it again later
                     delay = min(RETRY_MAX_S, max(0.5, delay * 2))
-                    log.warning("redis error; retrying the item", key=key, error=str(err),
-                                retry_in_s=delay)
+                    log.warning("submitting or waiting failed; retrying the item", key=key,
+                                error=f"{type(err).__name__}: {err}", retry_in_s=delay,
+                                exc_info=not isinstance(err, RedisError))
                     await asyncio.sleep(delay)
             item = Item.from_record(record["item"])
             ok = result.get("status_code") == 200

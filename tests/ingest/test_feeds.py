@@ -34,8 +34,9 @@ async def test_feed_that_gains_items_is_scored_once_per_item(tmp_path, feed_serv
             await wait_until(lambda: consumer.metrics.value(
                 "spinf_ingest_items_seen_total", feed="news") >= 7, what="another poll")
             metrics = consumer.metrics
+            await wait_until(lambda: metrics.value("spinf_ingest_items_scored_total",
+                                                   feed="news") == 4, what="the count")
             assert metrics.value("spinf_ingest_items_new_total", feed="news") == 4
-            assert metrics.value("spinf_ingest_items_scored_total", feed="news") == 4
     lines = read_lines(out)
     assert sorted(line["item_id"] for line in lines) == [f"urn:test:{n}" for n in (1, 2, 3, 4)]
     first = next(line for line in lines if line["item_id"] == "urn:test:1")
