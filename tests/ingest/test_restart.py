@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from spinf_worker.ingest.sinks import JsonlSink, Result
-from spinf_worker.ingest.state import IngestKeys, State
+from spinf_worker.ingest.state import IngestKeys, LeaseError, State
 from spinf_worker.queue.keys import Keys
 from tests.service.live import InProcessWorker
 
@@ -98,3 +98,41 @@ async def test_jsonl_sink_recovers_from_a_write_torn_by_a_crash(tmp_path, redis,
                       for key, name in (("key-a", "a"), ("key-b", "b"), ("key-c", "c"))])
     await sink.write([Result("key-b", {"item_id": "b", "feed": "f"})])
     assert [line["item_id"] for line in read_lines(out)] == ["a", "b", "c"]
+
+
+@pytest.mark.asyncio
+async def test_one_consumer_per_name_and_a_dead_one_is_taken_over(redis, settings):
+    keys = IngestKeys(Keys(settings.prefix), "news")
+    first, second = State(redis, keys), State(redis, keys)
+    await first.acquire()
+    with pytest.raises(LeaseError, match="another ingest consumer named 'news'"):
+        await second.acquire()
+    assert await first.renew() and not await second.renew()
+    # the holder died on this machine (kill -9): no need to wait for the lease to expire
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    await redis.set(keys.lease, first.token.replace(f":{os.getpid()}:",
+                                                    f":{dead.stdout.strip()}:"))
+    await second.acquire()
+    assert await redis.get(keys.lease) == second.token
+    await second.release()
+    assert not await redis.exists(keys.lease)
+
+
+def test_embedded_stack_without_redis_url(tmp_path, tiny_dir, queries_file):
+    """No --redis: a private redis-server on the state dir and a worker in the process."""
+    wire, out = tmp_path / "wire.jsonl", tmp_path / "out.jsonl"
+    _append(wire, range(2))
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("SPINF_REDIS_URL", "SPINF_WEBHOOK_SECRET")}
+    env["PYTHONPATH"] = str(ROOT)
+    run = subprocess.run(
+        [sys.executable, "-m", "spinf_worker.cli", "ingest", "--jsonl", str(wire),
+         "--queries", str(queries_file), "--sink", f"jsonl:{out}", "--once",
+         "--model", str(tiny_dir), "--device", "cpu", "--state-dir", str(tmp_path / "state"),
+         "--log-format", "json"], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=180)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert sorted(line["item_id"] for line in read_lines(out)) == ["wire-0", "wire-1"]
+    assert "redis-server stopped" in run.stderr
+    assert list((tmp_path / "state" / "redis").rglob("appendonly*"))

@@ -132,7 +132,8 @@ async def test_webhook_sink_is_signed_like_callbacks(settings, queries_file, tin
 
 
 @pytest.mark.asyncio
-async def test_page_fetch_extracts_main_text_and_keeps_to_allowed_hosts(feed_server):
+async def test_page_fetch_extracts_main_text_and_keeps_to_allowed_hosts(
+        tmp_path, feed_server, settings, queries_file, tiny_engine):
     paragraphs = "".join(f"<p>The central bank raised rates by a quarter point, paragraph {n}, "
                          "citing persistent inflation in services.</p>" for n in range(6))
     page = (f"<html><head><title>Rates</title></head><body><nav>Home | World</nav><article>"
@@ -147,3 +148,14 @@ async def test_page_fetch_extracts_main_text_and_keeps_to_allowed_hosts(feed_ser
     finally:
         await allowed.close()
         await refused.close()
+    # an item with only a summary is scored on its page's text
+    url = feed_server.feed("/f.xml", [{**article(1), "link": feed_server.url("/story"),
+                                       "summary": "Rates."}])
+    out = tmp_path / "out.jsonl"
+    config = make_config(queries_file, feeds=[{"url": url}], sinks=[f"jsonl:{out}"],
+                         fetch_pages=True, fetch_allow=["127.0.0.1"])
+    with InProcessWorker(tiny_engine, settings):
+        async with consuming(config, settings, once=True) as (_c, task):
+            await task
+    (line,) = read_lines(out)
+    assert line["response"]["usage"]["prompt_tokens"] > 100     # "Story 1\n\nRates." is ~10
