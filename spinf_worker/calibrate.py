@@ -204,6 +204,12 @@ def calibrate(pack: Pack, scored: Sequence[QuestionScores], labels: Sequence[set
     categories = list(categories)
     fit = FITS[method]
     maps: dict[str, Platt | Isotonic] = {}
+    for c in categories:
+        positives = sum(c in y for y in labels)
+        if positives in (0, len(labels)):
+            raise ValueError(f"category {c!r} has {positives} positive documents of "
+                             f"{len(labels)} in the fit part: both kinds are needed (more "
+                             "data, or leave it out with --categories)")
     if level == "category":
         raw_cats = [category_scores(raw, s) for s in scored]
         for c in categories:
