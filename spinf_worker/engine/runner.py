@@ -48,8 +48,11 @@ class PendingPass:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype,
-                 pad_id: int):
+                 pad_id: int, *, fuse: bool = True):
+        """``fuse``: on CUDA, fuse the model's projections and run its fused forward."""
         self.model, self.device, self.dtype, self.pad_id = model, device, dtype, pad_id
+        if fuse and device.type == "cuda" and hasattr(model, "fuse_projections"):
+            model.fuse_projections()
 
     def span(self, doc: FlatDoc, start: int) -> DocSpan:
         """Attention metadata of one document placed at ``start``."""
@@ -113,7 +116,7 @@ class ModelRunner:
             rows = -(-start // PASS_BUCKET) * PASS_BUCKET
             ids.append(torch.full((rows - start,), self.pad_id))
             pos.append(torch.zeros(rows - start, dtype=torch.long))
-            plan = AttentionPlan([], flex=self.flex_plan(docs, rows))
+            plan = AttentionPlan([], flex=self.flex_plan(docs, rows), rows=start)
         else:
             plan = AttentionPlan([self.span(d, s) for d, s in zip(docs, starts)])
         keep, keep_base, kept_rows = [], {}, 0

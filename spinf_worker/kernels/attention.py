@@ -45,6 +45,7 @@ class AttentionPlan:
     flex: object | None = None   # CUDA: a flex_tree.FlexPlan for the whole pass
     keep_rows: torch.Tensor | None = None
     kept: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+    rows: int | None = None      # CUDA: the pass's real rows; the rest pads it to a bucket
 
     def attend(self, q, k, v, *, layer: int, sliding: bool, scale: float) -> torch.Tensor:
         if self.keep_rows is not None:

@@ -29,11 +29,13 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, tile: int = ROW_TILE) ->
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None,
-           *, tile: int = ROW_TILE, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+           *, x_scale: torch.Tensor | None = None, tile: int = ROW_TILE,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """A bias-free linear layer, batch-invariant on every device.
 
     CPU: fixed-shape library products, tile after tile. CUDA: the fixed-tiling Triton GEMM;
-    with an fp8 weight (``weight_scale`` set) the activations are quantised per token."""
+    with an fp8 weight (``weight_scale`` set) the activations are quantised per token, unless
+    ``x`` already is fp8 with its per-row ``x_scale`` (from a fused kernel)."""
     if not x.is_cuda:
         return tiled_linear(x, weight, tile)
     from .rowwise import quantize_rows_fp8
@@ -41,6 +43,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | N
 
     if weight_scale is None:
         return matmul(x, weight, out_dtype=out_dtype)
-    xq, x_scale = quantize_rows_fp8(x)
-    return matmul(xq, weight, a_scale=x_scale, w_scale=weight_scale,
-                  out_dtype=out_dtype or x.dtype)
+    if x_scale is None:
+        out_dtype = out_dtype or x.dtype
+        x, x_scale = quantize_rows_fp8(x)
+    return matmul(x, weight, a_scale=x_scale, w_scale=weight_scale,
+                  out_dtype=out_dtype or torch.bfloat16)

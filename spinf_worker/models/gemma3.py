@@ -16,7 +16,7 @@ from torch import nn
 
 from ..kernels.attention import AttentionPlan
 from ..kernels.matmul import READOUT_TILE, linear
-from .layers import Linear, RMSNorm, apply_rope, rope_cos_sin
+from .layers import Linear, RMSNorm, apply_rope, concat_linears, rope_cos_sin
 
 
 @dataclass
@@ -86,14 +86,26 @@ class Attention(nn.Module):
         self.o_proj = Linear(cfg.num_heads * hd, cfg.hidden_size)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, offset=1.0)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, offset=1.0)
+        self.qkv_proj: Linear | None = None   # set by Gemma3Model.fuse_projections
+
+    def fuse_projections(self) -> None:
+        self.qkv_proj = concat_linears(self.q_proj, self.k_proj, self.v_proj)
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.qkv_proj is None:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        hq, hkv = self.cfg.num_heads * self.cfg.head_dim, self.cfg.num_kv_heads * self.cfg.head_dim
+        return self.qkv_proj(x).split([hq, hkv, hkv], dim=-1)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 plan: AttentionPlan) -> torch.Tensor:
         """``plan``: a packed pass (AttentionPlan) or decoding steps (engine.decode.DecodePlan)."""
         t, hd = x.shape[0], self.cfg.head_dim
-        q = self.q_norm(self.q_proj(x).view(t, -1, hd))
-        k = self.k_norm(self.k_proj(x).view(t, -1, hd))
-        v = self.v_proj(x).view(t, -1, hd)
+        q, k, v = self.project(x)
+        q = self.q_norm(q.reshape(t, -1, hd))
+        k = self.k_norm(k.reshape(t, -1, hd))
+        v = v.reshape(t, -1, hd)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         o = plan.attend(q, k, v, layer=self.layer, sliding=self.sliding,
                         scale=self.cfg.query_pre_attn_scalar ** -0.5)
@@ -106,9 +118,18 @@ class MLP(nn.Module):
         self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size)
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.gate_up_proj: Linear | None = None   # set by Gemma3Model.fuse_projections
+
+    def fuse_projections(self) -> None:
+        self.gate_up_proj = concat_linears(self.gate_proj, self.up_proj)
+        del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+        if self.gate_up_proj is None:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 
 class DecoderLayer(nn.Module):
@@ -145,17 +166,72 @@ class Gemma3Model(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 plan: AttentionPlan) -> torch.Tensor:
-        cfg = self.cfg
-        x = self.embed_tokens(input_ids)
-        x = x * torch.tensor(math.sqrt(cfg.hidden_size), dtype=x.dtype)
-        ropes = {
-            True: rope_cos_sin(positions, cfg.head_dim, cfg.rope_local_base, 1.0, x.dtype),
-            False: rope_cos_sin(positions, cfg.head_dim, cfg.rope_global_base,
-                                cfg.rope_global_linear_factor, x.dtype),
-        }
+        if input_ids.is_cuda and self.layers[0].self_attn.qkv_proj is not None:
+            return self._forward_fused(input_ids, positions, plan)
+        x = self._embed(input_ids)
+        ropes = self._ropes(positions, x.dtype)
         for layer in self.layers:
             x = layer(x, ropes[layer.sliding], plan)
         return self.norm(x)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        return x * torch.tensor(math.sqrt(self.cfg.hidden_size), dtype=x.dtype)
+
+    def _ropes(self, positions: torch.Tensor, dtype: torch.dtype) -> dict:
+        cfg = self.cfg
+        return {True: rope_cos_sin(positions, cfg.head_dim, cfg.rope_local_base, 1.0, dtype),
+                False: rope_cos_sin(positions, cfg.head_dim, cfg.rope_global_base,
+                                    cfg.rope_global_linear_factor, dtype)}
+
+    def fuse_projections(self) -> None:
+        """CUDA: one q|k|v and one gate|up GEMM per layer (fewer, larger GEMMs); the forward
+        then runs the fused kernels of kernels/fused.py."""
+        for layer in self.layers:
+            layer.self_attn.fuse_projections()
+            layer.mlp.fuse_projections()
+
+    def _forward_fused(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                       plan) -> torch.Tensor:
+        """The same stack with the elementwise work fused into row-wise kernels: residual +
+        post-norm + next pre-norm (+ fp8 quantisation) in one, qk-norm + RoPE in one,
+        GELU * up (+ fp8) in one. Only the pass's real rows (``plan.rows``) are computed;
+        attention sees the padded pass, whose padding rows are zeros and see only themselves.
+        Returns the final-norm hidden states of the real rows."""
+        from ..kernels.fused import gelu_mul, qk_norm_rope, residual_norm
+
+        cfg, layers = self.cfg, self.layers
+        rows = input_ids.shape[0]
+        m = min(getattr(plan, "rows", None) or rows, rows)
+        eps, hd = cfg.rms_norm_eps, cfg.head_dim
+        quant = layers[0].self_attn.qkv_proj.weight_scale is not None
+        x = self._embed(input_ids[:m])
+        ropes = {sliding: tuple(t[:, 0].contiguous() for t in pair)
+                 for sliding, pair in self._ropes(positions[:m], x.dtype).items()}
+
+        def heads(n: int) -> torch.Tensor:
+            t = torch.empty(rows, n, hd, dtype=x.dtype, device=x.device)
+            t[m:].zero_()
+            return t
+
+        h = residual_norm(x, None, None, layers[0].input_layernorm.weight, eps, quant=quant)
+        for i, layer in enumerate(layers):
+            att, mlp = layer.self_attn, layer.mlp
+            qkv = att.qkv_proj(*_as_args(h))
+            q, k, v = heads(cfg.num_heads), heads(cfg.num_kv_heads), heads(cfg.num_kv_heads)
+            qk_norm_rope(qkv, att.q_norm.weight, att.k_norm.weight, *ropes[att.sliding], eps,
+                         q, k, v)
+            o = plan.attend(q, k, v, layer=att.layer, sliding=att.sliding,
+                            scale=cfg.query_pre_attn_scalar ** -0.5)
+            a = att.o_proj(o[:m].reshape(m, -1))
+            h = residual_norm(x, a, layer.post_attention_layernorm.weight,
+                              layer.pre_feedforward_layernorm.weight, eps, quant=quant)
+            d = mlp.down_proj(*_as_args(gelu_mul(mlp.gate_up_proj(*_as_args(h)), quant=quant)))
+            last = i + 1 == len(layers)
+            pre = self.norm if last else layers[i + 1].input_layernorm
+            h = residual_norm(x, d, layer.post_feedforward_layernorm.weight, pre.weight, eps,
+                              quant=quant and not last)
+        return h
 
     def readout_logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary log-softmax in fp32 for ``[n, dim]`` rows, ``n % READOUT_TILE == 0``."""
@@ -187,3 +263,9 @@ class Gemma3Model(nn.Module):
             param.copy_(src)
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
+
+
+def _as_args(h) -> tuple:
+    """A fused kernel's output as Linear arguments: ``(x,)`` or fp8 ``(x, x_scale)``."""
+    return h if isinstance(h, tuple) else (h,)
+

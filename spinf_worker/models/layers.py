@@ -55,14 +55,31 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(w8, requires_grad=False)
         self.weight_scale = scale
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, x_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """``x_scale``: ``x`` is already fp8, quantised per row with these scales."""
         if self.weight.dtype == torch.int8:
             from ..quant.int8 import int8_linear
 
             y = int8_linear(x, self.weight, self.weight_scale)
         else:
-            y = linear(x, self.weight, self.weight_scale)
+            y = linear(x, self.weight, self.weight_scale, x_scale=x_scale)
         return y if self.bias is None else y + self.bias   # row-wise: still batch-invariant
+
+
+def concat_linears(*parts: Linear) -> Linear:
+    """One linear layer computing several that share their input (q|k|v, gate|up): one larger
+    GEMM instead of several. Each output column is reduced exactly as before."""
+    dtype = parts[0].weight.dtype   # fp8 is concatenated as bytes
+    weight = torch.cat([p.weight.data.view(torch.uint8) if dtype.itemsize == 1
+                        else p.weight.data for p in parts])
+    with torch.device("meta"):
+        fused = Linear(weight.shape[1], weight.shape[0], bias=parts[0].bias is not None)
+    fused.weight = nn.Parameter(weight.view(dtype), requires_grad=False)
+    if parts[0].weight_scale is not None:
+        fused.weight_scale = torch.cat([p.weight_scale for p in parts])
+    if fused.bias is not None:
+        fused.bias = nn.Parameter(torch.cat([p.bias.data for p in parts]), requires_grad=False)
+    return fused
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, base: float, linear_factor: float,

@@ -83,7 +83,8 @@ def _random_docs(n: int, seed: int) -> list:
     return [doc().flatten(0) for _ in range(n)]
 
 
-def _runner(device: str, dtype: torch.dtype, fp8: bool = False) -> ModelRunner:
+def _runner(device: str, dtype: torch.dtype, fp8: bool = False, fuse: bool = True
+            ) -> ModelRunner:
     torch.manual_seed(0)
     with torch.device("meta"):
         model = Gemma3Model(Gemma3Config(**CFG))
@@ -96,7 +97,7 @@ def _runner(device: str, dtype: torch.dtype, fp8: bool = False) -> ModelRunner:
     model = model.to(device=device, dtype=dtype)
     if fp8:
         model.to_fp8()
-    return ModelRunner(model.eval(), torch.device(device), dtype, 0)
+    return ModelRunner(model.eval(), torch.device(device), dtype, 0, fuse=fuse)
 
 
 @pytest.mark.parametrize("scheme", ["bf16", "fp8"])

@@ -1,0 +1,172 @@
+"""Fused row-wise kernels for the CUDA forward: each reads its inputs once and writes once
+what the unfused torch ops would have written in several passes over memory.
+
+- ``residual_norm``: ``x += post_norm(y)``, then the next pre-norm of ``x`` (optionally fp8
+  quantised per row for the next linear layer);
+- ``qk_norm_rope``: per head RMSNorm of q and k, then RoPE; v copied out, from one fused
+  q|k|v projection;
+- ``gelu_mul``: ``gelu_tanh(gate) * up`` from one fused gate|up projection (optionally fp8).
+
+One program per row (or per row and head): a row's result never depends on the other rows.
+Intermediate values are rounded to bf16 exactly where the unfused ops store bf16 tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..quant.fp8 import FP8, INV_FP8_MAX
+
+CHUNK = 1024   # gelu_mul: columns per step of a row
+
+
+@triton.jit
+def _quantize_store(h, cols, mask, out_ptr, scale_ptr, row, D, INV_FP8_MAX):
+    """quant/fp8.py's rule to the bit: scale = amax * fp32(1/448), then an IEEE division."""
+    amax = tl.max(tl.where(mask, tl.abs(h), 0.0), axis=0)
+    scale = tl.maximum(amax, 1e-12) * INV_FP8_MAX
+    q = tl.minimum(tl.maximum(tl.div_rn(h, scale), -448.0), 448.0)
+    tl.store(out_ptr + row * D + cols, q.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(scale_ptr + row, scale)
+
+
+@triton.jit
+def _residual_norm_kernel(x_ptr, y_ptr, w_post_ptr, w_pre_ptr, h_ptr, scale_ptr, D, eps,
+                          INV_FP8_MAX, HAS_Y: tl.constexpr, QUANT: tl.constexpr,
+                          BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < D
+    x = tl.load(x_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_Y:
+        y = tl.load(y_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+        w_post = tl.load(w_post_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        n = y * tl.rsqrt(tl.sum(y * y, axis=0) / D + eps) * (1.0 + w_post)
+        x = (x + n.to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16).to(tl.float32)
+        tl.store(x_ptr + row * D + cols, x.to(x_ptr.dtype.element_ty), mask=mask)
+    w_pre = tl.load(w_pre_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    h = x * tl.rsqrt(tl.sum(x * x, axis=0) / D + eps) * (1.0 + w_pre)
+    h = h.to(tl.bfloat16).to(tl.float32)
+    if QUANT:
+        _quantize_store(h, cols, mask, h_ptr, scale_ptr, row, D, INV_FP8_MAX)
+    else:
+        tl.store(h_ptr + row * D + cols, h.to(h_ptr.dtype.element_ty), mask=mask)
+
+
+def residual_norm(x: torch.Tensor, y: torch.Tensor | None, w_post: torch.Tensor | None,
+                  w_pre: torch.Tensor, eps: float, *, quant: bool):
+    """Gemma's sandwich step on ``[rows, D]`` bf16: ``x += norm(y) * (1 + w_post)`` in place
+    (skipped when ``y`` is None), then returns ``h = norm(x) * (1 + w_pre)``: bf16, or
+    ``(fp8, per-row scale)`` when ``quant``."""
+    rows, d = x.shape
+    h = torch.empty(rows, d, dtype=FP8 if quant else x.dtype, device=x.device)
+    scale = torch.empty(rows if quant else 1, dtype=torch.float32, device=x.device)
+    if rows:
+        _residual_norm_kernel[(rows,)](
+            x, x if y is None else y, w_pre if w_post is None else w_post, w_pre, h, scale,
+            d, eps, INV_FP8_MAX, HAS_Y=y is not None, QUANT=quant,
+            BLOCK=triton.next_power_of_2(d))
+    return (h, scale) if quant else h
+
+
+@triton.jit
+def _qk_norm_rope_kernel(qkv_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr,
+                         stride_qkv, eps, HQ: tl.constexpr, HKV: tl.constexpr,
+                         HD: tl.constexpr):
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    j = tl.arange(0, HD)
+    src = qkv_ptr + row * stride_qkv + head * HD
+    x = tl.load(src + j).to(tl.float32)
+    if head >= HQ + HKV:   # v: copied out as it is
+        tl.store(v_ptr + (row * HKV + head - HQ - HKV) * HD + j, x.to(v_ptr.dtype.element_ty))
+    else:
+        half: tl.constexpr = HD // 2
+        shifted = (j + half) % HD
+        xs = tl.load(src + shifted).to(tl.float32)
+        is_q = head < HQ
+        if is_q:  # noqa: SIM108 (a runtime condition: no ternary in Triton)
+            w_ptr = wq_ptr
+        else:
+            w_ptr = wk_ptr
+        w = tl.load(w_ptr + j).to(tl.float32)
+        ws = tl.load(w_ptr + shifted).to(tl.float32)
+        rms = tl.rsqrt(tl.sum(x * x, axis=0) / HD + eps)
+        n = (x * rms * (1.0 + w)).to(tl.bfloat16).to(tl.float32)
+        ns = (xs * rms * (1.0 + ws)).to(tl.bfloat16).to(tl.float32)
+        rotated = tl.where(j < half, -ns, ns)
+        c = tl.load(cos_ptr + row * HD + j).to(tl.float32)
+        s = tl.load(sin_ptr + row * HD + j).to(tl.float32)
+        out = ((n * c).to(tl.bfloat16).to(tl.float32)
+               + (rotated * s).to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16)
+        if is_q:  # noqa: SIM108 (a runtime condition: no ternary in Triton)
+            tl.store(q_ptr + (row * HQ + head) * HD + j, out)
+        else:
+            tl.store(k_ptr + (row * HKV + head - HQ) * HD + j, out)
+
+
+def qk_norm_rope(qkv: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, eps: float, q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor) -> None:
+    """``qkv``: [m, (HQ + 2 HKV) * HD] bf16; cos/sin: [m, HD] bf16. Writes rows [0, m) of
+    ``q`` [rows, HQ, HD], ``k`` and ``v`` [rows, HKV, HD] (Gemma's qk-norm: ``1 + w``)."""
+    m = qkv.shape[0]
+    hq, hkv, hd = q.shape[1], k.shape[1], q.shape[2]
+    if m:
+        _qk_norm_rope_kernel[(m, hq + 2 * hkv)](qkv, wq, wk, cos, sin, q, k, v, qkv.stride(0),
+                                                eps, HQ=hq, HKV=hkv, HD=hd)
+
+
+@triton.jit
+def _gelu_tanh(g):
+    # torch's tanh-approximate GELU: 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))
+    inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+    return 0.5 * g * (2.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0))   # 1 + tanh(inner)
+
+
+@triton.jit
+def _gelu_mul_chunk(gu_ptr, row, start, cols, D: tl.constexpr, STRIDE: tl.constexpr):
+    mask = start + cols < D
+    g = tl.load(gu_ptr + row * STRIDE + start + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + row * STRIDE + D + start + cols, mask=mask, other=0.0).to(tl.float32)
+    a = _gelu_tanh(g).to(tl.bfloat16).to(tl.float32)
+    return (a * u).to(tl.bfloat16).to(tl.float32), mask
+
+
+@triton.jit
+def _gelu_mul_kernel(gu_ptr, out_ptr, scale_ptr, D: tl.constexpr, INV_FP8_MAX, QUANT: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    if QUANT:
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        for start in range(0, D, BLOCK):
+            h, mask = _gelu_mul_chunk(gu_ptr, row, start, cols, D, 2 * D)
+            amax = tl.maximum(amax, tl.where(mask, tl.abs(h), 0.0))
+        scale = tl.maximum(tl.max(amax, axis=0), 1e-12) * INV_FP8_MAX
+        for start in range(0, D, BLOCK):
+            h, mask = _gelu_mul_chunk(gu_ptr, row, start, cols, D, 2 * D)
+            q = tl.minimum(tl.maximum(tl.div_rn(h, scale), -448.0), 448.0)
+            tl.store(out_ptr + row * D + start + cols, q.to(out_ptr.dtype.element_ty),
+                     mask=mask)
+        tl.store(scale_ptr + row, scale)
+    else:
+        for start in range(0, D, BLOCK):
+            h, mask = _gelu_mul_chunk(gu_ptr, row, start, cols, D, 2 * D)
+            tl.store(out_ptr + row * D + start + cols, h.to(out_ptr.dtype.element_ty),
+                     mask=mask)
+
+
+def gelu_mul(gate_up: torch.Tensor, *, quant: bool):
+    """``gate_up``: [m, 2 I] bf16 (gate columns first) -> ``gelu_tanh(gate) * up`` as bf16
+    [m, I], or ``(fp8, per-row scale)`` when ``quant``."""
+    m, width = gate_up.shape
+    d = width // 2
+    out = torch.empty(m, d, dtype=FP8 if quant else gate_up.dtype, device=gate_up.device)
+    scale = torch.empty(m if quant else 1, dtype=torch.float32, device=gate_up.device)
+    if m:
+        _gelu_mul_kernel[(m,)](gate_up.contiguous(), out, scale, d, INV_FP8_MAX, QUANT=quant,
+                               BLOCK=CHUNK, num_warps=4)
+    return (out, scale) if quant else out
