@@ -103,7 +103,7 @@ def fetch(source: GitSource, cache: Path | None = None) -> Fetched:
     if not (mirror / "HEAD").exists():
         tmp = Path(tempfile.mkdtemp(prefix="mirror-", dir=home))
         try:
-            _git("clone", "--quiet", "--mirror", source.url, str(tmp / "m"))
+            _git("clone", "--quiet", "--mirror", "--", source.url, str(tmp / "m"))
             with contextlib.suppress(OSError):      # another process cloned it first
                 (tmp / "m").rename(mirror)
         finally:

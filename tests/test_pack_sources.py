@@ -101,7 +101,7 @@ def test_bad_pack_in_git_names_commit_file_field_and_reason(repo, tmp_path):
                                  "error, positive ' maybe' is not one of the options")
     with pytest.raises(PackError, match="revision 'nope' not found"):
         load_source(f"git+file://{repo}@nope", tmp_path / "cache")
-    with pytest.raises(PackError, match="git clone"):
+    with pytest.raises(PackError, match="git clone --quiet"):
         load_source(f"git+file://{tmp_path}/missing@main", tmp_path / "cache")
 
 
