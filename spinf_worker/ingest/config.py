@@ -188,9 +188,16 @@ def _scoring(source: SourceConfig, config: IngestConfig, base: Path, where: str,
         raise ConfigError(f"{where}: nothing to score with: give a pack or queries "
                           "(for this feed, in the file's defaults, or --pack / --queries)")
     for ref in packs:
-        if ref.id not in known:
-            raise ConfigError(f"{where}: unknown pack {ref.id!r}; loaded: {sorted(known)} "
+        pack = known.get(ref.id)
+        if pack is None or ref.version not in (None, pack.version):
+            wanted = ref.id + (f"@{ref.version}" if ref.version else "")
+            raise ConfigError(f"{where}: unknown pack {wanted!r}; loaded: "
+                              f"{sorted(f'{p.id}@{p.version}' for p in known.values())} "
                               "(--packs SOURCE loads more)")
+        missing = set(ref.categories or ()) - {c.id for c in pack.categories}
+        if missing:
+            raise ConfigError(f"{where}: pack {ref.id} has no category "
+                              f"{', '.join(map(repr, sorted(missing)))}")
     block: dict = {"packs": [ref.model_dump(exclude_none=True) for ref in packs]}
     if queries:
         block["scoring"] = load_queries(base / queries, where)

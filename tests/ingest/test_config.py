@@ -63,6 +63,8 @@ def test_a_good_file_with_defaults_and_flags(tmp_path):
      "feeds.0 (a/f): nothing to score with: give a pack or queries"),
     ("feeds: [{url: http://a/f, pack: acme/nope}]\nsinks: [jsonl:o]\nqueries: q.json",
      "feeds.0 (a/f): unknown pack 'acme/nope'"),
+    ("feeds: [{url: http://a/f, pack: {id: spinf/support-triage, categories: [nope]}}]\n"
+     "sinks: [jsonl:o]\nqueries: q.json", "pack spinf/support-triage has no category 'nope'"),
     ("feeds: [{url: http://a/f, queries: missing.json}]\nsinks: [jsonl:o]",
      "feeds.0 (a/f): cannot read the queries file"),
     ("feeds: [{url: http://a/f, name: x}, {jsonl: f.jsonl, name: x}]\nsinks: [jsonl:o]\n"
