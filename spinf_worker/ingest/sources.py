@@ -29,6 +29,7 @@ log = structlog.get_logger("spinf.ingest")
 
 MAX_BACKOFF_S = 3600.0       # a failing feed is still tried at least hourly
 READ_BYTES = 4 * 1024 * 1024     # JSONL bytes read per poll
+MAX_FEED_BYTES = 20 * 1024 * 1024    # a feed document larger than this is refused
 STREAM_COUNT = 256           # stream entries per read
 
 
@@ -86,7 +87,14 @@ class FeedSource(SourceBase):
         if stored.get("last_modified"):
             headers["If-Modified-Since"] = stored["last_modified"]
         try:
-            response = await self.client.get(self.source.target, headers=headers)
+            async with self.client.stream("GET", self.source.target, headers=headers) as response:
+                body = bytearray()
+                if response.status_code == 200:
+                    async for part in response.aiter_bytes():
+                        body += part
+                        if len(body) > MAX_FEED_BYTES:
+                            return await self._failed("malformed", f"larger than "
+                                                      f"{MAX_FEED_BYTES} bytes")
         except httpx.HTTPError as err:
             return await self._failed("network_error", f"{type(err).__name__}: {err}")
         if response.status_code == 304:
@@ -95,7 +103,7 @@ class FeedSource(SourceBase):
         if response.status_code != 200:
             return await self._failed("http_error", f"HTTP {response.status_code}")
         parsed = await asyncio.to_thread(
-            feedparser.parse, response.content,
+            feedparser.parse, bytes(body),
             response_headers={"content-type": response.headers.get("content-type", "")})
         if not parsed.get("version") and not parsed.entries:
             error = parsed.get("bozo_exception") or "not an RSS or Atom document"
