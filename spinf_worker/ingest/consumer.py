@@ -250,6 +250,8 @@ class Consumer:
             result = await self.listener.wait(record["job"], WAIT_S)
             if result is not None:
                 return result
+            log.info("still waiting for a result (are workers running?)", key=key,
+                     job=record["job"])
 
     async def _submit(self, key: str, record: dict) -> None:
         item = Item.from_record(record["item"])
