@@ -156,7 +156,7 @@ class Consumer:
 
     async def _chores(self) -> None:
         """Keep the lease; forget old identities now and then; publish the pending gauge."""
-        last_trim = 0.0
+        last_trim = last_note = 0.0
         while True:
             if not await self.state.renew():
                 await self.state.acquire()       # expired while Redis was away: take it again
@@ -164,6 +164,13 @@ class Consumer:
                 last_trim = time.monotonic()
                 await self.state.trim(self.config.remember_days, [s.id for s in self.sinks])
             self.metrics.pending.set(len(self._inflight))
+            oldest = min((since for _, since in self._inflight.values()), default=None)
+            if oldest is not None and now_ms() - oldest > WAIT_S * 1000 \
+                    and time.monotonic() - last_note > WAIT_S:
+                last_note = time.monotonic()
+                log.info("items waiting for results (are workers running?)",
+                         pending=len(self._inflight),
+                         oldest_s=round((now_ms() - oldest) / 1000))
             await asyncio.sleep(LEASE_RENEW_S)
 
     # ---- reading sources -----------------------------------------------------------------
@@ -250,8 +257,6 @@ class Consumer:
             result = await self.listener.wait(record["job"], WAIT_S)
             if result is not None:
                 return result
-            log.info("still waiting for a result (are workers running?)", key=key,
-                     job=record["job"])
 
     async def _submit(self, key: str, record: dict) -> None:
         item = Item.from_record(record["item"])
