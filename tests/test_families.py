@@ -99,6 +99,23 @@ def tiny_gemma4(path: Path, tokenizer_dir: Path) -> Path:
     return _write(model, path, tokenizer_dir)
 
 
+def tail_oracle_logprob(model, ids: list[int], n_context: int) -> float:
+    """conftest.oracle_logprob with logits only at the rows it reads (``logits_to_keep``):
+    a full 262k-wide log-softmax over every row is most of an oracle call's time."""
+    keep = len(ids) - n_context + 1
+    with torch.no_grad():
+        logits = model(torch.tensor([ids]), logits_to_keep=keep).logits[0].float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    return sum(logprobs[k, ids[n_context + k]].item() for k in range(keep - 1))
+
+
+@pytest.fixture(autouse=True)
+def _fast_oracle(monkeypatch):
+    from . import test_engine_parity
+
+    monkeypatch.setattr(test_engine_parity, "oracle_logprob", tail_oracle_logprob)
+
+
 BUILDERS = {"llama": tiny_llama, "smollm": tiny_smollm, "qwen3": tiny_qwen3,
             "gemma4": tiny_gemma4}
 
@@ -133,8 +150,8 @@ def test_family_parity(family, engines, oracles):
 def test_family_content_longer_than_window(family, engines, oracles):
     engine = engines[family]
     assert engine.config.sliding_window == 16
-    assert len(engine.presenter.encode(NEWS * 3)) > 8 * engine.config.sliding_window
-    check_against_oracle(engine, oracles[family], NEWS * 3, QUERIES[:3])
+    assert len(engine.presenter.encode(NEWS * 2)) > 5 * engine.config.sliding_window
+    check_against_oracle(engine, oracles[family], NEWS * 2, QUERIES[1:3])
 
 
 def test_family_configs(engines):
@@ -231,7 +248,8 @@ def test_missing_files(family_dirs, tmp_path):
 # max |Δp| int8 vs fp32: 0.027 measured on the default model over NEWS x QUERIES (and see
 # quantizations/google--gemma-3-270m/calibration.json for the news job).
 INT8_P_TOL = 0.05
-TINY_INT8_LOGPROB_TOL = 0.05   # tiny random Gemma 3: measured max |Δlogprob| ~0.01
+INT8_LOGPROB_TOL = 0.4     # the news job's max |Δlogprob| was 0.309
+TINY_INT8_LOGPROB_TOL = 0.03   # tiny random Gemma 3: measured max |Δlogprob| 0.0068
 
 
 def _int8(path_or_ckpt):
@@ -267,6 +285,7 @@ def test_int8_tiny_close_and_batch_invariant(tiny_dir, tiny_engine):
     assert engine.scheme == "int8" and engine.fingerprint != tiny_engine.fingerprint
     alone = engine.score(REQUEST)
     dlp, _, _ = _max_deltas(alone, tiny_engine.score(REQUEST))
+    print(f"int8 vs fp32 on the tiny Gemma 3: max |Δlogprob| {dlp:.4f}")
     assert dlp <= TINY_INT8_LOGPROB_TOL, dlp
     others = [{"text": f"Report {i}: " + NEWS[i * 7:], "scoring": {"queries": QUERIES[:2]}}
               for i in range(5)]
@@ -297,5 +316,40 @@ def test_int8_other_stacks(family_dirs):
 def test_int8_default_model_close_to_fp32(default_checkpoint, default_engine):
     dlp, dp, same = _max_deltas(_int8(default_checkpoint).score(REQUEST),
                                 default_engine.score(REQUEST))
+    print(f"int8 vs fp32 on the default model: max |Δlogprob| {dlp:.4f}, max |Δp| {dp:.4f}, "
+          f"same top-1 everywhere: {same}")
     assert dp <= INT8_P_TOL, dp
-    assert same
+    assert dlp <= INT8_LOGPROB_TOL, dlp
+
+
+def test_gguf_of_another_architecture(tmp_path):
+    """GGUF conversion covers Gemma 3 only: other architectures get a clear error."""
+    import gguf
+    import numpy as np
+
+    from spinf_worker.models.loader import load_checkpoint
+
+    path = tmp_path / "tiny-qwen3.gguf"
+    writer = gguf.GGUFWriter(path, "qwen3")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelNotFoundError, match="'qwen3' is not supported.*Hugging Face dir"):
+        load_checkpoint(str(path), cache_dir=tmp_path / "cache")
+
+
+def test_cli_score_quant(tiny_dir, tmp_path):
+    from spinf_worker.cli import main
+
+    source = tmp_path / "in.jsonl"
+    source.write_text(json.dumps({"id": "a", "text": NEWS}) + "\n")
+    (tmp_path / "q.json").write_text(json.dumps(QUERIES[1:2]))
+    out = tmp_path / "out.jsonl"
+    assert main(["score", str(source), "--model", str(tiny_dir), "--device", "cpu", "-q",
+                 "--quant", "int8", "--queries", str(tmp_path / "q.json"),
+                 "-o", str(out)]) == 0
+    row = json.loads(out.read_text())
+    assert row["custom_id"] == "a" and len(row["queries"][0]["combinations"][0]["options"]) == 2

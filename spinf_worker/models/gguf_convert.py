@@ -228,7 +228,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> dict:
     meta = GGUFMetadata(reader)
     if meta.arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"GGUF architecture {meta.arch!r} is not supported "
-                         f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+                         f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)}); Llama, Qwen3 and "
+                         "Gemma 4 checkpoints load from a Hugging Face directory (config.json, "
+                         "*.safetensors, tokenizer.json)")
     if meta.get("tokenizer.ggml.model") != "llama":
         raise ValueError(f"GGUF tokenizer {meta.get('tokenizer.ggml.model')!r} is not supported "
                          "(expected a SentencePiece 'llama' vocabulary)")
