@@ -246,7 +246,7 @@ def test_missing_files(family_dirs, tmp_path):
 # --- int8 weight-only -------------------------------------------------------------------------
 
 # max |Δp| int8 vs fp32: 0.027 measured on the default model over NEWS x QUERIES (and see
-# quantizations/google--gemma-3-270m/calibration.json for the news job).
+# quantizations/google--gemma-3-270m/calibration-int8.json for the news job).
 INT8_P_TOL = 0.05
 INT8_LOGPROB_TOL = 0.4     # the news job's max |Δlogprob| was 0.309
 TINY_INT8_LOGPROB_TOL = 0.03   # tiny random Gemma 3: measured max |Δlogprob| 0.0068
