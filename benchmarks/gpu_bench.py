@@ -97,10 +97,12 @@ def linear_flops(cfg: dict, tokens: int) -> float:
     return 2.0 * tokens * per_layer * cfg["num_hidden_layers"]
 
 
-def run_engine(name: str, ckpt: Checkpoint, scheme: str, requests: list[dict]) -> tuple[dict, list]:
+def run_engine(name: str, ckpt: Checkpoint, scheme: str, requests: list[dict],
+               max_pass_tokens: int | None = None) -> tuple[dict, list]:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    engine = Engine(ckpt, device="cuda", settings=EngineSettings(scheme=scheme))
+    engine = Engine(ckpt, device="cuda",
+                    settings=EngineSettings(scheme=scheme, max_pass_tokens=max_pass_tokens))
     t0 = time.perf_counter()
     first = engine.score_batch(requests)          # compiles masks/kernels, fills the floor cache
     warm = time.perf_counter() - t0
@@ -205,6 +207,8 @@ def main() -> None:
     parser.add_argument("--baseline-docs-12b", type=int, default=4)
     parser.add_argument("--baseline-docs-270m", type=int, default=24)
     parser.add_argument("--only", default="ceilings,270m,12b")
+    parser.add_argument("--pass-tokens-12b", type=int, nargs="*", default=[32768],
+                        help="also run the 12B in fp8 with these pass budgets")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--commit", default=None, help="when the checkout has no .git")
     args = parser.parse_args()
@@ -255,6 +259,11 @@ def main() -> None:
         ckpt = random_ckpt(GEMMA_12B)
         for scheme in ("bf16", "fp8"):
             figures, _ = run_engine("12b", ckpt, scheme, requests)
+            row.update(figures)
+            save()
+            print(json.dumps(figures), flush=True)
+        for tokens in args.pass_tokens_12b:   # larger passes: fewer, larger GEMMs
+            figures, _ = run_engine(f"12b_pass{tokens}", ckpt, "fp8", requests, tokens)
             row.update(figures)
             save()
             print(json.dumps(figures), flush=True)

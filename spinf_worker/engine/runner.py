@@ -69,24 +69,10 @@ class ModelRunner:
         return span
 
     def flex_plan(self, docs: list[FlatDoc], rows: int):
-        """CUDA: per-row tree tensors of the pass (padded to ``rows``) -> block masks."""
+        """CUDA: the pass's tree tensors on the device -> block masks."""
         from ..kernels.flex_tree import TreeTokens, build_flex_plan
 
-        doc_id, branch, option, pos = [], [], [], []
-        n_branches = n_options = 0
-        for i, doc in enumerate(docs):
-            real = torch.arange(doc.length) < doc.tokens
-            doc_id.append(torch.where(real, i, -1))
-            branch.append(torch.where(doc.branch_of >= 0, doc.branch_of + n_branches, -1))
-            option.append(torch.where(doc.option_of >= 0, doc.option_of + n_options, -1))
-            pos.append(doc.positions)
-            n_branches += doc.n_branches
-            n_options += doc.n_option_paths
-        pad = rows - sum(d.length for d in docs)
-        fill = torch.full((pad,), -1)
-        tokens = TreeTokens(*(self._upload(torch.cat([*parts, fill if j < 3 else torch.zeros(pad)])
-                                           .to(torch.int32))
-                              for j, parts in enumerate((doc_id, branch, option, pos))))
+        tokens = TreeTokens(*(self._upload(t) for t in tree_tokens(docs, rows)))
         return build_flex_plan(tokens, self.model.cfg.sliding_window)
 
     def _upload(self, t: torch.Tensor) -> torch.Tensor:
@@ -183,3 +169,23 @@ class ModelRunner:
             start = np.searchsorted(doc.option_branch, np.arange(doc.n_branches + 1))
             out.append(DocScores(lp, start, 1.0 - mass))
         return out
+
+
+def tree_tokens(docs: list[FlatDoc], rows: int) -> tuple[torch.Tensor, ...]:
+    """Per row of a pass padded to ``rows``: (document, branch, option sub-branch, position),
+    int32, ids unique across the pass, -1 for none (kernels/flex_tree.TreeTokens)."""
+    doc_id, branch, option, pos = [], [], [], []
+    n_branches = n_options = 0
+    for i, doc in enumerate(docs):
+        real = torch.arange(doc.length) < doc.tokens
+        doc_id.append(torch.where(real, i, -1))
+        branch.append(torch.where(doc.branch_of >= 0, doc.branch_of + n_branches, -1))
+        option.append(torch.where(doc.option_of >= 0, doc.option_of + n_options, -1))
+        pos.append(doc.positions)
+        n_branches += doc.n_branches
+        n_options += doc.n_option_paths
+    pad = rows - sum(d.length for d in docs)
+    fill = torch.full((pad,), -1)
+    return tuple(torch.cat([*parts, fill if j < 3 else torch.zeros(pad)]).to(torch.int32)
+                 for j, parts in enumerate((doc_id, branch, option, pos)))
+

@@ -1,10 +1,11 @@
 """Packed tree attention on CUDA through FlexAttention.
 
 The tree rule becomes a ``mask_mod`` over per-token tensors of the pass (document, branch,
-option sub-branch, position); ``create_block_mask`` turns it into a block-sparse mask with
-128-token blocks, so a document's key blocks are the same tiles, visited in the same order,
-wherever the 128-aligned document lands in the pass. Passes are padded to a few fixed sizes
-so the compiled kernels are reused.
+option sub-branch, position). Which 128-token key blocks each query block visits comes from
+per-block summaries of the tree (``tree_blocks``: a few [blocks, blocks] comparisons, not
+the dense [rows, rows] mask), so a document's key blocks are the same tiles, visited in the
+same order, wherever the 128-aligned document lands in the pass. Passes are padded to a few
+fixed sizes so the compiled kernels are reused.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 from functools import cache
 
 import torch
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 BLOCK = 128
 
@@ -47,11 +48,45 @@ def build_flex_plan(tokens: TreeTokens, window: int) -> FlexPlan:
     def visible_in_window(b, h, q, k):
         return visible(b, h, q, k) & (pos[q] - pos[k] < window)
 
-    n = doc.shape[0]
-    kwargs = dict(B=None, H=None, Q_LEN=n, KV_LEN=n, device=doc.device, BLOCK_SIZE=BLOCK,
-                  _compile=True)
-    return FlexPlan(create_block_mask(visible, **kwargs),
-                    create_block_mask(visible_in_window, **kwargs))
+    return FlexPlan(_block_mask(tokens, visible, None),
+                    _block_mask(tokens, visible_in_window, window))
+
+
+def _block_mask(tokens: TreeTokens, mask_mod, window: int | None) -> BlockMask:
+    """Each query block visits its kept key blocks in block order; ``mask_mod`` decides
+    inside each block."""
+    n = tokens.doc.shape[0]
+    keep = tree_blocks(tokens, window)
+    counts = keep.sum(1, dtype=torch.int32)
+    order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True).to(torch.int32)
+    return BlockMask.from_kv_blocks(counts[None, None], order[None, None], BLOCK_SIZE=BLOCK,
+                                    mask_mod=mask_mod, seq_lengths=(n, n),
+                                    compute_q_blocks=False)
+
+
+def tree_blocks(tokens: TreeTokens, window: int | None) -> torch.Tensor:
+    """[blocks, blocks] bool: (query block, key block) pairs kept because their document,
+    branch ranges and positions allow some query to see some key: a superset of the exact
+    rule that depends only on the document's own blocks."""
+    n = tokens.doc.shape[0]
+    nb = n // BLOCK
+    doc, branch, pos = (t.view(nb, BLOCK) for t in (tokens.doc, tokens.branch, tokens.pos))
+    real = doc >= 0
+    big = torch.iinfo(torch.int32).max
+    block_doc = doc.amax(1)                 # a document's rows never share a block with another's
+    in_branch = real & (branch >= 0)
+    has_root = (real & (branch < 0)).any(1)
+    br_lo = torch.where(in_branch, branch, big).amin(1)
+    br_hi = torch.where(in_branch, branch, -1).amax(1)
+    pos_lo = torch.where(real, pos, big).amin(1)
+    pos_hi = torch.where(real, pos, -1).amax(1)
+    q, k = (slice(None), None), (None, slice(None))
+    keep = ((block_doc[q] == block_doc[k]) & (block_doc[q] >= 0)
+            & (pos_lo[k] <= pos_hi[q])                                    # causal
+            & (has_root[k] | ((br_lo[q] <= br_hi[k]) & (br_lo[k] <= br_hi[q]))))
+    if window is not None:
+        keep &= pos_lo[q] - pos_hi[k] < window
+    return keep | (torch.eye(nb, dtype=torch.bool, device=keep.device) & (block_doc < 0)[q])
 
 
 @cache
