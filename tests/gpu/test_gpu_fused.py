@@ -69,9 +69,11 @@ def test_qk_norm_rope_equals_unfused():
     q_ref, k_ref, v_ref = qkv.split([hq * hd, hkv * hd, hkv * hd], dim=-1)
     q_ref = apply_rope(rmsnorm(q_ref.reshape(m, hq, hd), wq, 1e-6, 1.0), cos, sin)
     k_ref = apply_rope(rmsnorm(k_ref.reshape(m, hkv, hd), wk, 1e-6, 1.0), cos, sin)
-    # x cos + rot(x) sin may cancel: flips are judged against the normed values' size, O(1)
-    _ulp_close(q[:m], q_ref, scale=q_ref.abs() + 1)
-    _ulp_close(k[:m], k_ref, scale=k_ref.abs() + 1)
+    # x cos + rot(x) sin may cancel, so differences are judged against the normed values'
+    # size, O(1); and the compiler may keep the two products in fp32 where torch rounds each
+    # to bf16, so last-bit differences are common here, never larger ones.
+    _ulp_close(q[:m], q_ref, share=0.5, scale=q_ref.abs() + 1)
+    _ulp_close(k[:m], k_ref, share=0.5, scale=k_ref.abs() + 1)
     assert torch.equal(v[:m], v_ref.reshape(m, hkv, hd))
     assert not q[m:].any() and not k[m:].any()
 
