@@ -1,0 +1,107 @@
+"""GPU checks of the Llama, Qwen3 and Gemma 4 stacks (skipped without CUDA): a packed pass in
+bf16 and int8 (bf16 activations) close to the same weights on the CPU in fp32, and
+bit-identical logprobs alone vs packed.
+Gemma 4's global layers use head dim 128 here; the released checkpoints' 512 is marked as a
+known failure: FlexAttention's default tiling in kernels/flex_tree.py needs more shared memory
+than an H200 has at that width (263,168 bytes asked, 232,448 available)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+if torch.cuda.is_available():
+    from spinf_worker.engine.engine import _init_random
+    from spinf_worker.engine.layout import Branch, DocTree
+    from spinf_worker.engine.runner import ModelRunner
+    from spinf_worker.models.gemma4 import Gemma4Config, Gemma4Model
+    from spinf_worker.models.layers import RMSNorm
+    from spinf_worker.models.llama import LlamaConfig, LlamaModel
+    from spinf_worker.models.qwen3 import Qwen3Config, Qwen3Model
+    from spinf_worker.quant.int8 import quantize_linears
+
+SHAPE = dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num_heads=4)
+
+
+def _stack(family: str, global_head_dim: int = 128):
+    if family == "llama":
+        cfg = LlamaConfig(**SHAPE, num_layers=4, num_kv_heads=2, head_dim=64,
+                          attention_bias=True, mlp_bias=True, tie_word_embeddings=False,
+                          rope={"rope_type": "llama3", "rope_theta": 500_000.0, "factor": 8.0,
+                                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                "original_max_position_embeddings": 256},
+                          layer_types=("full_attention",) * 4)
+        return LlamaModel, cfg
+    if family == "qwen3":
+        cfg = Qwen3Config(**SHAPE, num_layers=4, num_kv_heads=2, head_dim=64, sliding_window=64,
+                          layer_types=("full_attention",) * 2 + ("sliding_attention",) * 2)
+        return Qwen3Model, cfg
+    cfg = Gemma4Config(**SHAPE, num_layers=6, sliding_window=64,
+                       layer_types=("sliding_attention", "full_attention") * 3,
+                       head_dims=(64, global_head_dim) * 3, kv_heads=(2, 1) * 3,
+                       hidden_size_per_layer_input=64, vocab_size_per_layer_input=4096,
+                       attention_k_eq_v=True, num_kv_shared_layers=2, use_double_wide_mlp=True,
+                       final_logit_softcapping=30.0)
+    return Gemma4Model, cfg
+
+
+def _runner(family: str, device: str, dtype: torch.dtype, int8: bool = False,
+            global_head_dim: int = 128) -> ModelRunner:
+    model_class, cfg = _stack(family, global_head_dim)
+    with torch.device("meta"):
+        model = model_class(cfg)
+    model = model.to_empty(device="cpu").float()
+    with torch.no_grad():
+        _init_random(model, seed=0)
+        gen = torch.Generator().manual_seed(1)
+        for m in model.modules():
+            if isinstance(m, RMSNorm):
+                m.weight.add_(0.2 * torch.randn(m.weight.shape, generator=gen))
+        # Gemma 4 attends unscaled after its q/k norms: with unit norms, random 512-wide heads
+        # give one-hot attention, too brittle to compare precisions on.
+        for name, m in model.named_modules():
+            if family == "gemma4" and name.endswith(("q_norm", "k_norm")):
+                m.weight.mul_(0.25)
+    model = model.to(device=device, dtype=dtype)
+    if int8:
+        quantize_linears(model)
+    return ModelRunner(model.eval(), torch.device(device), dtype, 0)
+
+
+def _random_docs(n: int, seed: int) -> list:
+    rng = random.Random(seed)
+
+    def doc() -> DocTree:
+        return DocTree([2] + [rng.randrange(5, 4000) for _ in range(rng.randint(1, 300))],
+                       [Branch([rng.randrange(5, 4000) for _ in range(rng.randint(0, 12))],
+                               [[rng.randrange(5, 4000) for _ in range(rng.randint(1, 3))]
+                                for _ in range(rng.randint(1, 4))]) for _ in range(8)])
+    return [doc().flatten(0) for _ in range(n)]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma4"])
+@pytest.mark.parametrize("scheme", ["bf16", "int8"])
+def test_gpu_family_close_to_cpu_fp32_and_invariant(family, scheme):
+    docs = _random_docs(8, seed=2)
+    cpu = _runner(family, "cpu", torch.float32, int8=scheme == "int8").run(docs)
+    gpu_runner = _runner(family, "cuda", torch.bfloat16, int8=scheme == "int8")
+    gpu = gpu_runner.run(docs)
+    worst = max(float(np.abs(dc.option_logprobs - dg.option_logprobs).max())
+                for dc, dg in zip(cpu, gpu))
+    print(f"{family} {scheme}: max |Δlogprob| vs the CPU in fp32 {worst:.4f}")
+    assert worst < 0.15, worst
+    for target in (0, 5):
+        alone = gpu_runner.run([docs[target]])[0]
+        assert np.array_equal(alone.option_logprobs, gpu[target].option_logprobs), target
+
+
+@pytest.mark.xfail(strict=True, reason="FlexAttention's default tiling runs out of shared "
+                   "memory at head dim 512 (kernels/flex_tree.py sets no smaller blocks)")
+def test_gpu_gemma4_global_head_dim_512():
+    docs = _random_docs(2, seed=3)
+    _runner("gemma4", "cuda", torch.bfloat16, global_head_dim=512).run(docs)
