@@ -323,21 +323,21 @@ def test_int8_default_model_close_to_fp32(default_checkpoint, default_engine):
 
 
 def test_gguf_of_another_architecture(tmp_path):
-    """GGUF conversion covers Gemma 3 only: other architectures get a clear error."""
+    """GGUF conversion covers Gemma 3, Llama and Qwen3: other architectures get a clear error."""
     import gguf
     import numpy as np
 
     from spinf_worker.models.loader import load_checkpoint
 
-    path = tmp_path / "tiny-qwen3.gguf"
-    writer = gguf.GGUFWriter(path, "qwen3")
+    path = tmp_path / "tiny-phi3.gguf"
+    writer = gguf.GGUFWriter(path, "phi3")
     writer.add_block_count(1)
     writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ModelNotFoundError, match="'qwen3' is not supported.*Hugging Face dir"):
+    with pytest.raises(ModelNotFoundError, match="'phi3' is not supported.*Hugging Face dir"):
         load_checkpoint(str(path), cache_dir=tmp_path / "cache")
 
 
@@ -353,3 +353,142 @@ def test_cli_score_quant(tiny_dir, tmp_path):
                  "-o", str(out)]) == 0
     row = json.loads(out.read_text())
     assert row["custom_id"] == "a" and len(row["queries"][0]["combinations"][0]["options"]) == 2
+
+
+# --- Llama / Qwen3 GGUFs (byte-level BPE vocabularies) -----------------------------------------
+
+GGUF_TEXTS = [NEWS, "Prices rose 3.25% in 2024; the bank's rate is 4,500 bps.\n\nWho acted?",
+              "  two spaces, tabs\tand émojis 😀 日本語", " yes", " no", "Answer:"]
+
+
+def _bpe_tokenizer(pre: str):
+    """A small byte-level BPE trained here, split the way the named GGUF pre-tokenizer does."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from spinf_worker.models.gguf_llama import _pre_tokenizer
+
+    tok = Tokenizer(models.BPE(ignore_merges=pre == "llama-bpe"))
+    tok.pre_tokenizer = _pre_tokenizer(pre)
+    tok.decoder = __import__("tokenizers").decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=700, special_tokens=["<|bos|>", "<|eos|>", "<pad>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([NEWS * 3, *GGUF_TEXTS, *(q["template"] for q in QUERIES)], trainer)
+    return tok
+
+
+def _llama_cpp_permute(w, heads: int):
+    return (w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2)
+            .reshape(w.shape))
+
+
+def write_bpe_gguf(path: Path, model, tok, pre: str, arch: str) -> None:
+    """What llama.cpp's converter writes for a Llama 3 / Qwen3 checkpoint (all float32)."""
+    import gguf
+    import numpy as np
+
+    c = model.config
+    spec = json.loads(tok.to_str())
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    tokens = [t for t, _ in sorted(tok.get_vocab().items(), key=lambda kv: kv[1])]
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_name(f"tiny {arch}")
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_key_length(c.head_dim)
+    writer.add_value_length(c.head_dim)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t.startswith("<") and t.endswith(">") else 1 for t in tokens])
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(1)
+    writer.add_pad_token_id(2)
+    names = {"embed_tokens": "token_embd", "norm": "output_norm", "lm_head": "output"}
+    layer_names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+                   "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+                   "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+                   "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+                   "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    rope = c.rope_parameters
+    if rope.get("rope_type") == "llama3":   # llama.cpp's per-angle factors
+        inv = 1.0 / rope["rope_theta"] ** (np.arange(0, c.head_dim, 2) / c.head_dim)
+        old, low, high = (rope["original_max_position_embeddings"], rope["low_freq_factor"],
+                          rope["high_freq_factor"])
+        factors = []
+        for wavelen in 2 * np.pi / inv:
+            if wavelen < old / high:
+                factors.append(1.0)
+            elif wavelen > old / low:
+                factors.append(rope["factor"])
+            else:
+                smooth = (old / wavelen - low) / (high - low)
+                factors.append(1 / ((1 - smooth) / rope["factor"] + smooth))
+        writer.add_tensor("rope_freqs.weight", np.array(factors, dtype=np.float32))
+    for hf_name, tensor in model.state_dict().items():
+        if hf_name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        parts = hf_name.split(".")
+        values = tensor.float().numpy()
+        if parts[1] == "layers":
+            part = layer_names[".".join(parts[3:-1])]
+            if arch == "llama" and part in ("attn_q", "attn_k"):
+                values = _llama_cpp_permute(values, c.num_attention_heads if part == "attn_q"
+                                            else c.num_key_value_heads)
+            writer.add_tensor(f"blk.{parts[2]}.{part}.{parts[-1]}", values)
+        else:
+            key = parts[0] if parts[0] == "lm_head" else parts[1]
+            writer.add_tensor(f"{names[key]}.{parts[-1]}", values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("arch, pre", [("llama", "llama-bpe"), ("qwen3", "qwen2")])
+def test_bpe_gguf_round_trip(arch, pre, tmp_path):
+    """A Llama 3.1-style (llama3 RoPE factors, permuted q/k) and a Qwen3 GGUF convert into
+    the same weights and tokenizer, and score like the HF directory they came from."""
+    from spinf_worker.engine import Engine
+    from spinf_worker.models.loader import load_checkpoint
+
+    tok = _bpe_tokenizer(pre)
+    shape = dict(SMALL, vocab_size=tok.get_vocab_size(), bos_token_id=0, eos_token_id=1,
+                 pad_token_id=2, head_dim=8)
+    if arch == "llama":
+        cfg = transformers.LlamaConfig(**shape, num_hidden_layers=2, tie_word_embeddings=False,
+                                       rope_parameters={
+                                           "rope_type": "llama3", "rope_theta": 500_000.0,
+                                           "factor": 8.0, "low_freq_factor": 1.0,
+                                           "high_freq_factor": 4.0,
+                                           "original_max_position_embeddings": 8192})
+        model = transformers.LlamaForCausalLM(cfg)
+    else:
+        cfg = transformers.Qwen3Config(**shape, num_hidden_layers=2, tie_word_embeddings=True)
+        model = transformers.Qwen3ForCausalLM(cfg)
+    _randomise(model, 5)
+    hf_dir = tmp_path / "hf"
+    model.save_pretrained(hf_dir)
+    tok.save(str(hf_dir / "tokenizer.json"))
+    write_bpe_gguf(tmp_path / "tiny.gguf", model, tok, pre, arch)
+
+    ckpt = load_checkpoint(str(tmp_path / "tiny.gguf"), cache_dir=tmp_path / "cache")
+    reference = load_checkpoint(str(hf_dir))
+    assert set(ckpt.weights) == set(reference.weights)
+    for name, tensor in reference.weights.items():
+        assert torch.equal(ckpt.weights[name], tensor), name
+    for text in GGUF_TEXTS:
+        assert ckpt.tokenizer.encode(text).ids == tok.encode(text).ids, text
+        assert ckpt.tokenizer.decode(tok.encode(text).ids) == text
+    assert ckpt.config["rope_parameters"]["rope_type"] == ("llama3" if arch == "llama"
+                                                           else "default")
+    request = {"text": NEWS, "scoring": {"queries": QUERIES[:3]}}
+    got = Engine(ckpt, device="cpu").score(request)
+    want = Engine(reference, device="cpu").score(request)
+    assert got.model_dump()["queries"] == want.model_dump()["queries"]

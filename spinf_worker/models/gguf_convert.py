@@ -1,4 +1,5 @@
-"""Turn a Gemma 3 GGUF file (llama.cpp's format) into a Hugging Face style directory.
+"""Turn a Gemma 3 GGUF file (llama.cpp's format) into a Hugging Face style directory
+(Llama and Qwen3 GGUFs go through gguf_llama.py).
 
 The output is what `transformers` itself would load: `model.safetensors` (float32, HF names and
 semantics), `config.json`, `tokenizer.json`, `tokenizer_config.json` and `generation_config.json`.
@@ -20,6 +21,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, normalizers, processors
 from tokenizers.models import BPE
 
 SUPPORTED_ARCHITECTURES = ("gemma3",)
+BPE_ARCHITECTURES = ("llama", "qwen3")   # gguf_llama.py
 
 # llama.cpp tensor names -> HF parameter names.
 _GLOBAL_NAMES = {
@@ -226,11 +228,15 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> dict:
     """
     reader = gguf.GGUFReader(gguf_path)
     meta = GGUFMetadata(reader)
+    if meta.arch in BPE_ARCHITECTURES:
+        from .gguf_llama import convert_bpe_model
+
+        return convert_bpe_model(reader, meta, gguf_path, out_dir)
     if meta.arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"GGUF architecture {meta.arch!r} is not supported "
-                         f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)}); Llama, Qwen3 and "
-                         "Gemma 4 checkpoints load from a Hugging Face directory (config.json, "
-                         "*.safetensors, tokenizer.json)")
+        raise ValueError(f"GGUF architecture {meta.arch!r} is not supported (supported: "
+                         f"{', '.join(SUPPORTED_ARCHITECTURES + BPE_ARCHITECTURES)}); Gemma 4 "
+                         "and other checkpoints load from a Hugging Face directory "
+                         "(config.json, *.safetensors, tokenizer.json)")
     if meta.get("tokenizer.ggml.model") != "llama":
         raise ValueError(f"GGUF tokenizer {meta.get('tokenizer.ggml.model')!r} is not supported "
                          "(expected a SentencePiece 'llama' vocabulary)")
