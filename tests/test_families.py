@@ -451,7 +451,8 @@ def write_bpe_gguf(path: Path, model, tok, pre: str, arch: str) -> None:
     writer.close()
 
 
-@pytest.mark.parametrize("arch, pre", [("llama", "llama-bpe"), ("qwen3", "qwen2")])
+@pytest.mark.parametrize("arch, pre", [("llama", "llama-bpe"), ("qwen3", "qwen2"),
+                                       ("llama", "smollm")])
 def test_bpe_gguf_round_trip(arch, pre, tmp_path):
     """A Llama 3.1-style (llama3 RoPE factors, permuted q/k) and a Qwen3 GGUF convert into
     the same weights and tokenizer, and score like the HF directory they came from."""
