@@ -493,3 +493,33 @@ def test_bpe_gguf_round_trip(arch, pre, tmp_path):
     got = Engine(ckpt, device="cpu").score(request)
     want = Engine(reference, device="cpu").score(request)
     assert got.model_dump()["queries"] == want.model_dump()["queries"]
+
+
+def test_gemma4_released_config_shape():
+    """A Gemma 4 E2B-style config.json (as published: global_head_dim, no per_layer_config),
+    inside its multimodal wrapper."""
+    from spinf_worker.models.registry import family_for
+
+    layer_types = (["sliding_attention"] * 4 + ["full_attention"]) * 7
+    raw = {"architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4",
+           "text_config": {
+               "model_type": "gemma4_text", "hidden_size": 1536, "intermediate_size": 6144,
+               "num_hidden_layers": 35, "num_attention_heads": 8, "num_key_value_heads": 1,
+               "head_dim": 256, "global_head_dim": 512, "num_global_key_value_heads": None,
+               "attention_k_eq_v": False, "sliding_window": 512, "vocab_size": 262144,
+               "vocab_size_per_layer_input": 262144, "hidden_size_per_layer_input": 256,
+               "num_kv_shared_layers": 20, "use_double_wide_mlp": True,
+               "final_logit_softcapping": 30.0, "layer_types": layer_types,
+               "rope_parameters": {
+                   "full_attention": {"rope_type": "proportional", "rope_theta": 1e6,
+                                      "partial_rotary_factor": 0.25},
+                   "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}}
+    family = family_for(raw)
+    cfg = family.config(raw)
+    assert family.name == "Gemma 4"
+    assert cfg.head_dims[3:5] == (256, 512) and set(cfg.kv_heads) == {1}
+    assert cfg.kv_source(14) is None and cfg.kv_source(15) == 13 and cfg.kv_source(19) == 14
+    with torch.device("meta"):
+        model = family.build(cfg)
+    assert model.layers[15].mlp.up_proj.weight.shape == (12288, 1536)   # double-wide
+    assert model.layers[14].self_attn.v_proj.weight.shape == (512, 1536)
