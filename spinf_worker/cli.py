@@ -174,7 +174,7 @@ def cmd_packs(args: argparse.Namespace) -> int:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     """Scores labelled data, fits the pack's calibration on one part, reports on the rest."""
     from .calibrate import format_report, label_map, read_labelled, run
-    from .engine import Engine
+    from .engine import Engine, EngineSettings
     from .pack_sources import load_sources
     from .packs import PackError, load_pack
 
@@ -194,7 +194,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
                          label_field=args.label_field, limit=args.max_docs)
     target = ({"precision": args.target_precision} if args.target_precision is not None
               else {"recall": args.target_recall} if args.target_recall is not None else None)
-    engine = Engine.load(args.model, device=args.device)
+    engine = Engine.load(args.model, device=args.device,
+                         settings=EngineSettings(scheme=getattr(args, "quant", None) or "auto"))
     calibrated, report = run(pack, data, engine, method=args.method, level=args.level,
                              target=target, fit_fraction=args.fit_fraction, seed=args.seed,
                              categories=args.categories, report_dir=args.report_dir,
