@@ -165,9 +165,12 @@ def cmd_packs(args: argparse.Namespace) -> int:
         return 2
     for pack in packs.values():
         summary = pack.summary()
+        source = summary.get("source")
         print(json.dumps(summary) if args.json else
               f"{summary['id']}@{summary['version']}  {summary['questions']} questions  "
-              f"categories: {', '.join(summary['categories'])}")
+              f"categories: {', '.join(summary['categories'])}"
+              + ("  calibrated" if summary["calibrated"] else "")
+              + (f"  from {source['url']}@{source['commit'][:12]}" if source else ""))
     return 0
 
 
