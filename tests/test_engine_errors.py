@@ -24,7 +24,7 @@ def request(template="\n\nOK?{?}", options=YES_NO, values=None, text="Some conte
     (request(options=[" yes", " yes"]), InvalidRequestError, "scoring.queries.0.options.1", "duplicate"),
     (request(template="Is it {x}?{?}"), InvalidRequestError, None, "{x}"),
     (request(model="no-such/model"), ModelNotFoundError, "model", "no-such/model"),
-    (request(packs=[{"id": "spinf/moderation"}]), InvalidRequestError, "packs", "spinf/moderation"),
+    (request(packs=[{"id": "spinf/no-such-pack"}]), InvalidRequestError, "packs", "spinf/no-such-pack"),
 ])
 def test_bad_requests(tiny_engine, bad, error, param, fragment):
     with pytest.raises(error) as info:
