@@ -36,9 +36,9 @@ from ..protocol import (
 from ..templates import Combination, expand_grid
 from .decode import SlotDecoder, SlotJob
 from .layout import Branch, DocTree, FlatDoc
-from .packer import pack
 from .presentation import Presenter, choose_mode
 from .runner import DocScores, ModelRunner, PendingPass
+from .scheduler import PassScheduler
 
 KERNEL_VERSION = "tree-split-mm-tiles-1"
 
@@ -166,21 +166,50 @@ class Engine:
 
     def score_batch(self, requests: Sequence[dict | ScoreRequest]
                     ) -> list[ScoreResponse | SpinfError]:
-        """Score many requests packed together; a bad request yields its error in place."""
-        prepared: list[_Prepared | SpinfError] = []
-        for raw in requests:
+        """Score many requests packed together; a bad request yields its error in place.
+        Passes start while later requests are still being laid out (engine/scheduler.py);
+        missing floor values ride in the same passes as the documents."""
+        results: list[ScoreResponse | SpinfError | None] = [None] * len(requests)
+        scheduler = PassScheduler(self.runner, self.settings.max_pass_tokens, self._decode_slots)
+        floors: dict[tuple, DocScores] = {}     # this batch's floor values, cached or scored
+        queued: set[tuple] = set()
+        waiting: dict[int, tuple[_Prepared, list[tuple | None]]] = {}
+        scored: dict[int, DocScores] = {}
+
+        def settle(done: list) -> None:
+            """Store what finished; answer each request whose scores and floors are in."""
+            for (kind, key), doc_scores in done:
+                if kind == "floor":
+                    floors[key] = doc_scores
+                    self._remember_floor(key, doc_scores)
+                else:
+                    scored[key] = doc_scores
+            for i in [i for i in scored if all(k is None or k in floors for k in waiting[i][1])]:
+                p, keys = waiting.pop(i)
+                results[i] = self._respond(p, scored.pop(i), keys, floors)
+
+        for i, raw in enumerate(requests):
             try:
-                prepared.append(self._prepare(raw))
+                p = self._prepare(raw)
             except SpinfError as err:
-                prepared.append(err)
-        good = [p for p in prepared if isinstance(p, _Prepared)]
-        floor_keys, missing = self._missing_floors(good)
-        # Missing floors ride in the same passes as the documents.
-        scores = self._run([*missing.values(), *(p.flat for p in good)])
-        self._store_floors(missing, scores[:len(missing)], floor_keys)
-        it = iter(scores[len(missing):])
-        return [p if isinstance(p, SpinfError) else self._respond(p, next(it), floor_keys[id(p)])
-                for p in prepared]
+                results[i] = err
+                continue
+            keys = self._floor_keys(p)
+            for key, q, grid in zip(keys, p.queries, p.grids):
+                if key is None or key in floors or key in queued:
+                    continue
+                if key in self._floor:
+                    floors[key] = self._floor[key]
+                    self._floor.move_to_end(key)
+                else:
+                    queued.add(key)
+                    tree = DocTree(list(self.presenter.floor_root_ids()),
+                                   self._branches([q], [grid]))
+                    settle(scheduler.add(("floor", key), tree.flatten(self.pad_id)))
+            waiting[i] = (p, keys)
+            settle(scheduler.add(("request", i), p.flat))
+        settle(scheduler.flush())
+        return results
 
     # ---- request -> DocTree -----------------------------------------------------------
 
@@ -243,57 +272,18 @@ class Engine:
         return (self.presenter.mode, query.template,
                 json.dumps(query.values, sort_keys=True), tuple(query.options))
 
-    def _missing_floors(self, prepared: list[_Prepared]
-                        ) -> tuple[dict[int, list[tuple]], dict[tuple, FlatDoc]]:
-        """Per prepared request, its queries' floor keys; and a DocTree for each floor value
-        not cached yet (one per query, so its bits don't depend on the other queries)."""
-        keys: dict[int, list[tuple]] = {}
-        missing: dict[tuple, FlatDoc] = {}
-        floor_root = self.presenter.floor_root_ids()
-        for p in prepared:
-            qkeys = []
-            for q, grid in zip(p.queries, p.grids):
-                key = self._floor_key(q) if q.slot_kind == "?" else None
-                qkeys.append(key)
-                if key is not None and key not in self._floor and key not in missing:
-                    tree = DocTree(list(floor_root), self._branches([q], [grid]))
-                    missing[key] = tree.flatten(self.pad_id)
-            keys[id(p)] = qkeys
-        return keys, missing
+    def _floor_keys(self, p: _Prepared) -> list[tuple | None]:
+        """Per query its floor key (None for extraction slots). A floor value is scored in a
+        DocTree of its own, one per query, so its bits don't depend on the other queries."""
+        return [self._floor_key(q) if q.slot_kind == "?" else None for q in p.queries]
 
-    def _store_floors(self, missing: dict[tuple, FlatDoc], scores: list[DocScores],
-                      keys: dict[int, list[tuple]]) -> None:
-        self._floor.update(zip(missing, scores))
-        for qkeys in keys.values():
-            for key in qkeys:
-                if key is not None:
-                    self._floor.move_to_end(key)
+    def _remember_floor(self, key: tuple, scores: DocScores) -> None:
+        self._floor[key] = scores
+        self._floor.move_to_end(key)
         while len(self._floor) > self.settings.floor_cache_size:
             self._floor.popitem(last=False)
 
     # ---- passes -----------------------------------------------------------------------
-
-    def _run(self, docs: list[FlatDoc]) -> list[DocScores]:
-        """Pass after pass; pass N+1 is laid out and queued before pass N is read back."""
-        results: list[DocScores | None] = [None] * len(docs)
-        in_flight = None
-
-        def collect(job) -> None:
-            p, pending = job
-            scores = self.runner.finish(pending)
-            if pending.first:
-                self._decode_slots(pending, scores)
-            for i, doc_scores in zip(p.docs, scores):
-                results[i] = doc_scores
-
-        for p in pack(docs, self.settings.max_pass_tokens):
-            job = (p, self.runner.launch([docs[i] for i in p.docs]))
-            if in_flight is not None:
-                collect(in_flight)
-            in_flight = job
-        if in_flight is not None:
-            collect(in_flight)
-        return results
 
     def _decode_slots(self, pending: PendingPass, scores: list[DocScores]) -> None:
         """Decode every extraction slot of a pass together, from its kept keys and values."""
@@ -310,8 +300,8 @@ class Engine:
 
     # ---- DocScores -> response --------------------------------------------------------
 
-    def _respond(self, p: _Prepared, scores: DocScores, floor_keys: list[tuple | None]
-                 ) -> ScoreResponse:
+    def _respond(self, p: _Prepared, scores: DocScores, floor_keys: list[tuple | None],
+                 floors: dict[tuple, DocScores]) -> ScoreResponse:
         query_scores, b, decoded = [], 0, 0
         for q, grid, fkey in zip(p.queries, p.grids, floor_keys):
             combos = []
@@ -326,7 +316,7 @@ class Engine:
                 else:
                     combos.append(self._option_scores(q, combo, scores.branch(b),
                                                       float(scores.residual[b]),
-                                                      self._floor[fkey].branch(ci)))
+                                                      floors[fkey].branch(ci)))
                 b += 1
             query_scores.append(QueryScore(id=q.id, combinations=combos))
         scored = sum(len(o) for br in p.tree.branches for o in br.options) + decoded

@@ -1,0 +1,67 @@
+"""Documents in, scores out, with the device kept busy.
+
+A pass is launched as soon as enough documents wait to fill it (first-fit over the waiting
+ones), not when the whole batch has been laid out, and pass N+1 is queued before pass N is
+read back: laying out later documents and answering earlier ones overlap the device. Which
+documents share a pass never changes a score (batch invariance), so packing as they come is
+free to do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+
+from .layout import FlatDoc
+from .packer import pack
+from .runner import DocScores, ModelRunner, PendingPass
+
+FILL_SLACK = 1.25   # wait for this many passes' worth of rows, so first-fit has a choice
+
+
+class PassScheduler:
+    def __init__(self, runner: ModelRunner, max_pass_tokens: int,
+                 after_pass: Callable[[PendingPass, list[DocScores]], None] | None = None):
+        """``after_pass``: called on each pass read back (decoding its extraction slots)."""
+        self.runner, self.max_pass_tokens, self.after_pass = runner, max_pass_tokens, after_pass
+        self.waiting: list[tuple[Hashable, FlatDoc]] = []
+        self.waiting_rows = 0
+        self.in_flight: tuple[list[Hashable], PendingPass] | None = None
+
+    def add(self, tag: Hashable, doc: FlatDoc) -> list[tuple[Hashable, DocScores]]:
+        """Queue a document; returns the (tag, scores) of the documents finished meanwhile."""
+        self.waiting.append((tag, doc))
+        self.waiting_rows += doc.length
+        if self.waiting_rows < self.max_pass_tokens * FILL_SLACK:
+            return []
+        return self._launch(keep_last=True)
+
+    def flush(self) -> list[tuple[Hashable, DocScores]]:
+        """Run everything still waiting; returns every document not returned before."""
+        done = self._launch(keep_last=False)
+        if self.in_flight is not None:
+            done += self._collect(self.in_flight)
+            self.in_flight = None
+        return done
+
+    def _launch(self, *, keep_last: bool) -> list[tuple[Hashable, DocScores]]:
+        """Launch the packed passes of the waiting documents (all but the last, least full
+        one when more documents may come)."""
+        passes = pack([doc for _, doc in self.waiting], self.max_pass_tokens)
+        held = passes[-1:] if keep_last else []
+        done = []
+        for p in passes[:len(passes) - len(held)]:
+            job = ([self.waiting[i][0] for i in p.docs],
+                   self.runner.launch([self.waiting[i][1] for i in p.docs]))
+            if self.in_flight is not None:
+                done += self._collect(self.in_flight)
+            self.in_flight = job
+        self.waiting = [self.waiting[i] for p in held for i in p.docs]
+        self.waiting_rows = sum(doc.length for _, doc in self.waiting)
+        return done
+
+    def _collect(self, job: tuple[list[Hashable], PendingPass]) -> list[tuple[Hashable, DocScores]]:
+        tags, pending = job
+        scores = self.runner.finish(pending)
+        if pending.first and self.after_pass is not None:
+            self.after_pass(pending, scores)
+        return list(zip(tags, scores))
