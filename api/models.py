@@ -81,7 +81,7 @@ class ChatCompletionRequest(BaseModel):
 
     model: str | None = None
     messages: list[Message]
-    scoring: Scoring
+    scoring: Scoring = Field(default_factory=Scoring)   # may be left out when packs are given
     packs: list[dict[str, Any]] = Field(default_factory=list)
     stream: Literal[False] = False
 

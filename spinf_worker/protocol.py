@@ -266,7 +266,7 @@ class Query(BaseModel):
 class Scoring(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    queries: list[Query] = Field(min_length=1, max_length=MAX_QUERIES)
+    queries: list[Query] = Field(default_factory=list, max_length=MAX_QUERIES)
 
     @model_validator(mode="after")
     def _unique_ids(self) -> Scoring:
@@ -295,7 +295,7 @@ class ScoreRequest(BaseModel):
     model: str | None = None
     messages: list[Message] | None = None
     text: str | None = None  # shorthand for one user message; exactly one of messages/text
-    scoring: Scoring
+    scoring: Scoring = Field(default_factory=Scoring)   # may be left out when packs are given
     packs: list[PackRef] = Field(default_factory=list)  # parsed here, judged by the engine
     custom_id: str | None = None
 
@@ -313,6 +313,10 @@ class ScoreRequest(BaseModel):
                            code="missing_content")
         if self.messages is not None and self.text is not None:
             raise _invalid("give either 'messages' or 'text', not both", param="text")
+        if not self.scoring.queries and not self.packs:
+            raise _invalid("nothing to score: give at least one query in scoring.queries or "
+                           "a prompt pack in packs", param="scoring.queries",
+                           code="missing_queries")
         return self
 
     def content_messages(self) -> list[Message]:

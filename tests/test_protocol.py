@@ -260,8 +260,8 @@ def test_grid_cap_applies_at_parse_time():
 
 def test_missing_scoring():
     error = parse_error({"text": "doc"})
-    assert error.param == "scoring"
-    assert "Field required" in error.message
+    assert error.param == "scoring.queries"
+    assert "nothing to score" in error.message
 
 
 def test_body_that_is_not_an_object():

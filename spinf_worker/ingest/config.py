@@ -204,12 +204,7 @@ def _scoring(source: SourceConfig, config: IngestConfig, base: Path, where: str,
     try:
         ScoreRequest.parse({"text": "probe", **block})
     except SpinfError as err:
-        if not queries:
-            # the request format (protocol.ScoreRequest) wants a scoring block of its own
-            raise ConfigError(f"{where}: the scoring request needs queries besides its packs "
-                              f"({err.message}): give queries (for this feed, in the "
-                              "defaults, or --queries)") from None
-        raise ConfigError(f"{where}: {queries}: {err.message}") from None
+        raise ConfigError(f"{where}: {queries or 'packs'}: {err.message}") from None
     return block
 
 

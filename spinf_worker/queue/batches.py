@@ -369,10 +369,10 @@ def score_request_from_chat(body: Any) -> ScoreRequest:
     Raises InvalidRequestError for anything that would need text generation."""
     if not isinstance(body, dict):
         raise InvalidRequestError("the request body must be a JSON object")
-    if body.get("scoring") is None:
+    if body.get("scoring") is None and not body.get("packs"):
         raise InvalidRequestError(
             "this server scores options instead of generating text: send a 'scoring' block "
-            "(with the OpenAI SDK: extra_body={'scoring': {'queries': [...]}})",
+            "or 'packs' (with the OpenAI SDK: extra_body={'scoring': {'queries': [...]}})",
             param="scoring", code="generation_not_supported")
     if body.get("stream"):
         raise InvalidRequestError("scoring answers in one response; 'stream' must be false",
@@ -385,11 +385,14 @@ def score_request_from_chat(body: Any) -> ScoreRequest:
 
 def score_to_chat_completion(score: dict) -> dict:
     """A ScoreResponse (as a dict) in the chat.completion shape: the message is the most
-    likely option (or extracted candidate) of the first query's first combination;
-    ``scoring`` holds the full scores."""
-    combination = score["queries"][0]["combinations"][0]
-    answers = combination.get("options") or combination.get("candidates") or []
-    content = max(answers, key=lambda answer: answer["p"])["text"] if answers else ""
+    likely option (or extracted candidate) of the first query's first combination, or the
+    first pack's decision when only packs were asked; ``scoring`` holds the full scores."""
+    if score["queries"]:
+        combination = score["queries"][0]["combinations"][0]
+        answers = combination.get("options") or combination.get("candidates") or []
+        content = max(answers, key=lambda answer: answer["p"])["text"] if answers else ""
+    else:
+        content = score["packs"][0]["decision"]["label"] if score.get("packs") else ""
     tokens = score.get("usage", {}).get("total_tokens", 0)
     return {
         "id": "chatcmpl-" + score["id"].removeprefix("score-"),
