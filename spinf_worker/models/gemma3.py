@@ -15,8 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.attention import AttentionPlan
-from ..kernels.matmul import READOUT_TILE, linear
-from .layers import Linear, RMSNorm, apply_rope, concat_linears, rope_cos_sin
+from .layers import Linear, PackedLM, RMSNorm, apply_rope, concat_linears, rope_cos_sin
 
 
 @dataclass
@@ -149,7 +148,7 @@ class DecoderLayer(nn.Module):
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
-class Gemma3Model(nn.Module):
+class Gemma3Model(PackedLM):
     """``forward`` returns the final-norm hidden states of every packed token;
     ``readout_logprobs`` applies the LM head to the few rows that predict option tokens."""
 
@@ -232,38 +231,6 @@ class Gemma3Model(nn.Module):
             h = residual_norm(x, d, layer.post_feedforward_layernorm.weight, pre.weight, eps,
                               quant=quant and not last)
         return h
-
-    def readout_logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Full-vocabulary log-softmax in fp32 for ``[n, dim]`` rows, ``n % READOUT_TILE == 0``."""
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = linear(hidden, head, tile=READOUT_TILE, out_dtype=torch.float32).float()
-        if self.cfg.final_logit_softcapping is not None:
-            cap = self.cfg.final_logit_softcapping
-            logits = torch.tanh(logits / cap) * cap
-        return torch.log_softmax(logits, dim=-1)
-
-    def to_fp8(self) -> None:
-        """W8A8 for every linear layer of the body; embeddings and the LM head stay as they are."""
-        for module in self.modules():
-            if isinstance(module, Linear) and module is not self.lm_head:
-                module.to_fp8()
-
-    def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Load HF-named tensors (``model.layers.0.self_attn.q_proj.weight`` ...)."""
-        own = self.state_dict()
-        missing = []
-        for name, param in own.items():
-            src = weights.get("model." + name, weights.get(name))
-            if src is None:
-                missing.append(name)
-                continue
-            if src.shape != param.shape:
-                raise ValueError(f"weight {name}: checkpoint shape {tuple(src.shape)}, "
-                                 f"model shape {tuple(param.shape)}")
-            param.copy_(src)
-        if missing:
-            raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
-
 
 def _as_args(h) -> tuple:
     """A fused kernel's output as Linear arguments: ``(x,)`` or fp8 ``(x, x_scale)``."""

@@ -24,10 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.attention import AttentionPlan
-from ..kernels.matmul import READOUT_TILE, linear
-from ..quant.int8 import quantize_linears
-from .layers import Linear, RMSNorm, apply_rope, rope_cos_sin_from, rope_inv_freq
-from .llama import load_named
+from .layers import Linear, PackedLM, RMSNorm, apply_rope, rope_cos_sin_from, rope_inv_freq
 
 _DEFAULT_ROPE = {
     "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
@@ -202,7 +199,7 @@ class DecoderLayer(nn.Module):
         return x * self.layer_scalar
 
 
-class Gemma4Model(nn.Module):
+class Gemma4Model(PackedLM):
     """``forward`` returns the final-norm hidden states of every packed token;
     ``readout_logprobs`` applies the LM head to the few rows that predict option tokens."""
 
@@ -248,29 +245,8 @@ class Gemma4Model(nn.Module):
                       None if per_layer is None else per_layer[:, i])
         return self.norm(x)
 
-    def readout_logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Full-vocabulary log-softmax in fp32 for ``[n, dim]`` rows, ``n % READOUT_TILE == 0``."""
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = linear(hidden, head, tile=READOUT_TILE, out_dtype=torch.float32).float()
-        if self.cfg.final_logit_softcapping is not None:
-            cap = self.cfg.final_logit_softcapping
-            logits = torch.tanh(logits / cap) * cap
-        return torch.log_softmax(logits, dim=-1)
-
-    def _body_linears(self):
-        return [m for m in self.modules() if isinstance(m, Linear) and m is not self.lm_head]
-
-    def to_fp8(self) -> None:
-        """W8A8 for every linear layer of the body; embeddings and the LM head stay as they are."""
-        for module in self._body_linears():
-            module.to_fp8()
-
-    def to_int8(self) -> None:
-        """int8 weights for every linear layer of the body; embeddings and the LM head stay."""
-        quantize_linears(self)
-
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Load HF-named tensors; a checkpoint without ``layer_scalar`` keeps scale 1."""
         for layer in self.layers:
             layer.layer_scalar.data.fill_(1.0)
-        load_named(self, weights, optional=("layer_scalar",))
+        super().load_hf_weights(weights, optional=("layer_scalar",))

@@ -8,7 +8,7 @@ import math
 import torch
 from torch import nn
 
-from ..kernels.matmul import linear
+from ..kernels.matmul import READOUT_TILE, linear
 from ..quant.fp8 import quantize_weight
 
 
@@ -137,3 +137,42 @@ def rope_cos_sin_from(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: to
     freqs = positions.float()[:, None] * inv_freq.to(positions.device)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+
+class PackedLM(nn.Module):
+    """What every stack shares: the LM head on the readout rows only, fp8 at load time, HF
+    weights by name. A subclass sets ``cfg``, ``embed_tokens`` and ``lm_head`` (None: tied)."""
+
+    def readout_logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary log-softmax in fp32 for ``[n, dim]`` rows, ``n % READOUT_TILE == 0``."""
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        logits = linear(hidden, head, tile=READOUT_TILE, out_dtype=torch.float32).float()
+        cap = getattr(self.cfg, "final_logit_softcapping", None)
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return torch.log_softmax(logits, dim=-1)
+
+    def to_fp8(self) -> None:
+        """W8A8 for every linear layer of the body; embeddings and the LM head stay as they are."""
+        for module in self.modules():
+            if isinstance(module, Linear) and module is not self.lm_head:
+                module.to_fp8()
+
+    def load_hf_weights(self, weights: dict[str, torch.Tensor],
+                        optional: tuple[str, ...] = ()) -> None:
+        """Copy HF-named tensors (with or without the ``model.`` prefix) into the model;
+        names ending in one of ``optional`` keep their value when the checkpoint lacks them."""
+        missing = []
+        for name, param in self.state_dict().items():
+            src = weights.get("model." + name, weights.get(name))
+            if src is None:
+                if not name.endswith(optional):
+                    missing.append(name)
+                continue
+            if src.shape != param.shape:
+                raise ValueError(f"weight {name}: checkpoint shape {tuple(src.shape)}, "
+                                 f"model shape {tuple(param.shape)}")
+            param.copy_(src)
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
+

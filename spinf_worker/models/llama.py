@@ -16,9 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.attention import AttentionPlan
-from ..kernels.matmul import READOUT_TILE, linear
-from ..quant.int8 import quantize_linears
-from .layers import Linear, RMSNorm, apply_rope, rope_cos_sin_from, rope_inv_freq
+from .layers import Linear, PackedLM, RMSNorm, apply_rope, rope_cos_sin_from, rope_inv_freq
 
 NO_WINDOW = 1 << 30   # "sliding_window" of a stack without sliding layers: never masks
 
@@ -134,7 +132,7 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(PackedLM):
     """``forward`` returns the final-norm hidden states of every packed token;
     ``readout_logprobs`` applies the LM head to the few rows that predict option tokens."""
 
@@ -154,44 +152,3 @@ class LlamaModel(nn.Module):
         for layer in self.layers:
             x = layer(x, rope, plan)
         return self.norm(x)
-
-    def readout_logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Full-vocabulary log-softmax in fp32 for ``[n, dim]`` rows, ``n % READOUT_TILE == 0``."""
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = linear(hidden, head, tile=READOUT_TILE, out_dtype=torch.float32).float()
-        return torch.log_softmax(logits, dim=-1)
-
-    def _body_linears(self):
-        return [m for m in self.modules() if isinstance(m, Linear) and m is not self.lm_head]
-
-    def to_fp8(self) -> None:
-        """W8A8 for every linear layer of the body; embeddings and the LM head stay as they are."""
-        for module in self._body_linears():
-            module.to_fp8()
-
-    def to_int8(self) -> None:
-        """int8 weights for every linear layer of the body; embeddings and the LM head stay."""
-        quantize_linears(self)
-
-    def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Load HF-named tensors (``model.layers.0.self_attn.q_proj.weight`` ...)."""
-        load_named(self, weights)
-
-
-def load_named(model: nn.Module, weights: dict[str, torch.Tensor],
-               optional: tuple[str, ...] = ()) -> None:
-    """Copy HF-named tensors (with or without the ``model.`` prefix) into ``model``'s state;
-    names ending in one of ``optional`` keep their value when the checkpoint lacks them."""
-    missing = []
-    for name, param in model.state_dict().items():
-        src = weights.get("model." + name, weights.get(name))
-        if src is None:
-            if not name.endswith(optional):
-                missing.append(name)
-            continue
-        if src.shape != param.shape:
-            raise ValueError(f"weight {name}: checkpoint shape {tuple(src.shape)}, "
-                             f"model shape {tuple(param.shape)}")
-        param.copy_(src)
-    if missing:
-        raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
