@@ -251,7 +251,23 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> dict:
     unk_id = meta.get("tokenizer.ggml.unknown_token_id", 3)
     tokenizer = build_tokenizer(tokens, token_types, unk_id)
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", True))
-    if add_bos:
+    write_hf_files(out_dir, meta, tokenizer, tokens, config, add_bos, {
+        "tokenizer_class": "GemmaTokenizer",
+        "unk_token": token_text(meta, tokens, "tokenizer.ggml.unknown_token_id"),
+        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False))})
+    return {"name": meta.get("general.name") or Path(gguf_path).stem, "architecture": meta.arch}
+
+
+def token_text(meta, tokens: list[str], key: str) -> str | None:
+    token_id = meta.get(key)
+    return None if token_id is None else tokens[token_id]
+
+
+def write_hf_files(out_dir: Path, meta, tokenizer, tokens: list[str], config: dict,
+                   add_bos: bool, tokenizer_fields: dict) -> None:
+    """tokenizer.json, tokenizer_config.json (with ``tokenizer_fields``), config.json and
+    generation_config.json of a converted GGUF."""
+    if add_bos and config["bos_token_id"] is not None:
         # Like the hub's tokenizer.json, so transformers' AutoTokenizer on this directory adds
         # BOS by default; our loader drops the post-processor again.
         bos = tokens[config["bos_token_id"]]
@@ -259,28 +275,20 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> dict:
             single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
             special_tokens=[(bos, config["bos_token_id"])])
     tokenizer.save(str(out_dir / "tokenizer.json"))
-
-    def token(key):
-        token_id = meta.get(key)
-        return None if token_id is None else tokens[token_id]
-
     tokenizer_config = {
-        "tokenizer_class": "GemmaTokenizer",
-        "bos_token": token("tokenizer.ggml.bos_token_id"),
-        "eos_token": token("tokenizer.ggml.eos_token_id"),
-        "unk_token": token("tokenizer.ggml.unknown_token_id"),
-        "pad_token": token("tokenizer.ggml.padding_token_id"),
+        "bos_token": token_text(meta, tokens, "tokenizer.ggml.bos_token_id"),
+        "eos_token": token_text(meta, tokens, "tokenizer.ggml.eos_token_id"),
+        "pad_token": token_text(meta, tokens, "tokenizer.ggml.padding_token_id"),
         "add_bos_token": add_bos,
-        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
         "model_max_length": config["max_position_embeddings"],
+        **tokenizer_fields,
     }
     chat_template = meta.get("tokenizer.chat_template")
     if chat_template:
         tokenizer_config["chat_template"] = chat_template
     generation_config = {key: config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
-
     for filename, content in (("config.json", config),
                               ("tokenizer_config.json", tokenizer_config),
                               ("generation_config.json", generation_config)):
         (out_dir / filename).write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n")
-    return {"name": meta.get("general.name") or Path(gguf_path).stem, "architecture": meta.arch}
+

@@ -10,7 +10,6 @@ tokenizer is byte-level BPE whose pre-tokenizer is named by ``tokenizer.ggml.pre
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -18,9 +17,10 @@ import gguf
 import numpy as np
 import torch
 from safetensors.torch import save_file
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers
 from tokenizers.models import BPE
 
+from .gguf_convert import write_hf_files
 from .layers import rope_inv_freq
 
 ARCHITECTURES = ("llama", "qwen3")
@@ -185,29 +185,7 @@ def convert_bpe_model(reader: gguf.GGUFReader, meta, gguf_path: Path, out_dir: P
     del weights
 
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", arch == "llama"))
-    if add_bos and config["bos_token_id"] is not None:
-        bos = tokens[config["bos_token_id"]]
-        tokenizer.post_processor = processors.TemplateProcessing(
-            single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
-            special_tokens=[(bos, config["bos_token_id"])])
-    tokenizer.save(str(out_dir / "tokenizer.json"))
-
-    def token(key):
-        token_id = meta.get(key)
-        return None if token_id is None else tokens[token_id]
-
-    tokenizer_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": token("tokenizer.ggml.bos_token_id"),
-        "eos_token": token("tokenizer.ggml.eos_token_id"),
-        "pad_token": token("tokenizer.ggml.padding_token_id"),
-        "add_bos_token": add_bos,
-        "model_max_length": config["max_position_embeddings"],
-    }
-    if meta.get("tokenizer.chat_template"):
-        tokenizer_config["chat_template"] = meta.get("tokenizer.chat_template")
-    for filename, content in (("config.json", config),
-                              ("tokenizer_config.json", tokenizer_config)):
-        (out_dir / filename).write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n")
+    write_hf_files(out_dir, meta, tokenizer, tokens, config, add_bos,
+                   {"tokenizer_class": "PreTrainedTokenizerFast"})
     return {"name": meta.get("general.name") or Path(gguf_path).stem, "architecture": arch}
 

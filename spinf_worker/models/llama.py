@@ -54,14 +54,20 @@ class LlamaConfig:
     @classmethod
     def from_hf(cls, cfg: dict) -> LlamaConfig:
         cfg = cfg.get("text_config", cfg)
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"activation {cfg['hidden_act']!r} is not supported (silu)")
         if cfg.get("pretraining_tp", 1) not in (1, None):
             raise ValueError("pretraining_tp > 1 is not supported")
+        return cls(**cls.common_fields(cfg, 2048), mlp_bias=bool(cfg.get("mlp_bias", False)),
+                   layer_types=("full_attention",) * cfg["num_hidden_layers"])
+
+    @staticmethod
+    def common_fields(cfg: dict, default_context: int) -> dict:
+        """The fields Llama-like configs spell alike (Llama, SmolLM2, Qwen3)."""
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"activation {cfg['hidden_act']!r} is not supported (silu)")
         heads = cfg["num_attention_heads"]
         rope = rope_params(cfg, 10_000.0)
         rope_inv_freq(2, rope)   # unsupported RoPE types fail here, at load
-        return cls(
+        return dict(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
@@ -71,11 +77,9 @@ class LlamaConfig:
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope=rope,
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            max_position_embeddings=cfg.get("max_position_embeddings", default_context),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=bool(cfg.get("attention_bias", False)),
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
-            layer_types=("full_attention",) * cfg["num_hidden_layers"],
         )
 
 

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .layers import rope_inv_freq
-from .llama import NO_WINDOW, LlamaConfig, LlamaModel, rope_params
+from .llama import NO_WINDOW, LlamaConfig, LlamaModel
 
 
 @dataclass
@@ -17,9 +16,7 @@ class Qwen3Config(LlamaConfig):
     @classmethod
     def from_hf(cls, cfg: dict) -> Qwen3Config:
         cfg = cfg.get("text_config", cfg)
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"activation {cfg['hidden_act']!r} is not supported (silu)")
-        n_layers, heads = cfg["num_hidden_layers"], cfg["num_attention_heads"]
+        n_layers = cfg["num_hidden_layers"]
         # transformers ignores sliding_window unless use_sliding_window is set.
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
         layer_types = cfg.get("layer_types") or [
@@ -27,25 +24,8 @@ class Qwen3Config(LlamaConfig):
             else "full_attention" for i in range(n_layers)]
         if window is None:
             layer_types = ["full_attention"] * n_layers
-        rope = rope_params(cfg, 10_000.0)
-        rope_inv_freq(2, rope)   # unsupported RoPE types fail here, at load
-        return cls(
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=n_layers,
-            num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope=rope,
-            max_position_embeddings=cfg.get("max_position_embeddings", 32768),
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            attention_bias=bool(cfg.get("attention_bias", False)),
-            qk_norm=True,
-            sliding_window=window or NO_WINDOW,
-            layer_types=tuple(layer_types),
-        )
+        return cls(**cls.common_fields(cfg, 32768), qk_norm=True,
+                   sliding_window=window or NO_WINDOW, layer_types=tuple(layer_types))
 
 
 class Qwen3Model(LlamaModel):
