@@ -67,3 +67,23 @@ def test_git_pack_scores_through_the_api_equal_plain_queries(tmp_path, monkeypat
         unknown = client.post("/score", json={"text": text, "scoring": {"queries": [own]},
                                               "packs": [{"id": "acme/nope"}]})
         assert unknown.status_code == 400 and unknown.json()["error"]["code"] == "unknown_pack"
+
+
+def test_service_commands_check_packs_before_starting(tmp_path, settings, tiny_dir, capsys):
+    """A bad pack source stops `api` / `worker` / `serve` before anything starts; the worker's
+    engine gets the configured packs (serve.load_engine)."""
+    import json
+
+    from spinf_worker.cli import main
+    from spinf_worker.serve import WorkerSpec, load_engine
+
+    (tmp_path / "bad.json").write_text(json.dumps({**PACK, "version": "one"}))
+    assert main(["api", "--redis", settings.redis_url, "--packs", str(tmp_path)]) == 2
+    assert f"{tmp_path / 'bad.json'}: version:" in capsys.readouterr().err
+
+    good = tmp_path / "good"
+    good.mkdir()
+    (good / "p.json").write_text(json.dumps(TWO))
+    engine = load_engine(WorkerSpec(model=str(tiny_dir), device="cpu"),
+                         settings.model_copy(update={"packs": [str(good)]}))
+    assert {"acme/service-pack", "spinf/moderation"} <= set(engine.packs)
