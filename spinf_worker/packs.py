@@ -235,10 +235,17 @@ def load_pack(path: Path, shown: str | None = None) -> Pack:
         return Pack.model_validate(data)
     except ValidationError as err:
         first = err.errors()[0]
-        # a tagged union adds the tag to the location ("questions.q.platt.a"): keep the data path
-        loc = [p for p in first["loc"] if p not in ("platt", "isotonic")]
-        where = ".".join(str(p) for p in loc) or "(top level)"
+        where = ".".join(str(p) for p in _data_path(first["loc"])) or "(top level)"
         raise PackError(f"{shown}: {where}: {first['msg']}") from None
+
+
+def _data_path(loc: tuple) -> list:
+    """A calibrator's tagged union adds its tag to the location
+    ("calibration.categories.c.platt.a"): keep the path in the data."""
+    return [part for i, part in enumerate(loc)
+            if not (i >= 3 and loc[i - 3] == "calibration"
+                    and loc[i - 2] in ("questions", "categories")
+                    and part in ("platt", "isotonic"))]
 
 
 def load_packs(*dirs: Path, shown: str | None = None) -> dict[str, Pack]:
