@@ -34,17 +34,18 @@ def _to_request(line: str, scoring: dict | None) -> tuple[object, dict]:
     if not isinstance(obj, dict):
         raise InvalidRequestError("line must be a JSON object")
     custom_id = obj.get("custom_id", obj.get("id"))
-    if "messages" in obj or "scoring" in obj:
+    if "messages" in obj or "scoring" in obj or "packs" in obj:
         body = {k: v for k, v in obj.items() if k not in ("id", "custom_id")}
     elif "text" in obj:
         body = {"messages": [{"role": "user", "content": obj["text"]}]}
     else:
         raise InvalidRequestError("line needs 'text', or 'messages' and 'scoring'", param="text")
     if "scoring" not in body:
-        if scoring is None:
-            raise InvalidRequestError("line has no 'scoring' block and no --queries file was given",
-                                      param="scoring")
-        body["scoring"] = scoring
+        if scoring is not None:
+            body["scoring"] = scoring
+        elif not body.get("packs"):
+            raise InvalidRequestError("line has no 'scoring' block or 'packs', and no --queries "
+                                      "file was given", param="scoring")
     return custom_id, body
 
 
@@ -63,12 +64,20 @@ def cmd_score(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from .engine import Engine, EngineSettings
+    from .pack_sources import load_sources
+    from .packs import PackError
 
     scoring = _load_scoring(args.queries)
+    try:
+        packs = load_sources(args.packs)   # before the model: a bad pack fails fast
+    except PackError as err:
+        print(f"spinf-serve: {err}", file=sys.stderr)
+        return 2
     settings = EngineSettings(scheme=args.quant or "auto")
     if args.max_pass_tokens:
         settings.max_pass_tokens = args.max_pass_tokens
     engine = Engine.load(args.model, device=args.device, settings=settings)
+    engine.packs = packs
     total = None if args.input == "-" else sum(1 for _ in _read_lines(args.input))
     sink = (contextlib.nullcontext(sys.stdout) if args.output == "-"
             else open(args.output, "w", encoding="utf-8"))  # noqa: SIM115 (closed by with)
@@ -389,6 +398,9 @@ def build_parser() -> argparse.ArgumentParser:
     score.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if present)")
     score.add_argument("--max-pass-tokens", type=int, default=None)
     score.add_argument("--quant", default=None, choices=QUANT_SCHEMES, help=QUANT_HELP)
+    score.add_argument("--packs", action="append", default=[], metavar="SOURCE",
+                       help="also load the packs of a directory or git+URL[@rev][#subdir] "
+                            "(repeatable)")
     score.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     score.set_defaults(func=cmd_score)
 

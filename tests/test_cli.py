@@ -54,3 +54,30 @@ def test_score_file_end_to_end(tmp_path, default_checkpoint):
                            "scoring": json.loads((ROOT / "fixtures" / "support_queries.json").read_text())})
     assert [o.logprob for o in direct.queries[1].combinations[0].options] == \
            [o["logprob"] for o in first["queries"][1]["combinations"][0]["options"]]
+
+
+def test_score_with_a_pack_from_a_directory(tmp_path, tiny_dir):
+    """`score --packs DIR`: a pack of that directory answers lines that name it, alone."""
+    pack = {"id": "acme/refunds", "version": "1.0.0",
+            "questions": [{"id": "refund", "template": "\n\nRefund?{?}", "options": [" yes", " no"],
+                           "positive": " yes", "category": "money"}],
+            "categories": [{"id": "money"}]}
+    (tmp_path / "packs").mkdir()
+    (tmp_path / "packs" / "refunds.json").write_text(json.dumps(pack))
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"id": "a", "text": "Charged twice.",
+                               "packs": [{"id": "acme/refunds"}]}) + "\n")
+    out = tmp_path / "out.jsonl"
+    proc = subprocess.run(
+        [sys.executable, "-m", "spinf_worker.cli", "score", str(src), "-o", str(out), "-q",
+         "--model", str(tiny_dir), "--device", "cpu", "--packs", str(tmp_path / "packs")],
+        capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    row = json.loads(out.read_text())
+    assert row["queries"] == [] and row["packs"][0]["id"] == "acme/refunds"
+    assert set(row["packs"][0]["categories"]) == {"money"}
+    bad = subprocess.run(
+        [sys.executable, "-m", "spinf_worker.cli", "score", str(src), "--model", str(tiny_dir),
+         "--packs", str(tmp_path / "nowhere")], capture_output=True, text=True, cwd=ROOT,
+        timeout=600)
+    assert bad.returncode == 2 and "nowhere" in bad.stderr
