@@ -12,6 +12,7 @@ first option token, shared by all options) and each sub-branch token.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -34,10 +35,14 @@ class FlatDoc:
     positions: torch.Tensor      # [length]
     root: int                    # rows [0, root) hold the root
     tokens: int                  # real (unpadded) rows; [root, tokens) are branch tokens
-    path_rows: torch.Tensor      # [branch tokens, L]: own-path rows (branch, option), causal
-    path_ok: torch.Tensor        # [branch tokens, L] bool: which path entries are real
     branch_of: torch.Tensor      # [length] branch index per row, -1 for root and padding
     option_of: torch.Tensor      # [length] option sub-branch index per row, -1 elsewhere
+    # Where each branch's template rows start and how many there are, and where each option
+    # sub-branch starts: a branch token's own path is its template rows up to itself, or all
+    # of them and then its sub-branch rows up to itself.
+    branch_start: np.ndarray     # [branches]
+    branch_len: np.ndarray       # [branches]
+    option_start: np.ndarray     # [option sub-branches]
     readout_rows: torch.Tensor   # [n_readouts padded to READOUT_TILE] row within the document
     # An option's logprob is the sum of its summands: (readout index, token id) pairs, listed
     # option after option; option k belongs to branch option_branch[k].
@@ -58,19 +63,23 @@ class FlatDoc:
     def max_position(self) -> int:
         return int(self.positions[: self.tokens].max())
 
-
-def _pad_paths(paths: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ragged per-token paths -> a zero-padded [tokens, width] matrix and its validity mask."""
-    lengths = np.fromiter((len(p) for p in paths), dtype=np.int64, count=len(paths))
-    width = int(lengths.max()) if len(paths) else 1
-    rows = np.zeros((len(paths), width), dtype=np.int64)
-    ok = np.zeros((len(paths), width), dtype=bool)
-    if len(paths):
-        which = np.repeat(np.arange(len(paths)), lengths)
-        col = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-        rows[which, col] = np.fromiter((r for p in paths for r in p), dtype=np.int64)
-        ok[which, col] = True
-    return torch.from_numpy(rows), torch.from_numpy(ok)
+    @cached_property
+    def paths(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per branch token its own-path rows, zero-padded to ``[branch tokens, L]``, and which
+        entries are real (causal: up to the token itself). Only the CPU attention asks."""
+        rows = np.arange(self.root, self.tokens)
+        branch = self.branch_of[self.root:self.tokens].numpy().astype(np.int64)
+        option = self.option_of[self.root:self.tokens].numpy().astype(np.int64)
+        start, length = self.branch_start[branch], self.branch_len[branch]
+        in_option = option >= 0
+        own = np.where(in_option, length, rows - start + 1)           # template rows on the path
+        tail = np.where(in_option, rows - self.option_start[np.maximum(option, 0)] + 1, 0)
+        width = int((own + tail).max()) if len(rows) else 1
+        col = np.arange(width)[None, :]
+        path = np.where(col < own[:, None], start[:, None] + col,
+                        self.option_start[np.maximum(option, 0)][:, None] + col - own[:, None])
+        ok = col < (own + tail)[:, None]
+        return torch.from_numpy(np.where(ok, path, 0)), torch.from_numpy(ok)
 
 
 @dataclass
@@ -79,12 +88,13 @@ class DocTree:
     branches: list[Branch] = field(default_factory=list)
 
     def flatten(self, pad_id: int) -> FlatDoc:
+        root = len(self.root)
         ids: list[int] = list(self.root)
-        pos: list[int] = list(range(len(self.root)))
-        paths: list[list[int]] = []          # per branch token: rows it attends to outside the root
-        branch_of: list[int] = [-1] * len(self.root)
-        option_of: list[int] = [-1] * len(self.root)
-        n_options = 0
+        pos: list[int] = list(range(root))
+        branch_of: list[int] = [-1] * root
+        option_of: list[int] = [-1] * root
+        branch_start: list[int] = []
+        option_start: list[int] = []
         readout_rows: list[int] = []
         term_readout: list[int] = []
         term_token: list[int] = []
@@ -92,62 +102,61 @@ class DocTree:
         option_branch: list[int] = []
         extract: dict[int, tuple[int, list[int], dict]] = {}
 
-        def add_node(tokens: list[int], start_pos: int, parent_path: list[int], branch: int,
-                     option: int) -> list[int]:
-            """Append a node's tokens; returns the node's full path (parent path + own rows)."""
-            path = list(parent_path)
-            for j, tok in enumerate(tokens):
-                path.append(len(ids))
-                paths.append(list(path))
-                ids.append(tok)
-                pos.append(start_pos + j)
-                branch_of.append(branch)
-                option_of.append(option)
-            return path
+        def add_rows(tokens: list[int], start_pos: int, branch: int, option: int) -> int:
+            """Append a node's tokens; returns the row of its first token."""
+            first = len(ids)
+            ids.extend(tokens)
+            pos.extend(range(start_pos, start_pos + len(tokens)))
+            branch_of.extend([branch] * len(tokens))
+            option_of.extend([option] * len(tokens))
+            return first
 
         for b, br in enumerate(self.branches):
-            branch_path = add_node(br.prefix, len(self.root), [], b, -1)
+            start = add_rows(br.prefix, root, b, -1)
+            branch_start.append(start)
             # The first option token is predicted by the last template token (the root's
             # last token when the template has no text before its slot).
-            first_row = branch_path[-1] if branch_path else len(self.root) - 1
+            first_row = start + len(br.prefix) - 1 if br.prefix else root - 1
             first_pos = pos[first_row]
             readout_rows.append(first_row)
             shared = len(readout_rows) - 1
             if not br.options:   # an extraction slot: decoded later from this readout
-                extract[b] = (shared, [*range(len(self.root)), *branch_path], br.decode or {})
+                extract[b] = (shared, [*range(root), *range(start, start + len(br.prefix))],
+                              br.decode or {})
             for opt in br.options:
                 k = len(option_branch)
                 option_branch.append(b)
                 term_readout.append(shared)
                 term_token.append(opt[0])
                 term_option.append(k)
-                option_path = add_node(opt[:-1], first_pos + 1, branch_path, b, n_options)
-                n_options += len(opt) > 1
-                for row, tok in zip(option_path[len(branch_path):], opt[1:]):
-                    readout_rows.append(row)
-                    term_readout.append(len(readout_rows) - 1)
-                    term_token.append(tok)
-                    term_option.append(k)
+                if len(opt) > 1:   # a sub-branch holding all its tokens but the last
+                    first = add_rows(opt[:-1], first_pos + 1, b, len(option_start))
+                    option_start.append(first)
+                    for j, tok in enumerate(opt[1:]):
+                        readout_rows.append(first + j)
+                        term_readout.append(len(readout_rows) - 1)
+                        term_token.append(tok)
+                        term_option.append(k)
 
         tokens = len(ids)
-        path_rows, path_ok = _pad_paths(paths)
         pad = -tokens % ROW_TILE
         rpad = -len(readout_rows) % READOUT_TILE
         return FlatDoc(
             input_ids=torch.tensor(ids + [pad_id] * pad, dtype=torch.long),
             positions=torch.tensor(pos + [0] * pad, dtype=torch.long),
-            root=len(self.root),
+            root=root,
             tokens=tokens,
-            path_rows=path_rows,
-            path_ok=path_ok,
             branch_of=torch.tensor(branch_of + [-1] * pad, dtype=torch.int32),
             option_of=torch.tensor(option_of + [-1] * pad, dtype=torch.int32),
+            branch_start=np.array(branch_start, dtype=np.int64),
+            branch_len=np.array([len(br.prefix) for br in self.branches], dtype=np.int64),
+            option_start=np.array(option_start or [0], dtype=np.int64),
             readout_rows=torch.tensor(readout_rows + [0] * rpad, dtype=torch.long),
             term_readout=np.array(term_readout, dtype=np.int64),
             term_token=np.array(term_token, dtype=np.int64),
             term_option=np.array(term_option, dtype=np.int64),
             option_branch=np.array(option_branch, dtype=np.int64),
             n_branches=len(self.branches),
-            n_option_paths=n_options,
+            n_option_paths=len(option_start),
             extract=extract,
         )

@@ -57,15 +57,16 @@ class ModelRunner:
     def span(self, doc: FlatDoc, start: int) -> DocSpan:
         """Attention metadata of one document placed at ``start``."""
         dev, window = self.device, self.model.cfg.sliding_window
-        span = DocSpan(start, doc.root, doc.tokens, doc.path_rows.to(dev), doc.path_ok.to(dev))
+        path_rows, path_ok = doc.paths
+        span = DocSpan(start, doc.root, doc.tokens, path_rows.to(dev), path_ok.to(dev))
         if doc.max_position >= window:
             root_pos = torch.arange(doc.root)
             branch_pos = doc.positions[doc.root:doc.tokens]
-            path_pos = doc.positions[doc.path_rows]
+            path_pos = doc.positions[path_rows]
             span.root_window = ((root_pos[:, None] >= root_pos[None, :])
                                 & (root_pos[:, None] - root_pos[None, :] < window)).to(dev)
             span.branch_root_window = (branch_pos[:, None] - root_pos[None, :] < window).to(dev)
-            span.path_window = (doc.path_ok & (branch_pos[:, None] - path_pos < window)).to(dev)
+            span.path_window = (path_ok & (branch_pos[:, None] - path_pos < window)).to(dev)
         return span
 
     def flex_plan(self, docs: list[FlatDoc], rows: int):
