@@ -76,8 +76,7 @@ def cmd_score(args: argparse.Namespace) -> int:
     settings = EngineSettings(scheme=args.quant or "auto")
     if args.max_pass_tokens:
         settings.max_pass_tokens = args.max_pass_tokens
-    engine = Engine.load(args.model, device=args.device, settings=settings)
-    engine.packs = packs
+    engine = Engine.load(args.model, device=args.device, settings=settings, packs=packs)
     total = None if args.input == "-" else sum(1 for _ in _read_lines(args.input))
     sink = (contextlib.nullcontext(sys.stdout) if args.output == "-"
             else open(args.output, "w", encoding="utf-8"))  # noqa: SIM115 (closed by with)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 import json
 import math
+from functools import cache
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -269,6 +270,12 @@ def merge_packs(into: dict[str, Pack], more: dict) -> dict[str, Pack]:
 
 
 def official_packs() -> dict[str, Pack]:
+    """The packs shipped in packs/, by id (a fresh dict; the packs are read once)."""
+    return dict(_official_packs())
+
+
+@cache
+def _official_packs() -> dict[str, Pack]:
     return load_packs(Path(__file__).resolve().parents[1] / "packs")
 
 

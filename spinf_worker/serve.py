@@ -264,9 +264,7 @@ def load_engine(spec: WorkerSpec, settings: ServiceSettings):
     engine_settings = EngineSettings(scheme=settings.quant)
     if settings.max_pass_tokens:
         engine_settings.max_pass_tokens = settings.max_pass_tokens
-    engine = Engine.load(spec.model, device=spec.device, settings=engine_settings)
-    engine.packs = packs
-    return engine
+    return Engine.load(spec.model, device=spec.device, settings=engine_settings, packs=packs)
 
 
 async def _run_worker(spec: WorkerSpec, settings: ServiceSettings, redis, keys: Keys,

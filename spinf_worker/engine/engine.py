@@ -96,8 +96,9 @@ def _init_random(model: torch.nn.Module, seed: int = 0) -> None:
 
 class Engine:
     def __init__(self, checkpoint: Checkpoint, device: str | None = None,
-                 settings: EngineSettings | None = None):
-        """``checkpoint.weights = None`` builds random weights with the real shapes."""
+                 settings: EngineSettings | None = None, packs: dict[str, Pack] | None = None):
+        """``checkpoint.weights = None`` builds random weights with the real shapes; ``packs``:
+        the prompt packs requests may name (default: the official ones)."""
         from ..models.registry import family_for
 
         self.checkpoint = checkpoint
@@ -128,7 +129,7 @@ class Engine:
         self.model = model.eval()
         self.pad_id = checkpoint.config.get("pad_token_id") or 0
         self.runner = ModelRunner(self.model, self.device, self.dtype, self.pad_id)
-        self.packs = official_packs()
+        self.packs = official_packs() if packs is None else packs
         self.decoder = SlotDecoder(self.model, checkpoint.tokenizer, checkpoint.eos_token_id,
                                    self.pad_id)
         mode = choose_mode(self.settings.presentation, checkpoint.name, checkpoint.chat_template)
@@ -141,8 +142,9 @@ class Engine:
 
     @classmethod
     def load(cls, model: str | None = None, *, device: str | None = None,
-             settings: EngineSettings | None = None) -> Engine:
-        return cls(load_checkpoint(model), device=device, settings=settings)
+             settings: EngineSettings | None = None, packs: dict[str, Pack] | None = None
+             ) -> Engine:
+        return cls(load_checkpoint(model), device=device, settings=settings, packs=packs)
 
     @property
     def model_name(self) -> str:
@@ -173,6 +175,7 @@ class Engine:
         scheduler = PassScheduler(self.runner, self.settings.max_pass_tokens, self._decode_slots)
         floors: dict[tuple, DocScores] = {}     # this batch's floor values, cached or scored
         queued: set[tuple] = set()
+        floor_root = self.presenter.floor_root_ids()
         waiting: dict[int, tuple[_Prepared, list[tuple | None]]] = {}
         scored: dict[int, DocScores] = {}
 
@@ -203,8 +206,7 @@ class Engine:
                     self._floor.move_to_end(key)
                 else:
                     queued.add(key)
-                    tree = DocTree(list(self.presenter.floor_root_ids()),
-                                   self._branches([q], [grid]))
+                    tree = DocTree(list(floor_root), self._branches([q], [grid]))
                     settle(scheduler.add(("floor", key), tree.flatten(self.pad_id)))
             waiting[i] = (p, keys)
             settle(scheduler.add(("request", i), p.flat))

@@ -626,15 +626,9 @@ def main(argv: list[str] | None = None) -> int:
     if not settings.redis_url:
         parser.error("give --redis or set SPINF_REDIS_URL")
 
-    from ..engine.engine import Engine, EngineSettings
+    from ..serve import WorkerSpec, load_engine
 
-    engine_settings = EngineSettings()
-    if settings.max_pass_tokens:
-        engine_settings.max_pass_tokens = settings.max_pass_tokens
-    engine = Engine.load(args.model, device=args.device, settings=engine_settings)
-    from ..pack_sources import load_sources
-
-    engine.packs = load_sources(settings.packs)
+    engine = load_engine(WorkerSpec(model=args.model, device=args.device), settings)
     asyncio.run(serve(engine, settings, name=args.name))
     return 0
 

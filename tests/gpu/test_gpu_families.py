@@ -7,8 +7,6 @@ than an H200 has at that width (263,168 bytes asked, 232,448 available)."""
 
 from __future__ import annotations
 
-import random
-
 import numpy as np
 import pytest
 import torch
@@ -17,13 +15,14 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 if torch.cuda.is_available():
     from spinf_worker.engine.engine import _init_random
-    from spinf_worker.engine.layout import Branch, DocTree
     from spinf_worker.engine.runner import ModelRunner
     from spinf_worker.models.gemma4 import Gemma4Config, Gemma4Model
     from spinf_worker.models.layers import RMSNorm
     from spinf_worker.models.llama import LlamaConfig, LlamaModel
     from spinf_worker.models.qwen3 import Qwen3Config, Qwen3Model
     from spinf_worker.quant.int8 import quantize_linears
+
+    from .test_gpu_engine import _random_docs
 
 SHAPE = dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num_heads=4)
 
@@ -71,17 +70,6 @@ def _runner(family: str, device: str, dtype: torch.dtype, int8: bool = False,
     if int8:
         quantize_linears(model)
     return ModelRunner(model.eval(), torch.device(device), dtype, 0)
-
-
-def _random_docs(n: int, seed: int) -> list:
-    rng = random.Random(seed)
-
-    def doc() -> DocTree:
-        return DocTree([2] + [rng.randrange(5, 4000) for _ in range(rng.randint(1, 300))],
-                       [Branch([rng.randrange(5, 4000) for _ in range(rng.randint(0, 12))],
-                               [[rng.randrange(5, 4000) for _ in range(rng.randint(1, 3))]
-                                for _ in range(rng.randint(1, 4))]) for _ in range(8)])
-    return [doc().flatten(0) for _ in range(n)]
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma4"])
