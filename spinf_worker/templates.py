@@ -165,8 +165,10 @@ def _one_slot(template: Template, param: str) -> Slot:
         code="invalid_template")
 
 
+@lru_cache(maxsize=16384)
 def check_template(template: Template, *, param: str = "template") -> Slot:
-    """Check the rules every query template follows and return its one slot.
+    """Check the rules every query template follows and return its one slot (cached like
+    ``parse_template``; errors are raised each time).
 
     - exactly one slot (``{?}``, ``{*}``, ``{n}`` or ``{$}``);
     - ``{?}``: no placeholder used only after the slot (text after the scored slot is ignored,

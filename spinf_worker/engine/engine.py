@@ -14,7 +14,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -35,12 +35,14 @@ from ..protocol import (
 )
 from ..templates import Combination, expand_grid
 from .decode import SlotDecoder, SlotJob
-from .layout import Branch, DocTree, FlatDoc
+from .layout import Branch, BranchBlock, DocTree, FlatDoc
 from .presentation import Presenter, choose_mode
 from .runner import DocScores, ModelRunner, PendingPass
 from .scheduler import PassScheduler
 
 KERNEL_VERSION = "tree-split-mm-tiles-1"
+QUERY_SET_CACHE = 256   # laid-out query lists kept (bulk jobs repeat one list per document)
+PREPARE_CHUNK = 32      # requests whose contents are tokenised together
 
 
 @dataclass
@@ -54,13 +56,22 @@ class EngineSettings:
 
 
 @dataclass
+class _QuerySet:
+    """What a list of queries lays out to: the same for every document that asks it."""
+
+    grids: list[list[Combination]]     # per query
+    block: BranchBlock                 # one branch per (query, combination)
+    floor_keys: list[tuple | None]     # per query (None for extraction slots)
+
+
+@dataclass
 class _Prepared:
     request: ScoreRequest
     queries: list[Query]             # the request's, then those its packs add
-    grids: list[list[Combination]]   # per query
-    tree: DocTree
-    flat: FlatDoc | None = None
-    packs: list[tuple[Pack, list[PackQuestion]]] = field(default_factory=list)
+    query_set: _QuerySet
+    packs: list[tuple[Pack, list[PackQuestion]]]
+    text: str                        # the presented content
+    flat: FlatDoc | None = None      # set once the content is tokenised
 
 
 def _pick_device(device: str | None) -> torch.device:
@@ -139,6 +150,7 @@ class Engine:
                                    eos_text=tok.id_to_token(checkpoint.eos_token_id) or "<eos>")
         self.fingerprint = self._fingerprint()
         self._floor: OrderedDict[tuple, list[DocScores]] = OrderedDict()
+        self._query_sets: OrderedDict[tuple[str, ...], _QuerySet] = OrderedDict()
 
     @classmethod
     def load(cls, model: str | None = None, *, device: str | None = None,
@@ -191,14 +203,14 @@ class Engine:
                 p, keys = waiting.pop(i)
                 results[i] = self._respond(p, scored.pop(i), keys, floors)
 
-        for i, raw in enumerate(requests):
-            try:
-                p = self._prepare(raw)
-            except SpinfError as err:
-                results[i] = err
+        prepared = (p for lo in range(0, len(requests), PREPARE_CHUNK)
+                    for p in self._prepare_batch(requests[lo:lo + PREPARE_CHUNK]))
+        for i, p in enumerate(prepared):
+            if isinstance(p, SpinfError):
+                results[i] = p
                 continue
-            keys = self._floor_keys(p)
-            for key, q, grid in zip(keys, p.queries, p.grids):
+            keys = p.query_set.floor_keys
+            for key, q, grid in zip(keys, p.queries, p.query_set.grids):
                 if key is None or key in floors or key in queued:
                     continue
                 if key in self._floor:
@@ -237,23 +249,58 @@ class Engine:
                            param=f"{where}.values", template_param=f"{where}.template")
 
     def _prepare(self, raw: dict | ScoreRequest) -> _Prepared:
+        p = self._prepare_batch([raw])[0]
+        if isinstance(p, SpinfError):
+            raise p
+        return p
+
+    def _prepare_batch(self, raws: Sequence[dict | ScoreRequest]) -> list[_Prepared | SpinfError]:
+        """Parse and lay out requests, their contents tokenised together (in parallel); a bad
+        request yields its error in place."""
+        out: list[_Prepared | SpinfError] = []
+        for raw in raws:
+            try:
+                out.append(self._parse(raw))
+            except SpinfError as err:
+                out.append(err)
+        ok = [i for i, p in enumerate(out) if not isinstance(p, SpinfError)]
+        limit = self.config.max_position_embeddings
+        for i, root in zip(ok, self.presenter.root_ids_batch([out[i].text for i in ok])):
+            p = out[i]
+            p.flat = p.query_set.block.place(root, self.pad_id)
+            if p.flat.max_position >= limit:
+                out[i] = ContextLengthError(
+                    f"content plus the longest question is {p.flat.max_position + 1} tokens; "
+                    f"the model's context is {limit} tokens", param="messages")
+        return out
+
+    def _parse(self, raw: dict | ScoreRequest) -> _Prepared:
         request = ScoreRequest.parse(raw)
         self._check_model(request.model)
         packs = [self._pack_questions(ref, i) for i, ref in enumerate(request.packs)]
         queries = [*request.scoring.queries,
                    *(Query(id=f"{named.id}#{q.id}", template=q.template, options=q.options)
                      for named, chosen in packs for q in chosen)]
-        grids = [self._grid(q, i) for i, q in enumerate(queries)]
+        query_set = self._query_set(queries)
         messages = [{"role": m.role, "content": m.text(param=f"messages.{i}.content")}
                     for i, m in enumerate(request.content_messages())]
-        tree = DocTree(self.presenter.root_ids(messages), self._branches(queries, grids))
-        flat = tree.flatten(self.pad_id)
-        limit = self.config.max_position_embeddings
-        if flat.max_position >= limit:
-            raise ContextLengthError(
-                f"content plus the longest question is {flat.max_position + 1} tokens; "
-                f"the model's context is {limit} tokens", param="messages")
-        return _Prepared(request, queries, grids, tree, flat, packs)
+        return _Prepared(request, queries, query_set, packs, self.presenter.present(messages))
+
+    def _query_set(self, queries: list[Query]) -> _QuerySet:
+        """The queries' grids, branch layout and floor keys, built once per distinct list
+        (a query's id changes none of them)."""
+        key = tuple(q.model_dump_json(exclude={"id"}) for q in queries)
+        found = self._query_sets.get(key)
+        if found is not None:
+            self._query_sets.move_to_end(key)
+            return found
+        grids = [self._grid(q, i) for i, q in enumerate(queries)]
+        found = _QuerySet(grids, BranchBlock.build(self._branches(queries, grids)),
+                          [self._floor_key(q) if q.slot_kind == "?" else None for q in queries])
+        self._query_sets[key] = found
+        while len(self._query_sets) > QUERY_SET_CACHE:
+            self._query_sets.popitem(last=False)
+        return found
 
     def _pack_questions(self, ref, index: int) -> tuple[Pack, list[PackQuestion]]:
         """The pack a request names, and its questions (of the categories asked for)."""
@@ -271,13 +318,10 @@ class Engine:
     # ---- floor ------------------------------------------------------------------------
 
     def _floor_key(self, query: Query) -> tuple:
+        """A floor value is scored in a DocTree of its own, one per query, so its bits don't
+        depend on the other queries."""
         return (self.presenter.mode, query.template,
                 json.dumps(query.values, sort_keys=True), tuple(query.options))
-
-    def _floor_keys(self, p: _Prepared) -> list[tuple | None]:
-        """Per query its floor key (None for extraction slots). A floor value is scored in a
-        DocTree of its own, one per query, so its bits don't depend on the other queries."""
-        return [self._floor_key(q) if q.slot_kind == "?" else None for q in p.queries]
 
     def _remember_floor(self, key: tuple, scores: DocScores) -> None:
         self._floor[key] = scores
@@ -305,7 +349,7 @@ class Engine:
     def _respond(self, p: _Prepared, scores: DocScores, floor_keys: list[tuple | None],
                  floors: dict[tuple, DocScores]) -> ScoreResponse:
         query_scores, b, decoded = [], 0, 0
-        for q, grid, fkey in zip(p.queries, p.grids, floor_keys):
+        for q, grid, fkey in zip(p.queries, p.query_set.grids, floor_keys):
             combos = []
             for ci, combo in enumerate(grid):
                 if fkey is None:       # an extraction slot
@@ -316,12 +360,10 @@ class Engine:
                                   value=_value(q.slot_kind, text))
                         for text, lp in _merge_same_text(found)]))
                 else:
-                    combos.append(self._option_scores(q, combo, scores.branch(b),
-                                                      float(scores.residual[b]),
-                                                      floors[fkey].branch(ci)))
+                    combos.append(_option_scores(q, combo, scores, b, floors[fkey], ci))
                 b += 1
             query_scores.append(QueryScore(id=q.id, combinations=combos))
-        scored = sum(len(o) for br in p.tree.branches for o in br.options) + decoded
+        scored = p.query_set.block.n_scored + decoded
         return ScoreResponse(
             id=f"score-{uuid.uuid4().hex}", created=int(time.time()), model=self.model_name,
             system_fingerprint=self.fingerprint,
@@ -330,24 +372,18 @@ class Engine:
             queries=query_scores[:len(p.request.scoring.queries)],
             packs=_pack_results(p.packs, query_scores[len(p.request.scoring.queries):]))
 
-    @staticmethod
-    def _option_scores(q: Query, combo: Combination, lp, residual: float,
-                       floor_lp) -> CombinationScore:
-        lp, probs, floor_probs = lp.tolist(), _softmax(lp), _softmax(floor_lp)
-        return CombinationScore(
-            values=combo.values,
-            options=[OptionScore(text=o, logprob=lp[k], p=probs[k], floor_p=floor_probs[k])
-                     for k, o in enumerate(q.options)],
-            residual=residual)
 
-
-def _softmax(logprobs) -> list[float]:
-    """The options' probabilities renormalised over the options, in float64."""
-    values = logprobs.tolist()
-    top = max(values)
-    weights = [math.exp(v - top) for v in values]
-    total = math.fsum(weights)
-    return [w / total for w in weights]
+def _option_scores(q: Query, combo: Combination, scores: DocScores, b: int, floor: DocScores,
+                   floor_b: int) -> CombinationScore:
+    """Branch b's options: logprobs, probabilities over the options, floor probabilities
+    (branch floor_b of the floor's DocTree)."""
+    lp, probs = scores.branch(b).tolist(), scores.branch_probs(b).tolist()
+    floor_probs = floor.branch_probs(floor_b).tolist()
+    return CombinationScore(
+        values=combo.values,
+        options=[OptionScore(text=o, logprob=lp[k], p=probs[k], floor_p=floor_probs[k])
+                 for k, o in enumerate(q.options)],
+        residual=float(scores.residual[b]))
 
 
 def _pack_results(packs: list[tuple[Pack, list[PackQuestion]]],

@@ -83,16 +83,34 @@ class FlatDoc:
 
 
 @dataclass
-class DocTree:
-    root: list[int]
-    branches: list[Branch] = field(default_factory=list)
+class BranchBlock:
+    """The branches of a DocTree laid out after a root of any length: rows and positions
+    relative to the root's end (row ``root + r``, position ``root + p``). Bulk jobs ask the
+    same questions of every document, so one block is built once and placed after each
+    document's root (``place``)."""
 
-    def flatten(self, pad_id: int) -> FlatDoc:
-        root = len(self.root)
-        ids: list[int] = list(self.root)
-        pos: list[int] = list(range(root))
-        branch_of: list[int] = [-1] * root
-        option_of: list[int] = [-1] * root
+    ids: np.ndarray              # [branch tokens]
+    pos: np.ndarray              # [branch tokens] position - root
+    branch_of: np.ndarray        # [branch tokens]
+    option_of: np.ndarray        # [branch tokens] -1 outside option sub-branches
+    branch_start: np.ndarray     # [branches] row - root
+    branch_len: np.ndarray       # [branches]
+    option_start: np.ndarray     # [option sub-branches] row - root
+    readout_rows: np.ndarray     # [readouts] row - root (-1: the root's last token)
+    term_readout: np.ndarray
+    term_token: np.ndarray
+    term_option: np.ndarray
+    option_branch: np.ndarray
+    n_scored: int                # option tokens read out (usage)
+    # extraction branches: branch -> (readout index, settings)
+    extract: dict[int, tuple[int, dict]] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, branches: list[Branch]) -> BranchBlock:
+        ids: list[int] = []
+        pos: list[int] = []
+        branch_of: list[int] = []
+        option_of: list[int] = []
         branch_start: list[int] = []
         option_start: list[int] = []
         readout_rows: list[int] = []
@@ -100,7 +118,7 @@ class DocTree:
         term_token: list[int] = []
         term_option: list[int] = []
         option_branch: list[int] = []
-        extract: dict[int, tuple[int, list[int], dict]] = {}
+        extract: dict[int, tuple[int, dict]] = {}
 
         def add_rows(tokens: list[int], start_pos: int, branch: int, option: int) -> int:
             """Append a node's tokens; returns the row of its first token."""
@@ -111,18 +129,17 @@ class DocTree:
             option_of.extend([option] * len(tokens))
             return first
 
-        for b, br in enumerate(self.branches):
-            start = add_rows(br.prefix, root, b, -1)
+        for b, br in enumerate(branches):
+            start = add_rows(br.prefix, 0, b, -1)
             branch_start.append(start)
             # The first option token is predicted by the last template token (the root's
             # last token when the template has no text before its slot).
-            first_row = start + len(br.prefix) - 1 if br.prefix else root - 1
-            first_pos = pos[first_row]
+            first_row = start + len(br.prefix) - 1 if br.prefix else -1
+            first_pos = len(br.prefix) - 1
             readout_rows.append(first_row)
             shared = len(readout_rows) - 1
             if not br.options:   # an extraction slot: decoded later from this readout
-                extract[b] = (shared, [*range(root), *range(start, start + len(br.prefix))],
-                              br.decode or {})
+                extract[b] = (shared, br.decode or {})
             for opt in br.options:
                 k = len(option_branch)
                 option_branch.append(b)
@@ -138,25 +155,61 @@ class DocTree:
                         term_token.append(tok)
                         term_option.append(k)
 
-        tokens = len(ids)
+        def arr(values: list[int]) -> np.ndarray:
+            return np.array(values, dtype=np.int64)
+
+        return cls(arr(ids), arr(pos), arr(branch_of), arr(option_of), arr(branch_start),
+                   arr([len(br.prefix) for br in branches]), arr(option_start),
+                   arr(readout_rows), arr(term_readout), arr(term_token), arr(term_option),
+                   arr(option_branch), sum(len(o) for br in branches for o in br.options),
+                   extract)
+
+    @property
+    def n_branches(self) -> int:
+        return len(self.branch_start)
+
+    def place(self, root_ids: list[int], pad_id: int) -> FlatDoc:
+        """The FlatDoc of these branches after ``root_ids``."""
+        root = len(root_ids)
+        tokens = root + len(self.ids)
         pad = -tokens % ROW_TILE
-        rpad = -len(readout_rows) % READOUT_TILE
+        rpad = -len(self.readout_rows) % READOUT_TILE
+
+        def rows(root_part: np.ndarray, branch_part: np.ndarray, fill: int,
+                 dtype=torch.long) -> torch.Tensor:
+            out = np.concatenate([root_part, branch_part, np.full(pad, fill, dtype=np.int64)])
+            return torch.from_numpy(out).to(dtype)
+
+        none = np.full(root, -1, dtype=np.int64)
         return FlatDoc(
-            input_ids=torch.tensor(ids + [pad_id] * pad, dtype=torch.long),
-            positions=torch.tensor(pos + [0] * pad, dtype=torch.long),
+            input_ids=rows(np.asarray(root_ids, dtype=np.int64), self.ids, pad_id),
+            positions=rows(np.arange(root), self.pos + root, 0),
             root=root,
             tokens=tokens,
-            branch_of=torch.tensor(branch_of + [-1] * pad, dtype=torch.int32),
-            option_of=torch.tensor(option_of + [-1] * pad, dtype=torch.int32),
-            branch_start=np.array(branch_start, dtype=np.int64),
-            branch_len=np.array([len(br.prefix) for br in self.branches], dtype=np.int64),
-            option_start=np.array(option_start or [0], dtype=np.int64),
-            readout_rows=torch.tensor(readout_rows + [0] * rpad, dtype=torch.long),
-            term_readout=np.array(term_readout, dtype=np.int64),
-            term_token=np.array(term_token, dtype=np.int64),
-            term_option=np.array(term_option, dtype=np.int64),
-            option_branch=np.array(option_branch, dtype=np.int64),
-            n_branches=len(self.branches),
-            n_option_paths=len(option_start),
-            extract=extract,
+            branch_of=rows(none, self.branch_of, -1, torch.int32),
+            option_of=rows(none, self.option_of, -1, torch.int32),
+            branch_start=self.branch_start + root,
+            branch_len=self.branch_len,
+            option_start=self.option_start + root if len(self.option_start) else np.zeros(1, np.int64),
+            readout_rows=torch.from_numpy(np.concatenate(
+                [self.readout_rows + root, np.zeros(rpad, dtype=np.int64)])),
+            term_readout=self.term_readout,
+            term_token=self.term_token,
+            term_option=self.term_option,
+            option_branch=self.option_branch,
+            n_branches=self.n_branches,
+            n_option_paths=len(self.option_start),
+            extract={b: (r, [*range(root), *range(root + self.branch_start[b],
+                                                  root + self.branch_start[b] + self.branch_len[b])],
+                         settings)
+                     for b, (r, settings) in self.extract.items()},
         )
+
+
+@dataclass
+class DocTree:
+    root: list[int]
+    branches: list[Branch] = field(default_factory=list)
+
+    def flatten(self, pad_id: int) -> FlatDoc:
+        return BranchBlock.build(self.branches).place(self.root, pad_id)

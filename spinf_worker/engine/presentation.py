@@ -56,8 +56,12 @@ class Presenter:
         return text.removeprefix(self.bos_text)   # BOS is added as an id, never as text
 
     def root_ids(self, messages: list[dict]) -> list[int]:
-        text = self.present(messages)
-        return [self.bos_id, *self.tokenizer.encode(text, add_special_tokens=False).ids]
+        return self.root_ids_batch([self.present(messages)])[0]
+
+    def root_ids_batch(self, texts: list[str]) -> list[list[int]]:
+        """BOS + each presented text's ids; the texts are tokenised in parallel."""
+        encodings = self.tokenizer.encode_batch(texts, add_special_tokens=False)
+        return [[self.bos_id, *e.ids] for e in encodings]
 
     def floor_root_ids(self) -> list[int]:
         return self.root_ids([{"role": "user", "content": ""}])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -25,6 +26,21 @@ class DocScores:
 
     def branch(self, b: int) -> np.ndarray:
         return self.option_logprobs[self.branch_start[b]:self.branch_start[b + 1]]
+
+    def branch_probs(self, b: int) -> np.ndarray:
+        """Branch b's options' probabilities renormalised over its options (float64)."""
+        return self.option_probs[self.branch_start[b]:self.branch_start[b + 1]]
+
+    @cached_property
+    def option_probs(self) -> np.ndarray:
+        lp = self.option_logprobs.astype(np.float64)
+        owner = np.repeat(np.arange(len(self.residual)), np.diff(self.branch_start))
+        top = np.full(len(self.residual), -np.inf)
+        np.maximum.at(top, owner, lp)
+        weights = np.exp(lp - top[owner])
+        total = np.zeros(len(self.residual))
+        np.add.at(total, owner, weights)
+        return weights / total[owner]
 
     @property
     def logprobs(self) -> list[torch.Tensor]:
