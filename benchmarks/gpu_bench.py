@@ -98,11 +98,13 @@ def linear_flops(cfg: dict, tokens: int) -> float:
 
 
 def run_engine(name: str, ckpt: Checkpoint, scheme: str, requests: list[dict],
-               max_pass_tokens: int | None = None) -> tuple[dict, list]:
+               max_pass_tokens: int | None = None, cuda_graphs: bool = True
+               ) -> tuple[dict, list]:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     engine = Engine(ckpt, device="cuda",
-                    settings=EngineSettings(scheme=scheme, max_pass_tokens=max_pass_tokens))
+                    settings=EngineSettings(scheme=scheme, max_pass_tokens=max_pass_tokens,
+                                            cuda_graphs=cuda_graphs))
     t0 = time.perf_counter()
     first = engine.score_batch(requests)          # compiles masks/kernels, fills the floor cache
     warm = time.perf_counter() - t0
@@ -137,6 +139,7 @@ def run_engine(name: str, ckpt: Checkpoint, scheme: str, requests: list[dict],
             linear_flops(ckpt.config, tokens) / seconds / 1e12, 1),
         f"{name}_{scheme}_peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
         f"{name}_{scheme}_bit_identical": identical,
+        f"{name}_{scheme}_cuda_graphs": engine.runner.graphs is not None,
     }
     return row, responses
 
@@ -250,6 +253,11 @@ def main() -> None:
             row.update(figures)
             save()
             print(json.dumps(figures), flush=True)
+        # the same engine without CUDA graphs: what launching kernel by kernel costs
+        figures, eager = run_engine(f"{name}_eager", ckpt, "bf16", requests, cuda_graphs=False)
+        row.update(figures)
+        row[f"{name}_graphs_equal_eager"] = delta_p(results["bf16"], eager) == (0.0, 0.0)
+        print(json.dumps(figures), flush=True)
         mean_dp, max_dp = delta_p(results["bf16"], results["fp8"])
         row.update({f"{name}_fp8_vs_bf16_mean_abs_dp": round(mean_dp, 5),
                     f"{name}_fp8_vs_bf16_max_abs_dp": round(max_dp, 5)})

@@ -11,7 +11,7 @@ import torch
 from torch.nn.attention.flex_attention import create_mask
 
 from spinf_worker.engine.layout import Branch, DocTree
-from spinf_worker.engine.runner import tree_tokens
+from spinf_worker.engine.runner import pass_rows
 from spinf_worker.kernels.flex_tree import BLOCK, TreeTokens, tree_blocks
 
 WINDOW = 96
@@ -26,7 +26,29 @@ def _docs(seed: int, n: int = 5) -> list:
 
 
 def _tokens(docs: list, pad_blocks: int = 2) -> TreeTokens:
-    return TreeTokens(*tree_tokens(docs, sum(d.length for d in docs) + pad_blocks * BLOCK))
+    rows = sum(d.length for d in docs) + pad_blocks * BLOCK
+    return TreeTokens.of_pass(torch.from_numpy(pass_rows(docs, rows, 0)))
+
+
+def test_pass_rows_number_the_tree_across_the_pass():
+    docs = _docs(4, n=3)
+    rows = sum(d.length for d in docs) + BLOCK
+    ids, pos, doc, branch, option = torch.from_numpy(pass_rows(docs, rows, 5)).long()
+    start = 0
+    seen_branches: set[int] = set()
+    for i, d in enumerate(docs):
+        here = slice(start, start + d.length)
+        assert torch.equal(ids[here], d.input_ids) and torch.equal(pos[here], d.positions)
+        real = torch.arange(d.length) < d.tokens
+        assert torch.equal(doc[here], torch.where(real, i, -1))
+        assert torch.equal(branch[here] >= 0, d.branch_of >= 0)
+        assert torch.equal(option[here] >= 0, d.option_of >= 0)
+        # ids are the document's own, shifted past the earlier documents' ids
+        mine = set(branch[here][branch[here] >= 0].tolist())
+        assert len(mine) == d.n_branches and not mine & seen_branches
+        seen_branches |= mine
+        start += d.length
+    assert (ids[start:] == 5).all() and (pos[start:] == 0).all() and (doc[start:] == -1).all()
 
 
 def _dense_blocks(t: TreeTokens, window: int | None) -> torch.Tensor:

@@ -13,6 +13,10 @@ from .layout import FlatDoc
 
 READOUT_CHUNK = 1024  # LM-head rows at a time (a multiple of READOUT_TILE)
 PASS_BUCKET = 4096    # CUDA passes are padded to a multiple of this
+# Past this many parameters outside the embeddings a pass is compute-bound: its kernel
+# launches hide behind the kernels, and a graph (which computes the bucket's padding rows
+# too) would cost more than it saves.
+GRAPH_MAX_BODY_PARAMS = 2_000_000_000
 
 
 @dataclass
@@ -64,11 +68,21 @@ class PendingPass:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype,
-                 pad_id: int, *, fuse: bool = True):
-        """``fuse``: on CUDA, fuse the model's projections and run its fused forward."""
+                 pad_id: int, *, fuse: bool = True, cuda_graphs: bool = True):
+        """``fuse``: on CUDA, fuse the model's projections and run its fused forward.
+        ``cuda_graphs``: on CUDA, replay each pass bucket's forward as a captured graph
+        (models whose forward is capturable, up to GRAPH_MAX_BODY_PARAMS; passes without
+        extraction slots)."""
         self.model, self.device, self.dtype, self.pad_id = model, device, dtype, pad_id
         if fuse and device.type == "cuda" and hasattr(model, "fuse_projections"):
             model.fuse_projections()
+        self.graphs = None
+        body = sum(p.numel() for name, p in model.named_parameters() if "embed" not in name)
+        if (cuda_graphs and device.type == "cuda" and getattr(model, "capturable", False)
+                and body <= GRAPH_MAX_BODY_PARAMS):
+            from .cuda_graphs import PassGraphs
+
+            self.graphs = PassGraphs(model, model.cfg.sliding_window)
 
     def span(self, doc: FlatDoc, start: int) -> DocSpan:
         """Attention metadata of one document placed at ``start``."""
@@ -89,8 +103,8 @@ class ModelRunner:
         """CUDA: the pass's tree tensors on the device -> block masks."""
         from ..kernels.flex_tree import TreeTokens, build_flex_plan
 
-        tokens = TreeTokens(*(self._upload(t) for t in tree_tokens(docs, rows)))
-        return build_flex_plan(tokens, self.model.cfg.sliding_window)
+        inputs = self._upload(torch.from_numpy(pass_rows(docs, rows, self.pad_id)))
+        return build_flex_plan(TreeTokens.of_pass(inputs), self.model.cfg.sliding_window)
 
     def _upload(self, t: torch.Tensor) -> torch.Tensor:
         """Host -> device without waiting for the work already queued on the device (a copy
@@ -111,26 +125,33 @@ class ModelRunner:
         for doc in docs:
             starts.append(start)
             start += doc.length
-        rows = start
-        ids = [d.input_ids for d in docs]
-        pos = [d.positions for d in docs]
-        if self.device.type == "cuda":
-            # A few fixed pass sizes, so compiled attention kernels are reused.
-            rows = -(-start // PASS_BUCKET) * PASS_BUCKET
-            ids.append(torch.full((rows - start,), self.pad_id))
-            pos.append(torch.zeros(rows - start, dtype=torch.long))
-            plan = AttentionPlan([], flex=self.flex_plan(docs, rows), rows=start)
-        else:
-            plan = AttentionPlan([self.span(d, s) for d, s in zip(docs, starts)])
         keep, keep_base, kept_rows = [], {}, 0
         for i, (doc, start) in enumerate(zip(docs, starts)):
             if doc.extract:
                 keep_base[i] = kept_rows
                 keep.append(torch.arange(start, start + doc.tokens))
                 kept_rows += doc.tokens
+        if self.device.type == "cuda":
+            # A few fixed pass sizes, so compiled kernels and captured graphs are reused.
+            rows = -(-start // PASS_BUCKET) * PASS_BUCKET
+            inputs = torch.from_numpy(pass_rows(docs, rows, self.pad_id))
+            if self.graphs is not None and not keep:
+                hidden = self.graphs.run(inputs)
+                return self._readouts(docs, starts, hidden)
+            from ..kernels.flex_tree import TreeTokens, build_flex_plan
+
+            inputs = self._upload(inputs)
+            ids, pos = inputs[0].long(), inputs[1].long()
+            plan = AttentionPlan([], flex=build_flex_plan(TreeTokens.of_pass(inputs),
+                                                          self.model.cfg.sliding_window),
+                                 rows=start)
+        else:
+            ids = torch.cat([d.input_ids for d in docs])
+            pos = torch.cat([d.positions for d in docs])
+            plan = AttentionPlan([self.span(d, s) for d, s in zip(docs, starts)])
         if keep:
             plan.keep_rows = self._upload(torch.cat(keep))
-        hidden = self.model(self._upload(torch.cat(ids)), self._upload(torch.cat(pos)), plan)
+        hidden = self.model(ids, pos, plan)
         pending = self._readouts(docs, starts, hidden)
         pending.kept, pending.keep_base = plan.kept, keep_base
         return pending
@@ -188,21 +209,20 @@ class ModelRunner:
         return out
 
 
-def tree_tokens(docs: list[FlatDoc], rows: int) -> tuple[torch.Tensor, ...]:
-    """Per row of a pass padded to ``rows``: (document, branch, option sub-branch, position),
-    int32, ids unique across the pass, -1 for none (kernels/flex_tree.TreeTokens)."""
-    doc_id, branch, option, pos = [], [], [], []
-    n_branches = n_options = 0
+def pass_rows(docs: list[FlatDoc], rows: int, pad_id: int) -> np.ndarray:
+    """A pass padded to ``rows``, as one int32 [5, rows] array (one upload): token ids,
+    positions, and the tree tensors of kernels/flex_tree.TreeTokens (document, branch,
+    option sub-branch; ids unique across the pass, -1 for none)."""
+    out = np.empty((5, rows), dtype=np.int32)
+    out[0], out[1], out[2:] = pad_id, 0, -1
+    start = n_branches = n_options = 0
     for i, doc in enumerate(docs):
-        real = torch.arange(doc.length) < doc.tokens
-        doc_id.append(torch.where(real, i, -1))
-        branch.append(torch.where(doc.branch_of >= 0, doc.branch_of + n_branches, -1))
-        option.append(torch.where(doc.option_of >= 0, doc.option_of + n_options, -1))
-        pos.append(doc.positions)
-        n_branches += doc.n_branches
-        n_options += doc.n_option_paths
-    pad = rows - sum(d.length for d in docs)
-    fill = torch.full((pad,), -1)
-    return tuple(torch.cat([*parts, fill if j < 3 else torch.zeros(pad)]).to(torch.int32)
-                 for j, parts in enumerate((doc_id, branch, option, pos)))
-
+        end = start + doc.length
+        out[0, start:end] = doc.input_ids.numpy()
+        out[1, start:end] = doc.positions.numpy()
+        out[2, start:start + doc.tokens] = i
+        branch, option = doc.branch_of.numpy(), doc.option_of.numpy()
+        out[3, start:end] = np.where(branch >= 0, branch + n_branches, -1)
+        out[4, start:end] = np.where(option >= 0, option + n_options, -1)
+        start, n_branches, n_options = end, n_branches + doc.n_branches, n_options + doc.n_option_paths
+    return out

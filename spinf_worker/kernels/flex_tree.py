@@ -28,6 +28,12 @@ class TreeTokens:
     option: torch.Tensor   # -1 outside option sub-branches
     pos: torch.Tensor
 
+    @classmethod
+    def of_pass(cls, inputs: torch.Tensor) -> TreeTokens:
+        """From a pass's [5, rows] rows (engine/runner.pass_rows): ids, positions, document,
+        branch, option."""
+        return cls(inputs[2], inputs[3], inputs[4], inputs[1])
+
 
 @dataclass
 class FlexPlan:

@@ -152,6 +152,10 @@ class Gemma3Model(PackedLM):
     """``forward`` returns the final-norm hidden states of every packed token;
     ``readout_logprobs`` applies the LM head to the few rows that predict option tokens."""
 
+    # The CUDA forward makes no host syncs and no host tensors: a pass can be captured as a
+    # CUDA graph (engine/cuda_graphs.py).
+    capturable = True
+
     def __init__(self, cfg: Gemma3Config):
         super().__init__()
         if cfg.attn_logit_softcapping is not None:

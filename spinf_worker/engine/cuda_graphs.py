@@ -1,0 +1,68 @@
+"""Passes replayed as CUDA graphs.
+
+A small model's pass is a few hundred short kernels: launching them one by one from Python
+costs more host time than the device spends running them, and the host is also the one
+laying out the next requests. Each pass-size bucket's whole forward (block masks from the
+tree tensors, every layer, the final norm) is captured once and then replayed: the host
+copies the pass's [5, rows] input rows (engine/runner.pass_rows) into the graph's buffer and
+launches one graph.
+
+A replay computes every row of the bucket, padding too; the kernels are row-wise or
+batch-invariant, so a row's bits are those of the eager forward over the real rows only.
+Replays and the readouts that follow them are ordered on one stream, so the graphs can share
+one memory pool and each bucket's output buffer is read before the next replay rewrites it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels.attention import AttentionPlan
+from ..kernels.flex_tree import TreeTokens, build_flex_plan
+
+
+class PassGraph:
+    """One bucket's captured forward: ``inputs`` [5, rows] int32 in, ``hidden`` out."""
+
+    def __init__(self, model: torch.nn.Module, rows: int, window: int, pool):
+        device = next(model.parameters()).device
+        self.inputs = torch.zeros(5, rows, dtype=torch.int32, device=device)
+        self.inputs[2:] = -1     # capture on a pass of padding rows only
+
+        def forward() -> torch.Tensor:
+            plan = AttentionPlan([], flex=build_flex_plan(TreeTokens.of_pass(self.inputs),
+                                                          window), rows=rows)
+            return model(self.inputs[0].long(), self.inputs[1].long(), plan)
+
+        # Compile and autotune outside the capture (on a side stream, as capture needs).
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            forward()
+        torch.cuda.current_stream(device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.hidden = forward()
+
+
+class PassGraphs:
+    """The captured graph of each pass bucket, captured the first time the bucket runs."""
+
+    def __init__(self, model: torch.nn.Module, window: int):
+        self.model, self.window = model, window
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[int, PassGraph] = {}
+
+    @torch.inference_mode()
+    def run(self, inputs: torch.Tensor) -> torch.Tensor:
+        """``inputs``: a pass's [5, rows] int32 rows on the host. Returns the final-norm hidden
+        states of every row (a buffer the next replay of this bucket overwrites)."""
+        rows = inputs.shape[1]
+        graph = self.graphs.get(rows)
+        if graph is None:
+            graph = self.graphs[rows] = PassGraph(self.model, rows, self.window, self.pool)
+        # From pinned memory the copy is queued behind the work already on the stream (the
+        # previous replay may still be reading this buffer) without the host waiting.
+        graph.inputs.copy_(inputs.pin_memory(), non_blocking=True)
+        graph.graph.replay()
+        return graph.hidden
