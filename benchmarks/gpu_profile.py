@@ -1,13 +1,19 @@
-"""Where a pass's time goes on the GPU: torch.profiler over one score_batch of the news job.
+"""Where a pass's time goes on the GPU: torch.profiler over one score_batch of the news job,
+or with ``--host``: wall time of consecutive calls, the host's share (laying out the requests,
+one replay or launch per pass), and a cProfile of one call.
 
-    python benchmarks/gpu_profile.py --tokenizer DIR --data DIR [--model 12b|270m] [--scheme bf16|fp8]
+    python benchmarks/gpu_profile.py --tokenizer DIR --data DIR [--model 12b|270m] \
+        [--scheme bf16|fp8] [--host] [--no-graphs]
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -27,6 +33,8 @@ def main() -> None:
     parser.add_argument("--model", default="12b")
     parser.add_argument("--scheme", default="bf16")
     parser.add_argument("--rows", type=int, default=30)
+    parser.add_argument("--host", action="store_true")
+    parser.add_argument("--no-graphs", action="store_true")
     args = parser.parse_args()
     from tokenizers import Tokenizer
 
@@ -37,15 +45,54 @@ def main() -> None:
     ckpt = Checkpoint(name="random", config=cfg, weights=None, tokenizer=tokenizer,
                       bos_token_id=2, eos_token_id=1, chat_template=None,
                       weights_digest="random", path=Path("."))
-    engine = Engine(ckpt, device="cuda", settings=EngineSettings(scheme=args.scheme))
+    engine = Engine(ckpt, device="cuda", settings=EngineSettings(
+        scheme=args.scheme, cuda_graphs=not args.no_graphs))
     engine.score_batch(requests)
     engine.score_batch(requests)
     torch.cuda.synchronize()
+    if args.host:
+        host_profile(engine, requests, args.rows)
+        return
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         engine.score_batch(requests)
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows))
     print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=args.rows))
+
+
+def host_profile(engine: Engine, requests: list[dict], rows: int) -> None:
+    from spinf_worker.engine.packer import pack
+
+    def timed(fn) -> float:
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    print("score_batch s:", [round(timed(lambda: engine.score_batch(requests)), 4)
+                             for _ in range(6)])
+    print("layout s:", [round(timed(lambda: engine._prepare_batch(requests)), 4)
+                        for _ in range(3)])
+    flats = [p.flat for p in engine._prepare_batch(requests)]
+    passes = [[flats[i] for i in p.docs] for p in pack(flats, engine.settings.max_pass_tokens)]
+    runner = engine.runner
+    for docs in passes:
+        t = time.perf_counter()
+        pending = runner.launch(docs)
+        queued = time.perf_counter() - t
+        torch.cuda.synchronize()
+        ran = time.perf_counter() - t
+        t = time.perf_counter()
+        runner.finish(pending)
+        print(f"pass of {sum(d.length for d in docs)} rows: queued in {queued * 1e3:.2f} ms, "
+              f"done after {ran * 1e3:.2f} ms, read back in {(time.perf_counter() - t) * 1e3:.2f} ms")
+    prof = cProfile.Profile()
+    prof.enable()
+    engine.score_batch(requests)
+    torch.cuda.synchronize()
+    prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(rows)
 
 
 if __name__ == "__main__":

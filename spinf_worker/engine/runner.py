@@ -126,10 +126,10 @@ class ModelRunner:
             starts.append(start)
             start += doc.length
         keep, keep_base, kept_rows = [], {}, 0
-        for i, (doc, start) in enumerate(zip(docs, starts)):
+        for i, (doc, at) in enumerate(zip(docs, starts)):
             if doc.extract:
                 keep_base[i] = kept_rows
-                keep.append(torch.arange(start, start + doc.tokens))
+                keep.append(torch.arange(at, at + doc.tokens))
                 kept_rows += doc.tokens
         if self.device.type == "cuda":
             # A few fixed pass sizes, so compiled kernels and captured graphs are reused.
