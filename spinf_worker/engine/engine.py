@@ -42,7 +42,8 @@ from .scheduler import PassScheduler
 
 KERNEL_VERSION = "tree-split-mm-tiles-1"
 QUERY_SET_CACHE = 256   # laid-out query lists kept (bulk jobs repeat one list per document)
-PREPARE_CHUNK = 32      # requests whose contents are tokenised together
+PREPARE_CHUNK = 8       # requests whose contents are tokenised together (in parallel);
+#                         few enough that the first pass starts early
 
 
 @dataclass

@@ -176,9 +176,10 @@ class ModelRunner:
         readout_sorted = readout_t[order]
         bounds = torch.searchsorted(readout_sorted, torch.arange(0, base + READOUT_CHUNK,
                                                                  READOUT_CHUNK)).tolist()
-        rows_d = self._upload(torch.cat(rows))
-        readout_d = self._upload(readout_sorted)
-        token_d = self._upload(torch.from_numpy(np.concatenate(token))[order])
+        n_rows, n_terms = base, readout_t.shape[0]
+        index_d = self._upload(torch.cat([torch.cat(rows), readout_sorted,
+                                          torch.from_numpy(np.concatenate(token))[order]]))
+        rows_d, readout_d, token_d = index_d.split([n_rows, n_terms, n_terms])
         values = torch.empty(readout_t.shape[0], dtype=torch.float32, device=self.device)
         first = {}
         for c, lo in enumerate(range(0, base, READOUT_CHUNK)):
