@@ -7,6 +7,8 @@ becomes an ``InvalidRequestError`` whose ``param`` is the dotted path of the off
 
 from __future__ import annotations
 
+import json
+from collections import OrderedDict
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -263,10 +265,23 @@ class Query(BaseModel):
                            code="value_out_of_range")
 
 
+def query_layout_key(queries: list[Query]) -> tuple[str, ...]:
+    return tuple(q.model_dump_json(exclude={"id"}) for q in queries)
+
+
 class Scoring(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     queries: list[Query] = Field(default_factory=list, max_length=MAX_QUERIES)
+
+    _layout_key: tuple[str, ...] | None = PrivateAttr(default=None)
+
+    def layout_key(self) -> tuple[str, ...]:
+        """Per query its JSON without the id: all its layout depends on (computed once; a
+        validated block is shared by the requests that send it, see ``ScoreRequest.parse``)."""
+        if self._layout_key is None:
+            self._layout_key = query_layout_key(self.queries)
+        return self._layout_key
 
     @model_validator(mode="after")
     def _unique_ids(self) -> Scoring:
@@ -327,13 +342,41 @@ class ScoreRequest(BaseModel):
 
     @classmethod
     def parse(cls, data: dict | ScoreRequest) -> ScoreRequest:
-        """Validate untrusted input; any failure is an ``InvalidRequestError``."""
+        """Validate untrusted input; any failure is an ``InvalidRequestError``.
+
+        Bulk jobs send the same ``scoring`` block with every document: a block already
+        validated is reused (by its JSON text) instead of checked again."""
         if isinstance(data, ScoreRequest):
             return data
+        key = _scoring_key(data)
+        cached = _SCORING_CACHE.get(key) if key is not None else None
+        if cached is not None:
+            _SCORING_CACHE.move_to_end(key)
+            data = {**data, "scoring": cached}
         try:
-            return cls.model_validate(data)
+            request = cls.model_validate(data)
         except ValidationError as error:
             raise _to_invalid_request(error) from None
+        if key is not None and cached is None:
+            _SCORING_CACHE[key] = request.scoring
+            while len(_SCORING_CACHE) > SCORING_CACHE_SIZE:
+                _SCORING_CACHE.popitem(last=False)
+        return request
+
+
+SCORING_CACHE_SIZE = 256
+_SCORING_CACHE: OrderedDict[str, Scoring] = OrderedDict()
+
+
+def _scoring_key(data: Any) -> str | None:
+    """The JSON text of a request's scoring block (None when there is none to key)."""
+    scoring = data.get("scoring") if isinstance(data, dict) else None
+    if not isinstance(scoring, dict):
+        return None
+    try:
+        return json.dumps(scoring, sort_keys=True, allow_nan=False)
+    except (TypeError, ValueError):   # not JSON (keys or values): validation will say
+        return None
 
 
 def _to_invalid_request(error: ValidationError) -> InvalidRequestError:

@@ -551,3 +551,18 @@ def test_generate_limits_are_inclusive():
     spec = extraction_query("{*}", generate={"max_tokens": 1, "stop": ["a", "b", "c", "d"],
                                               "temperature": 0, "seed": 2**63 - 1}).generate
     assert (spec.max_tokens, len(spec.stop), spec.temperature) == (1, 4, 0.0)
+
+
+def test_a_repeated_scoring_block_is_validated_once_and_shared():
+    scoring = {"queries": [{"id": "q", "template": "Is it news? {?}", "options": [" Yes", " No"]}]}
+    first = ScoreRequest.parse({"text": "one", "scoring": scoring})
+    second = ScoreRequest.parse({"text": "two", "scoring": copy.deepcopy(scoring)})
+    assert second.scoring is first.scoring and second.text == "two"
+    with pytest.raises(InvalidRequestError) as caught:   # the rest is still checked
+        ScoreRequest.parse({"scoring": scoring})
+    assert caught.value.param == "messages"
+    changed = copy.deepcopy(scoring)
+    changed["queries"][0]["options"] = []
+    with pytest.raises(InvalidRequestError) as caught:   # another block is checked anew
+        ScoreRequest.parse({"text": "three", "scoring": changed})
+    assert caught.value.param == "scoring.queries.0.options"

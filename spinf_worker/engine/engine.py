@@ -32,6 +32,7 @@ from ..protocol import (
     ScoreRequest,
     ScoreResponse,
     Usage,
+    query_layout_key,
 )
 from ..templates import Combination, expand_grid
 from .decode import SlotDecoder, SlotJob
@@ -154,6 +155,8 @@ class Engine:
         self.fingerprint = self._fingerprint()
         self._floor: OrderedDict[tuple, list[DocScores]] = OrderedDict()
         self._query_sets: OrderedDict[tuple[str, ...], _QuerySet] = OrderedDict()
+        # per (pack, version, chosen questions): the packs are fixed, so this stays small
+        self._pack_query_cache: dict[tuple, tuple[list[Query], tuple[str, ...]]] = {}
 
     @classmethod
     def load(cls, model: str | None = None, *, device: str | None = None,
@@ -281,18 +284,30 @@ class Engine:
         request = ScoreRequest.parse(raw)
         self._check_model(request.model)
         packs = [self._pack_questions(ref, i) for i, ref in enumerate(request.packs)]
-        queries = [*request.scoring.queries,
-                   *(Query(id=f"{named.id}#{q.id}", template=q.template, options=q.options)
-                     for named, chosen in packs for q in chosen)]
-        query_set = self._query_set(queries)
+        queries, key = list(request.scoring.queries), request.scoring.layout_key()
+        for named, chosen in packs:
+            pack_queries, pack_key = self._pack_queries(named, chosen)
+            queries += pack_queries
+            key += pack_key
+        query_set = self._query_set(queries, key)
         messages = [{"role": m.role, "content": m.text(param=f"messages.{i}.content")}
                     for i, m in enumerate(request.content_messages())]
         return _Prepared(request, queries, query_set, packs, self.presenter.present(messages))
 
-    def _query_set(self, queries: list[Query]) -> _QuerySet:
+    def _pack_queries(self, named: Pack, chosen: list[PackQuestion]
+                      ) -> tuple[list[Query], tuple[str, ...]]:
+        """A pack's chosen questions as queries, and their layout key (built once)."""
+        key = (named.id, named.version, *(q.id for q in chosen))
+        found = self._pack_query_cache.get(key)
+        if found is None:
+            queries = [Query(id=f"{named.id}#{q.id}", template=q.template, options=q.options)
+                       for q in chosen]
+            found = self._pack_query_cache[key] = (queries, query_layout_key(queries))
+        return found
+
+    def _query_set(self, queries: list[Query], key: tuple[str, ...]) -> _QuerySet:
         """The queries' grids, branch layout and floor keys, built once per distinct list
-        (a query's id changes none of them)."""
-        key = tuple(q.model_dump_json(exclude={"id"}) for q in queries)
+        (``key``: protocol.query_layout_key; a query's id changes none of them)."""
         found = self._query_sets.get(key)
         if found is not None:
             self._query_sets.move_to_end(key)
