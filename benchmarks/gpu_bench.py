@@ -79,6 +79,28 @@ def _gemm_shape(matmul, quantize_rows, quantize_weight, m: int, n: int, k: int) 
     return out
 
 
+def elementwise_rates(rows: int, widths: list[int]) -> dict:
+    """gelu_mul (fp8 out) reading each row once vs chunk by chunk (twice): ms and GB/s moved,
+    against a device-to-device copy of the same input."""
+    from spinf_worker.kernels.fused import gelu_mul
+
+    out = {}
+    for width in widths:
+        gu = torch.randn(rows, 2 * width, device="cuda", dtype=torch.bfloat16)
+        moved = gu.numel() * 2 + rows * width + rows * 4     # read bf16, write fp8 + scales
+        copy = torch.empty_like(gu)
+        runs = {"one_read": lambda gu=gu: gelu_mul(gu, quant=True, one_read=True),
+                "chunked": lambda gu=gu: gelu_mul(gu, quant=True, one_read=False),
+                "copy": lambda gu=gu, copy=copy: copy.copy_(gu)}
+        for name, fn in runs.items():
+            fn()
+            dt = cuda_time(lambda fn=fn: [fn() for _ in range(20)]) / 20
+            size = 2 * gu.numel() * 2 if name == "copy" else moved
+            out[f"gelu_mul_{rows}x{width}_{name}_ms"] = round(dt * 1e3, 3)
+            out[f"gelu_mul_{rows}x{width}_{name}_gb_per_s"] = round(size / dt / 1e9)
+    return out
+
+
 def load_docs(data: Path, tokenizer, n_docs: int, doc_tokens: int) -> list[str]:
     docs = []
     for line in (data / "news_articles.jsonl").open():
@@ -211,7 +233,7 @@ def main() -> None:
     parser.add_argument("--doc-tokens", type=int, default=470)
     parser.add_argument("--baseline-docs-12b", type=int, default=4)
     parser.add_argument("--baseline-docs-270m", type=int, default=24)
-    parser.add_argument("--only", default="ceilings,270m,12b")
+    parser.add_argument("--only", default="ceilings,elementwise,270m,12b")
     parser.add_argument("--pass-tokens-12b", type=int, nargs="*", default=[32768],
                         help="also run the 12B in fp8 with these pass budgets")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
@@ -234,6 +256,9 @@ def main() -> None:
     if "ceilings" in only:
         row.update(gemm_ceilings([(16384, 15360, 3840), (16384, 3840, 15360),
                                   (16384, 2048, 640), (1000, 15360, 3840)]))
+        print(json.dumps(row), flush=True)
+    if "elementwise" in only:
+        row.update(elementwise_rates(16384, [2048, 15360]))
         print(json.dumps(row), flush=True)
 
     def random_ckpt(cfg: dict) -> Checkpoint:

@@ -19,7 +19,8 @@ import triton.language as tl
 
 from ..quant.fp8 import FP8, INV_FP8_MAX
 
-CHUNK = 1024   # gelu_mul: columns per step of a row
+CHUNK = 1024   # gelu_mul: columns per step of a row too wide to hold at once
+ONE_READ_MAX = 16384   # gelu_mul: rows up to this wide are held in registers and read once
 
 
 @triton.jit
@@ -137,10 +138,16 @@ def _gelu_mul_chunk(gu_ptr, row, start, cols, D: tl.constexpr, STRIDE: tl.conste
 
 @triton.jit
 def _gelu_mul_kernel(gu_ptr, out_ptr, scale_ptr, D: tl.constexpr, INV_FP8_MAX, QUANT: tl.constexpr,
-                     BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr, ONE_READ: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
-    if QUANT:
+    if ONE_READ:   # the whole row at once (BLOCK >= D): read once, amax from registers
+        h, mask = _gelu_mul_chunk(gu_ptr, row, 0, cols, D, 2 * D)
+        if QUANT:
+            _quantize_store(h, cols, mask, out_ptr, scale_ptr, row, D, INV_FP8_MAX)
+        else:
+            tl.store(out_ptr + row * D + cols, h.to(out_ptr.dtype.element_ty), mask=mask)
+    elif QUANT:   # chunk by chunk: the amax first, then the row again to quantise it
         amax = tl.zeros((BLOCK,), dtype=tl.float32)
         for start in range(0, D, BLOCK):
             h, mask = _gelu_mul_chunk(gu_ptr, row, start, cols, D, 2 * D)
@@ -159,14 +166,19 @@ def _gelu_mul_kernel(gu_ptr, out_ptr, scale_ptr, D: tl.constexpr, INV_FP8_MAX, Q
                      mask=mask)
 
 
-def gelu_mul(gate_up: torch.Tensor, *, quant: bool):
+def gelu_mul(gate_up: torch.Tensor, *, quant: bool, one_read: bool | None = None):
     """``gate_up``: [m, 2 I] bf16 (gate columns first) -> ``gelu_tanh(gate) * up`` as bf16
-    [m, I], or ``(fp8, per-row scale)`` when ``quant``."""
+    [m, I], or ``(fp8, per-row scale)`` when ``quant``. ``one_read``: hold each row in
+    registers (default: rows up to ONE_READ_MAX wide); the same bits either way."""
     m, width = gate_up.shape
     d = width // 2
     out = torch.empty(m, d, dtype=FP8 if quant else gate_up.dtype, device=gate_up.device)
     scale = torch.empty(m if quant else 1, dtype=torch.float32, device=gate_up.device)
+    if one_read is None:
+        one_read = d <= ONE_READ_MAX
+    block = triton.next_power_of_2(d) if one_read else CHUNK
     if m:
         _gelu_mul_kernel[(m,)](gate_up.contiguous(), out, scale, d, INV_FP8_MAX, QUANT=quant,
-                               BLOCK=CHUNK, num_warps=4)
+                               BLOCK=block, ONE_READ=one_read,
+                               num_warps=min(16, max(4, block // 1024)))
     return (out, scale) if quant else out

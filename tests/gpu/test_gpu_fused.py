@@ -94,6 +94,18 @@ def test_gelu_mul_close_to_unfused(quant):
         _ulp_close(out, ref, share=0.05)
 
 
+@pytest.mark.parametrize("quant", [False, True])
+@pytest.mark.parametrize("width", [2048, 15360])
+def test_gelu_mul_reads_once_or_chunk_by_chunk_to_the_same_bits(width, quant):
+    gu = torch.randn(300, 2 * width, device="cuda", dtype=BF16) * 2
+    once, chunked = gelu_mul(gu, quant=quant, one_read=True), gelu_mul(gu, quant=quant,
+                                                                       one_read=False)
+    if quant:
+        assert torch.equal(once[1], chunked[1])
+        once, chunked = once[0].view(torch.uint8), chunked[0].view(torch.uint8)
+    assert torch.equal(once, chunked)
+
+
 @pytest.mark.parametrize("scheme", ["bf16", "fp8"])
 def test_fused_forward_close_to_module_forward(scheme):
     docs = [DocTree([2, *range(10, 200)], [Branch([7, 8, 9], [[11], [12, 13]])]).flatten(0)]
