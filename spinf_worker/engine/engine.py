@@ -395,13 +395,15 @@ def _option_scores(q: Query, combo: Combination, scores: DocScores, b: int, floo
                    floor_b: int) -> CombinationScore:
     """Branch b's options: logprobs, probabilities over the options, floor probabilities
     (branch floor_b of the floor's DocTree)."""
-    lp, probs = scores.branch(b).tolist(), scores.branch_probs(b).tolist()
-    floor_probs = floor.branch_probs(floor_b).tolist()
+    lp, probs, start, residual = scores.lists
+    _, floor_probs, floor_start, _ = floor.lists
+    at, floor_at = start[b], floor_start[floor_b]
     return CombinationScore(
         values=combo.values,
-        options=[OptionScore(text=o, logprob=lp[k], p=probs[k], floor_p=floor_probs[k])
+        options=[OptionScore(text=o, logprob=lp[at + k], p=probs[at + k],
+                             floor_p=floor_probs[floor_at + k])
                  for k, o in enumerate(q.options)],
-        residual=float(scores.residual[b]))
+        residual=residual[b])
 
 
 def _pack_results(packs: list[tuple[Pack, list[PackQuestion]]],

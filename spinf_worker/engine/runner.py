@@ -31,12 +31,16 @@ class DocScores:
     def branch(self, b: int) -> np.ndarray:
         return self.option_logprobs[self.branch_start[b]:self.branch_start[b + 1]]
 
-    def branch_probs(self, b: int) -> np.ndarray:
-        """Branch b's options' probabilities renormalised over its options (float64)."""
-        return self.option_probs[self.branch_start[b]:self.branch_start[b + 1]]
+    @cached_property
+    def lists(self) -> tuple[list[float], list[float], list[int], list[float]]:
+        """Logprobs, probabilities, branch starts and residuals as Python lists, converted
+        once (a response reads them option by option)."""
+        return (self.option_logprobs.tolist(), self.option_probs.tolist(),
+                self.branch_start.tolist(), self.residual.tolist())
 
     @cached_property
     def option_probs(self) -> np.ndarray:
+        """Each option's probability renormalised over its branch's options (float64)."""
         lp = self.option_logprobs.astype(np.float64)
         owner = np.repeat(np.arange(len(self.residual)), np.diff(self.branch_start))
         top = np.full(len(self.residual), -np.inf)
