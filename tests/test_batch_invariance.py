@@ -67,3 +67,24 @@ def test_runner_raw_tensors_equal(tiny_engine):
 @pytest.mark.slow
 def test_default_model_alone_vs_packed(default_engine):
     assert_invariant(default_engine, {"text": NEWS, "scoring": {"queries": QUERIES[:3]}}, seed=3)
+
+
+def test_scheduler_returns_each_document_once_pass_by_pass(tiny_engine):
+    """PassScheduler: passes start while documents are still added, the rest run at flush,
+    read back one pass at a time; every document comes back once, with its own scores."""
+    from spinf_worker.engine.scheduler import PassScheduler
+
+    rng = random.Random(4)
+    vocab = list(tiny_engine.presenter.encode(NEWS))
+    docs = [DocTree([2] + [rng.choice(vocab) for _ in range(rng.randint(1, 200))],
+                    [Branch([rng.choice(vocab)], [[rng.choice(vocab)], [rng.choice(vocab)]])
+                     for _ in range(3)]).flatten(0) for _ in range(12)]
+    scheduler = PassScheduler(tiny_engine.runner, max_pass_tokens=512)
+    early = [done for i, doc in enumerate(docs) for done in scheduler.add(i, doc)]
+    batches = list(scheduler.flush())
+    assert early and len(batches) >= 2        # some passes ran before flush; flush yields each
+    returned = early + [done for batch in batches for done in batch]
+    assert sorted(tag for tag, _ in returned) == list(range(len(docs)))
+    for tag, scores in returned:
+        alone = tiny_engine.runner.run([docs[tag]])[0]
+        assert all(torch.equal(a, b) for a, b in zip(alone.logprobs, scores.logprobs))

@@ -228,7 +228,8 @@ class Engine:
                     settle(scheduler.add(("floor", key), tree.flatten(self.pad_id)))
             waiting[i] = (p, keys)
             settle(scheduler.add(("request", i), p.flat))
-        settle(scheduler.flush())
+        for done in scheduler.flush():
+            settle(done)
         return results
 
     # ---- request -> DocTree -----------------------------------------------------------

@@ -9,7 +9,7 @@ free to do.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 
 from .layout import FlatDoc
 from .packer import pack
@@ -33,31 +33,30 @@ class PassScheduler:
         self.waiting_rows += doc.length
         if self.waiting_rows < self.max_pass_tokens * FILL_SLACK:
             return []
-        return self._launch(keep_last=True)
+        return [done for batch in self._launch(keep_last=True) for done in batch]
 
-    def flush(self) -> list[tuple[Hashable, DocScores]]:
-        """Run everything still waiting; returns every document not returned before."""
-        done = self._launch(keep_last=False)
+    def flush(self) -> Iterator[list[tuple[Hashable, DocScores]]]:
+        """Run everything still waiting; yields the documents not returned before, pass by
+        pass, so the caller answers one pass's documents while the device runs the next."""
+        yield from self._launch(keep_last=False)
         if self.in_flight is not None:
-            done += self._collect(self.in_flight)
-            self.in_flight = None
-        return done
+            job, self.in_flight = self.in_flight, None
+            yield self._collect(job)
 
-    def _launch(self, *, keep_last: bool) -> list[tuple[Hashable, DocScores]]:
+    def _launch(self, *, keep_last: bool) -> Iterator[list[tuple[Hashable, DocScores]]]:
         """Launch the packed passes of the waiting documents (all but the last, least full
-        one when more documents may come)."""
+        one when more documents may come); yields each pass read back meanwhile."""
         passes = pack([doc for _, doc in self.waiting], self.max_pass_tokens)
         held = passes[-1:] if keep_last else []
-        done = []
-        for p in passes[:len(passes) - len(held)]:
-            job = ([self.waiting[i][0] for i in p.docs],
-                   self.runner.launch([self.waiting[i][1] for i in p.docs]))
-            if self.in_flight is not None:
-                done += self._collect(self.in_flight)
-            self.in_flight = job
+        launched = passes[:len(passes) - len(held)]
+        jobs = [[self.waiting[i] for i in p.docs] for p in launched]
         self.waiting = [self.waiting[i] for p in held for i in p.docs]
         self.waiting_rows = sum(doc.length for _, doc in self.waiting)
-        return done
+        for docs in jobs:
+            job = ([tag for tag, _ in docs], self.runner.launch([doc for _, doc in docs]))
+            previous, self.in_flight = self.in_flight, job
+            if previous is not None:
+                yield self._collect(previous)
 
     def _collect(self, job: tuple[list[Hashable], PendingPass]) -> list[tuple[Hashable, DocScores]]:
         tags, pending = job
