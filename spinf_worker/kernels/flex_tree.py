@@ -17,6 +17,10 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 BLOCK = 128
+# Heads wider than 256 (Gemma 4's global layers: 512): FlexAttention's default tiles ask for
+# more shared memory than an H100/H200 has, so smaller ones are named (fixed, whatever the
+# pass: a document's reduction order stays the same wherever it lands).
+WIDE_HEAD_OPTIONS = {"BLOCK_M": 64, "BLOCK_N": 32, "num_stages": 2, "num_warps": 8}
 
 
 @dataclass
@@ -106,6 +110,8 @@ def flex_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan:
                         sliding: bool, scale: float) -> torch.Tensor:
     """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq, D]."""
     qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    options = WIDE_HEAD_OPTIONS if q.shape[-1] > 256 else None
     out = _compiled_flex()(qh, kh, vh, block_mask=plan.window if sliding else plan.full,
-                           scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+                           scale=scale, enable_gqa=q.shape[1] != k.shape[1],
+                           kernel_options=options)
     return out[0].transpose(0, 1)
