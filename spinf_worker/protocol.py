@@ -7,8 +7,9 @@ becomes an ``InvalidRequestError`` whose ``param`` is the dotted path of the off
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections import OrderedDict
+from functools import lru_cache
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -349,23 +350,20 @@ class ScoreRequest(BaseModel):
         if isinstance(data, ScoreRequest):
             return data
         key = _scoring_key(data)
-        cached = _SCORING_CACHE.get(key) if key is not None else None
-        if cached is not None:
-            _SCORING_CACHE.move_to_end(key)
-            data = {**data, "scoring": cached}
+        if key is not None:
+            # a bad block fails here uncached; validating the whole request names its field
+            with contextlib.suppress(ValidationError):
+                data = {**data, "scoring": _scoring_from_json(key)}
         try:
-            request = cls.model_validate(data)
+            return cls.model_validate(data)
         except ValidationError as error:
             raise _to_invalid_request(error) from None
-        if key is not None and cached is None:
-            _SCORING_CACHE[key] = request.scoring
-            while len(_SCORING_CACHE) > SCORING_CACHE_SIZE:
-                _SCORING_CACHE.popitem(last=False)
-        return request
 
 
-SCORING_CACHE_SIZE = 256
-_SCORING_CACHE: OrderedDict[str, Scoring] = OrderedDict()
+@lru_cache(maxsize=256)
+def _scoring_from_json(text: str) -> Scoring:
+    """A validated scoring block, shared by the requests that send the same JSON text."""
+    return Scoring.model_validate_json(text)
 
 
 def _scoring_key(data: Any) -> str | None:
@@ -374,7 +372,7 @@ def _scoring_key(data: Any) -> str | None:
     if not isinstance(scoring, dict):
         return None
     try:
-        return json.dumps(scoring, sort_keys=True, allow_nan=False)
+        return json.dumps(scoring, allow_nan=False)
     except (TypeError, ValueError):   # not JSON (keys or values): validation will say
         return None
 
