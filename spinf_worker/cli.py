@@ -63,7 +63,7 @@ def _error_line(custom_id, err: SpinfError) -> dict:
 def cmd_score(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from .engine import Engine, EngineSettings
+    from .engine.engine import Engine, EngineSettings, freeze_heap
     from .pack_sources import load_sources
     from .packs import PackError
 
@@ -77,6 +77,7 @@ def cmd_score(args: argparse.Namespace) -> int:
     if args.max_pass_tokens:
         settings.max_pass_tokens = args.max_pass_tokens
     engine = Engine.load(args.model, device=args.device, settings=settings, packs=packs)
+    freeze_heap()
     total = None if args.input == "-" else sum(1 for _ in _read_lines(args.input))
     sink = (contextlib.nullcontext(sys.stdout) if args.output == "-"
             else open(args.output, "w", encoding="utf-8"))  # noqa: SIM115 (closed by with)

@@ -257,14 +257,16 @@ class Tiers:
 
 
 def load_engine(spec: WorkerSpec, settings: ServiceSettings):
-    from .engine.engine import Engine, EngineSettings
+    from .engine.engine import Engine, EngineSettings, freeze_heap
     from .pack_sources import load_sources
 
     packs = load_sources(settings.packs)      # before the model: a bad pack fails fast
     engine_settings = EngineSettings(scheme=settings.quant)
     if settings.max_pass_tokens:
         engine_settings.max_pass_tokens = settings.max_pass_tokens
-    return Engine.load(spec.model, device=spec.device, settings=engine_settings, packs=packs)
+    engine = Engine.load(spec.model, device=spec.device, settings=engine_settings, packs=packs)
+    freeze_heap()
+    return engine
 
 
 async def _run_worker(spec: WorkerSpec, settings: ServiceSettings, redis, keys: Keys,
