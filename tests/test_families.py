@@ -17,6 +17,7 @@ import torch
 from spinf_worker.errors import ModelNotFoundError, UnsupportedModelError
 
 from .test_engine_parity import NEWS, QUERIES, TOL, check_against_oracle
+from .test_loader import add_shape
 
 transformers = pytest.importorskip("transformers")
 
@@ -392,15 +393,7 @@ def write_bpe_gguf(path: Path, model, tok, pre: str, arch: str) -> None:
     tokens = [t for t, _ in sorted(tok.get_vocab().items(), key=lambda kv: kv[1])]
     writer = gguf.GGUFWriter(path, arch)
     writer.add_name(f"tiny {arch}")
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
-    writer.add_key_length(c.head_dim)
-    writer.add_value_length(c.head_dim)
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    add_shape(writer, c)
     writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre)

@@ -274,11 +274,8 @@ _GGUF_LAYER = {
 }
 
 
-def write_tiny_gguf(path, model, name="tiny gemma"):
-    """A gemma3 GGUF the way llama.cpp writes one: norms as 1 + w, the up projections in Q8_0."""
-    c = model.config
-    writer = gguf.GGUFWriter(path, "gemma3")
-    writer.add_name(name)
+def add_shape(writer, c) -> None:
+    """The header keys every architecture writes the same way, from a transformers config."""
     writer.add_block_count(c.num_hidden_layers)
     writer.add_embedding_length(c.hidden_size)
     writer.add_feed_forward_length(c.intermediate_size)
@@ -288,6 +285,14 @@ def write_tiny_gguf(path, model, name="tiny gemma"):
     writer.add_value_length(c.head_dim)
     writer.add_context_length(c.max_position_embeddings)
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+
+
+def write_tiny_gguf(path, model, name="tiny gemma"):
+    """A gemma3 GGUF the way llama.cpp writes one: norms as 1 + w, the up projections in Q8_0."""
+    c = model.config
+    writer = gguf.GGUFWriter(path, "gemma3")
+    writer.add_name(name)
+    add_shape(writer, c)
     writer.add_rope_freq_base(1e6)
     writer.add_sliding_window(c.sliding_window)
     writer.add_tokenizer_model("llama")

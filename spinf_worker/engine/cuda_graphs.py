@@ -17,21 +17,19 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.attention import AttentionPlan
-from ..kernels.flex_tree import TreeTokens, build_flex_plan
+from .runner import cuda_pass_plan
 
 
 class PassGraph:
     """One bucket's captured forward: ``inputs`` [5, rows] int32 in, ``hidden`` out."""
 
-    def __init__(self, model: torch.nn.Module, rows: int, window: int, pool):
+    def __init__(self, model: torch.nn.Module, rows: int, pool):
         device = next(model.parameters()).device
         self.inputs = torch.zeros(5, rows, dtype=torch.int32, device=device)
         self.inputs[2:] = -1     # capture on a pass of padding rows only
 
         def forward() -> torch.Tensor:
-            plan = AttentionPlan([], flex=build_flex_plan(TreeTokens.of_pass(self.inputs),
-                                                          window), rows=rows)
+            plan = cuda_pass_plan(model, self.inputs)
             return model(self.inputs[0].long(), self.inputs[1].long(), plan)
 
         # Compile and autotune outside the capture (on a side stream, as capture needs).
@@ -48,8 +46,8 @@ class PassGraph:
 class PassGraphs:
     """The captured graph of each pass bucket, captured the first time the bucket runs."""
 
-    def __init__(self, model: torch.nn.Module, window: int):
-        self.model, self.window = model, window
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[int, PassGraph] = {}
 
@@ -60,7 +58,7 @@ class PassGraphs:
         rows = inputs.shape[1]
         graph = self.graphs.get(rows)
         if graph is None:
-            graph = self.graphs[rows] = PassGraph(self.model, rows, self.window, self.pool)
+            graph = self.graphs[rows] = PassGraph(self.model, rows, self.pool)
         # From pinned memory the copy is queued behind the work already on the stream (the
         # previous replay may still be reading this buffer) without the host waiting.
         graph.inputs.copy_(inputs.pin_memory(), non_blocking=True)

@@ -81,12 +81,11 @@ class ModelRunner:
         if fuse and device.type == "cuda" and hasattr(model, "fuse_projections"):
             model.fuse_projections()
         self.graphs = None
-        body = sum(p.numel() for name, p in model.named_parameters() if "embed" not in name)
         if (cuda_graphs and device.type == "cuda" and getattr(model, "capturable", False)
-                and body <= GRAPH_MAX_BODY_PARAMS):
+                and _body_params(model) <= GRAPH_MAX_BODY_PARAMS):
             from .cuda_graphs import PassGraphs
 
-            self.graphs = PassGraphs(model, model.cfg.sliding_window)
+            self.graphs = PassGraphs(model)
 
     def span(self, doc: FlatDoc, start: int) -> DocSpan:
         """Attention metadata of one document placed at ``start``."""
@@ -105,10 +104,8 @@ class ModelRunner:
 
     def flex_plan(self, docs: list[FlatDoc], rows: int):
         """CUDA: the pass's tree tensors on the device -> block masks."""
-        from ..kernels.flex_tree import TreeTokens, build_flex_plan
-
         inputs = self._upload(torch.from_numpy(pass_rows(docs, rows, self.pad_id)))
-        return build_flex_plan(TreeTokens.of_pass(inputs), self.model.cfg.sliding_window)
+        return cuda_pass_plan(self.model, inputs).flex
 
     def _upload(self, t: torch.Tensor) -> torch.Tensor:
         """Host -> device without waiting for the work already queued on the device (a copy
@@ -142,13 +139,9 @@ class ModelRunner:
             if self.graphs is not None and not keep:
                 hidden = self.graphs.run(inputs)
                 return self._readouts(docs, starts, hidden)
-            from ..kernels.flex_tree import TreeTokens, build_flex_plan
-
             inputs = self._upload(inputs)
             ids, pos = inputs[0].long(), inputs[1].long()
-            plan = AttentionPlan([], flex=build_flex_plan(TreeTokens.of_pass(inputs),
-                                                          self.model.cfg.sliding_window),
-                                 rows=start)
+            plan = cuda_pass_plan(self.model, inputs, real_rows=start)
         else:
             ids = torch.cat([d.input_ids for d in docs])
             pos = torch.cat([d.positions for d in docs])
@@ -212,6 +205,20 @@ class ModelRunner:
             start = np.searchsorted(doc.option_branch, np.arange(doc.n_branches + 1))
             out.append(DocScores(lp, start, 1.0 - mass))
         return out
+
+
+def cuda_pass_plan(model: torch.nn.Module, inputs: torch.Tensor,
+                   real_rows: int | None = None) -> AttentionPlan:
+    """How a pass's [5, rows] device rows (``pass_rows``) attend on CUDA: the block masks of
+    its tree. ``real_rows``: compute only those (None: every row, padding too)."""
+    from ..kernels.flex_tree import TreeTokens, build_flex_plan
+
+    flex = build_flex_plan(TreeTokens.of_pass(inputs), model.cfg.sliding_window)
+    return AttentionPlan([], flex=flex, rows=real_rows or inputs.shape[1])
+
+
+def _body_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for name, p in model.named_parameters() if "embed" not in name)
 
 
 def pass_rows(docs: list[FlatDoc], rows: int, pad_id: int) -> np.ndarray:

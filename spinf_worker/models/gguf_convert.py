@@ -102,20 +102,37 @@ def read_weights(reader: gguf.GGUFReader) -> dict[str, torch.Tensor]:
     return weights
 
 
-def _f32(value: float) -> float:
+def f32(value: float) -> float:
     """GGUF stores floats as float32; report the shortest decimal that is the same float32."""
     return float(str(np.float32(value)))
 
 
-def text_config(meta: GGUFMetadata, tensor_names: set[str], vocab_size: int) -> dict:
-    """A config.json for Gemma3ForCausalLM, readable by transformers and by our engine."""
-    layers = int(meta.arch_get("block_count"))
+def shape_config(meta: GGUFMetadata, vocab_size: int, default_context: int) -> dict:
+    """The config.json keys every architecture's GGUF header gives the same way: sizes,
+    layers, heads, context length, RMSNorm epsilon."""
     hidden = int(meta.arch_get("embedding_length"))
     heads = int(meta.arch_get("attention.head_count"))
-    head_dim = int(meta.arch_get("attention.key_length", hidden // heads))
-    rope_theta = _f32(meta.arch_get("rope.freq_base", 1_000_000.0))
+    return {
+        "hidden_size": hidden,
+        "intermediate_size": int(meta.arch_get("feed_forward_length")),
+        "num_hidden_layers": int(meta.arch_get("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(meta.arch_get("attention.head_count_kv", heads)),
+        "head_dim": int(meta.arch_get("attention.key_length", hidden // heads)),
+        "max_position_embeddings": int(meta.arch_get("context_length", default_context)),
+        "rms_norm_eps": f32(meta.arch_get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "vocab_size": vocab_size,
+    }
+
+
+def text_config(meta: GGUFMetadata, tensor_names: set[str], vocab_size: int) -> dict:
+    """A config.json for Gemma3ForCausalLM, readable by transformers and by our engine."""
+    shape = shape_config(meta, vocab_size, default_context=32768)
+    layers, hidden = shape["num_hidden_layers"], shape["hidden_size"]
+    heads, head_dim = shape["num_attention_heads"], shape["head_dim"]
+    rope_theta = f32(meta.arch_get("rope.freq_base", 1_000_000.0))
     # Gemma 3 GGUFs carry no local rope base; the architecture fixes it at 10k.
-    rope_local = _f32(meta.arch_get("rope.freq_base_swa", 10_000.0))
+    rope_local = f32(meta.arch_get("rope.freq_base_swa", 10_000.0))
 
     # Every 6th layer attends globally unless the file spells the pattern out per layer.
     pattern = meta.arch_get("attention.sliding_window_pattern", 6)
@@ -133,26 +150,18 @@ def text_config(meta: GGUFMetadata, tensor_names: set[str], vocab_size: int) -> 
     scaling = None
     if meta.arch_get("rope.scaling.type") == "linear":
         # Larger Gemma 3s stretch only the global layers' rope.
-        scaling = {"rope_type": "linear", "factor": _f32(meta.arch_get("rope.scaling.factor"))}
+        scaling = {"rope_type": "linear", "factor": f32(meta.arch_get("rope.scaling.factor"))}
         full_rope.update(scaling)
 
     def softcap(key):
         value = meta.arch_get(key)
-        return None if value is None else _f32(value)
+        return None if value is None else f32(value)
 
     return {
         "architectures": ["Gemma3ForCausalLM"],
         "model_type": "gemma3_text",
-        "hidden_size": hidden,
-        "intermediate_size": int(meta.arch_get("feed_forward_length")),
-        "num_hidden_layers": layers,
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(meta.arch_get("attention.head_count_kv", heads)),
-        "head_dim": head_dim,
+        **shape,
         "hidden_activation": "gelu_pytorch_tanh",
-        "max_position_embeddings": int(meta.arch_get("context_length", 32768)),
-        "rms_norm_eps": _f32(meta.arch_get("attention.layer_norm_rms_epsilon", 1e-6)),
-        "vocab_size": vocab_size,
         "query_pre_attn_scalar": query_scalar,
         "sliding_window": int(meta.arch_get("attention.sliding_window", 512)),
         "layer_types": layer_types,

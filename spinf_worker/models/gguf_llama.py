@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers
 from tokenizers.models import BPE
 
-from .gguf_convert import write_hf_files
+from .gguf_convert import f32, shape_config, write_hf_files
 from .layers import rope_inv_freq
 
 ARCHITECTURES = ("llama", "qwen3")
@@ -109,14 +109,10 @@ def read_weights(reader: gguf.GGUFReader, arch: str, heads: int, kv_heads: int
     return weights, rope_freqs
 
 
-def _f32(value: float) -> float:
-    return float(str(np.float32(value)))
-
-
 def llama3_rope(rope_freqs: np.ndarray, theta: float, head_dim: int) -> dict:
     """The ``llama3`` RoPE parameters that give llama.cpp's per-angle factors; Llama 3.1 and
     3.2 use low/high frequency factors 1 and 4 over an original context of 8192."""
-    params = {"rope_type": "llama3", "rope_theta": theta, "factor": _f32(rope_freqs.max()),
+    params = {"rope_type": "llama3", "rope_theta": theta, "factor": f32(rope_freqs.max()),
               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
               "original_max_position_embeddings": 8192}
     base = rope_inv_freq(head_dim, {"rope_type": "default", "rope_theta": theta})
@@ -127,15 +123,13 @@ def llama3_rope(rope_freqs: np.ndarray, theta: float, head_dim: int) -> dict:
 
 
 def hf_config(meta, arch: str, weights: dict, vocab_size: int, rope_freqs) -> dict:
-    layers = int(meta.arch_get("block_count"))
-    hidden = int(meta.arch_get("embedding_length"))
-    heads = int(meta.arch_get("attention.head_count"))
-    head_dim = int(meta.arch_get("attention.key_length", hidden // heads))
-    theta = _f32(meta.arch_get("rope.freq_base", 10_000.0 if arch == "llama" else 1_000_000.0))
+    shape = shape_config(meta, vocab_size, default_context=8192)
+    head_dim = shape["head_dim"]
+    theta = f32(meta.arch_get("rope.freq_base", 10_000.0 if arch == "llama" else 1_000_000.0))
     rope = {"rope_type": "default", "rope_theta": theta}
     if meta.arch_get("rope.scaling.type") == "linear":
         rope = {"rope_type": "linear", "rope_theta": theta,
-                "factor": _f32(meta.arch_get("rope.scaling.factor"))}
+                "factor": f32(meta.arch_get("rope.scaling.factor"))}
     elif rope_freqs is not None and not np.all(rope_freqs == 1):
         rope = llama3_rope(rope_freqs, theta, head_dim)
     elif meta.arch_get("rope.scaling.type") not in (None, "none"):
@@ -143,16 +137,8 @@ def hf_config(meta, arch: str, weights: dict, vocab_size: int, rope_freqs) -> di
     return {
         "architectures": ["LlamaForCausalLM" if arch == "llama" else "Qwen3ForCausalLM"],
         "model_type": arch,
-        "hidden_size": hidden,
-        "intermediate_size": int(meta.arch_get("feed_forward_length")),
-        "num_hidden_layers": layers,
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(meta.arch_get("attention.head_count_kv", heads)),
-        "head_dim": head_dim,
+        **shape,
         "hidden_act": "silu",
-        "max_position_embeddings": int(meta.arch_get("context_length", 8192)),
-        "rms_norm_eps": _f32(meta.arch_get("attention.layer_norm_rms_epsilon", 1e-6)),
-        "vocab_size": vocab_size,
         "rope_theta": theta,
         "rope_parameters": rope,
         "attention_bias": "model.layers.0.self_attn.q_proj.bias" in weights,
