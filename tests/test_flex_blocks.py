@@ -1,28 +1,36 @@
-"""The key blocks FlexAttention visits on CUDA (kernels/flex_tree.py), checked on the CPU:
-every visible (query, key) pair lies in a kept block, few blocks are kept needlessly, and a
-document keeps the same blocks wherever it lands in the pass."""
+"""The tree rule on CUDA (kernels/flex_tree.py), checked on the CPU: each readout sees exactly
+its one-question prompt, every visible (query, key) pair lies in a kept key block, full blocks
+are fully visible, few blocks are kept needlessly, and a document keeps the same blocks
+wherever it lands in the pass."""
 
 from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 from torch.nn.attention.flex_attention import create_mask
 
 from spinf_worker.engine.layout import Branch, DocTree
 from spinf_worker.engine.runner import pass_rows
-from spinf_worker.kernels.flex_tree import BLOCK, TreeTokens, tree_blocks
+from spinf_worker.kernels.flex_tree import BLOCK, TreeTokens, tree_blocks, tree_mask
 
 WINDOW = 96
 
 
-def _docs(seed: int, n: int = 5) -> list:
+def _trees(seed: int, n: int = 5) -> list[DocTree]:
     rng = random.Random(seed)
+    # Few distinct tokens, so branches share prefixes (and options their first tokens).
     return [DocTree([2] + [7] * rng.randint(1, 400),
-                    [Branch([9] * rng.randint(0, 12),
-                            [[11] * rng.randint(1, 3) for _ in range(rng.randint(1, 4))])
-                     for _ in range(rng.randint(1, 30))]).flatten(0) for _ in range(n)]
+                    [Branch([rng.choice((9, 10)) for _ in range(rng.randint(0, 12))],
+                            [[rng.choice((11, 12)) for _ in range(rng.randint(1, 3))]
+                             for _ in range(rng.randint(1, 4))])
+                     for _ in range(rng.randint(1, 30))]) for _ in range(n)]
+
+
+def _docs(seed: int, n: int = 5) -> list:
+    return [t.flatten(0) for t in _trees(seed, n)]
 
 
 def _tokens(docs: list, pad_blocks: int = 2) -> TreeTokens:
@@ -30,48 +38,93 @@ def _tokens(docs: list, pad_blocks: int = 2) -> TreeTokens:
     return TreeTokens.of_pass(torch.from_numpy(pass_rows(docs, rows, 0)))
 
 
-def test_pass_rows_number_the_tree_across_the_pass():
+def _visible(t: TreeTokens, window: int | None) -> torch.Tensor:
+    n = t.doc.shape[0]
+    return create_mask(tree_mask(t, window), None, None, n, n, device="cpu")[0, 0]
+
+
+def test_pass_rows_place_each_document_and_pad_the_rest():
     docs = _docs(4, n=3)
     rows = sum(d.length for d in docs) + BLOCK
-    ids, pos, doc, branch, option = torch.from_numpy(pass_rows(docs, rows, 5)).long()
+    ids, pos, doc, end = torch.from_numpy(pass_rows(docs, rows, 5)).long()
     start = 0
-    seen_branches: set[int] = set()
     for i, d in enumerate(docs):
         here = slice(start, start + d.length)
         assert torch.equal(ids[here], d.input_ids) and torch.equal(pos[here], d.positions)
         real = torch.arange(d.length) < d.tokens
         assert torch.equal(doc[here], torch.where(real, i, -1))
-        assert torch.equal(branch[here] >= 0, d.branch_of >= 0)
-        assert torch.equal(option[here] >= 0, d.option_of >= 0)
-        # ids are the document's own, shifted past the earlier documents' ids
-        mine = set(branch[here][branch[here] >= 0].tolist())
-        assert len(mine) == d.n_branches and not mine & seen_branches
-        seen_branches |= mine
+        row = torch.arange(start, start + d.length)
+        # a real row's subtree stays in its document; a padding row's is itself
+        assert torch.equal(end[here] <= start + d.tokens, real)
+        assert (end[here] > row).all() and torch.equal(end[here][~real], row[~real] + 1)
         start += d.length
     assert (ids[start:] == 5).all() and (pos[start:] == 0).all() and (doc[start:] == -1).all()
+    assert torch.equal(end[start:], torch.arange(start, rows) + 1)
 
 
-def _dense_blocks(t: TreeTokens, window: int | None) -> torch.Tensor:
-    def visible(b, h, q, k):
-        on_path = (t.branch[k] < 0) | ((t.branch[k] == t.branch[q])
-                                       & ((t.option[k] < 0) | (t.option[k] == t.option[q])))
-        seen = (t.doc[q] == t.doc[k]) & (t.doc[q] >= 0) & on_path & (t.pos[k] <= t.pos[q])
-        if window is not None:
-            seen = seen & (t.pos[q] - t.pos[k] < window)
-        return seen | ((t.doc[q] < 0) & (q == k))
+@pytest.mark.parametrize("seed", [0, 1])
+def test_each_readout_sees_exactly_its_one_question_prompt(seed):
+    trees = _trees(seed, n=3)
+    docs = [t.flatten(0) for t in trees]
+    t = _tokens(docs)
+    seen = _visible(t, None)
+    ids = torch.from_numpy(pass_rows(docs, t.doc.shape[0], 0))[0].long()
+    start = 0
+    for tree, d in zip(trees, docs):
+        readouts = d.readout_rows.tolist()
+        for summand in range(len(d.term_option)):
+            k, readout = d.term_option[summand], d.term_readout[summand]
+            b = d.option_branch[k]
+            br = tree.branches[b]
+            option = br.options[k - np.searchsorted(d.option_branch, b)]
+            # the summand's place in its option: 0 = first token (read after the template)
+            nth = int((d.term_option[:summand] == k).sum())
+            prompt = tree.root + br.prefix + option[:nth]
+            row = start + readouts[readout]
+            keys = torch.nonzero(seen[row]).flatten()
+            assert ids[keys].tolist() == prompt
+            assert t.pos[keys].tolist() == list(range(len(prompt)))
+            assert d.term_token[summand] == option[nth]
+        start += d.length
 
+
+def test_branches_sharing_a_prefix_share_its_rows():
+    shared = DocTree([2, 7, 7], [Branch([9, 10, 11], [[5]]), Branch([9, 10, 12], [[5]]),
+                                 Branch([9, 10, 11], [[6, 7]])]).flatten(0)
+    assert shared.tokens == 3 + 4 + 1        # 9 10 11 12, and the sub-branch token 6
+    assert shared.readout_rows[0] == shared.readout_rows[2]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_cpu_paths_are_the_masks_branch_keys(seed):
+    docs = _docs(seed, n=2)
+    t = _tokens(docs, pad_blocks=0)
+    seen = _visible(t, None)
+    start = 0
+    for d in docs:
+        rows, ok = d.paths
+        for j in range(d.tokens - d.root):
+            q = start + d.root + j
+            keys = torch.nonzero(seen[q, start + d.root:]).flatten() + d.root
+            assert sorted(rows[j][ok[j]].tolist()) == keys.tolist()
+        start += d.length
+
+
+def _dense_blocks(t: TreeTokens, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     n = t.doc.shape[0]
-    mask = create_mask(visible, None, None, n, n, device="cpu")[0, 0]
-    return mask.view(n // BLOCK, BLOCK, n // BLOCK, BLOCK).any(3).any(1)
+    blocks = _visible(t, window).view(n // BLOCK, BLOCK, n // BLOCK, BLOCK)
+    return blocks.any(3).any(1), blocks.all(3).all(1)
 
 
 @pytest.mark.parametrize("window", [None, WINDOW])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_kept_blocks_cover_every_visible_pair(seed, window):
     t = _tokens(_docs(seed))
-    kept, exact = tree_blocks(t, window), _dense_blocks(t, window)
+    (kept, full), (exact, exact_full) = tree_blocks(t, window), _dense_blocks(t, window)
     assert not (exact & ~kept).any()          # nothing visible is skipped
     assert kept.sum() <= 1.6 * exact.sum()    # and little is visited for nothing
+    assert not (full & ~exact_full).any()     # no mask skipped where it would hide a key
+    assert full.sum() >= 0.5 * exact_full.sum()
 
 
 def test_a_document_keeps_the_same_blocks_wherever_it_lands():
@@ -79,14 +132,16 @@ def test_a_document_keeps_the_same_blocks_wherever_it_lands():
     target = docs[2]
     nb = target.length // BLOCK
 
-    def own(docs_in_pass: list) -> torch.Tensor:
+    def own(docs_in_pass: list) -> tuple[torch.Tensor, torch.Tensor]:
         at = next(i for i, d in enumerate(docs_in_pass) if d is target)
         start = sum(d.length for d in docs_in_pass[:at]) // BLOCK
-        kept = tree_blocks(_tokens(docs_in_pass), WINDOW)
+        kept, full = tree_blocks(_tokens(docs_in_pass), WINDOW)
         assert not kept[start:start + nb, :start].any()
         assert not kept[start:start + nb, start + nb:].any()
-        return kept[start:start + nb, start:start + nb]
+        mine = slice(start, start + nb)
+        return kept[mine, mine], full[mine, mine]
 
     alone = own([target])
-    assert torch.equal(own(docs), alone)
-    assert torch.equal(own(docs[::-1]), alone)
+    for order in (docs, docs[::-1]):
+        kept, full = own(order)
+        assert torch.equal(kept, alone[0]) and torch.equal(full, alone[1])

@@ -4,7 +4,7 @@ A small model's pass is a few hundred short kernels: launching them one by one f
 costs more host time than the device spends running them, and the host is also the one
 laying out the next requests. Each pass-size bucket's whole forward (block masks from the
 tree tensors, every layer, the final norm) is captured once and then replayed: the host
-copies the pass's [5, rows] input rows (engine/runner.pass_rows) into the graph's buffer and
+copies the pass's [4, rows] input rows (engine/runner.pass_rows) into the graph's buffer and
 launches one graph.
 
 A replay computes every row of the bucket, padding too; the kernels are row-wise or
@@ -21,12 +21,13 @@ from .runner import cuda_pass_plan
 
 
 class PassGraph:
-    """One bucket's captured forward: ``inputs`` [5, rows] int32 in, ``hidden`` out."""
+    """One bucket's captured forward: ``inputs`` [4, rows] int32 in, ``hidden`` out."""
 
     def __init__(self, model: torch.nn.Module, rows: int, pool):
         device = next(model.parameters()).device
-        self.inputs = torch.zeros(5, rows, dtype=torch.int32, device=device)
-        self.inputs[2:] = -1     # capture on a pass of padding rows only
+        self.inputs = torch.zeros(4, rows, dtype=torch.int32, device=device)
+        self.inputs[2] = -1      # capture on a pass of padding rows only
+        self.inputs[3] = torch.arange(1, rows + 1, device=device)
 
         def forward() -> torch.Tensor:
             plan = cuda_pass_plan(model, self.inputs)
@@ -53,7 +54,7 @@ class PassGraphs:
 
     @torch.inference_mode()
     def run(self, inputs: torch.Tensor) -> torch.Tensor:
-        """``inputs``: a pass's [5, rows] int32 rows on the host. Returns the final-norm hidden
+        """``inputs``: a pass's [4, rows] int32 rows on the host. Returns the final-norm hidden
         states of every row (a buffer the next replay of this bucket overwrites)."""
         rows = inputs.shape[1]
         graph = self.graphs.get(rows)

@@ -5,6 +5,12 @@ text up to its ``{?}``; a multi-token option gets a sub-branch holding all its t
 last. A branch's tokens take the positions right after its parent's last position, so every
 branch sees exactly what a one-question prompt would see.
 
+Branches are laid out as a prefix tree: questions that start with the same tokens (a pack's
+shared "Question:" preamble, the same template asked with different options) share those
+rows, since a row's keys, values and logits depend only on its own tokens and ancestors.
+Rows follow the tree depth first, so every row's descendants are the rows right after it:
+row k is on row q's path iff ``k <= q < end[k]``.
+
 Readouts are the rows whose logits predict an option token: the last token of a branch (its
 first option token, shared by all options) and each sub-branch token.
 """
@@ -12,7 +18,6 @@ first option token, shared by all options) and each sub-branch token.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cached_property
 
 import numpy as np
 import torch
@@ -35,14 +40,13 @@ class FlatDoc:
     positions: torch.Tensor      # [length]
     root: int                    # rows [0, root) hold the root
     tokens: int                  # real (unpadded) rows; [root, tokens) are branch tokens
-    branch_of: torch.Tensor      # [length] branch index per row, -1 for root and padding
-    option_of: torch.Tensor      # [length] option sub-branch index per row, -1 elsewhere
-    # Where each branch's template rows start and how many there are, and where each option
-    # sub-branch starts: a branch token's own path is its template rows up to itself, or all
-    # of them and then its sub-branch rows up to itself.
-    branch_start: np.ndarray     # [branches]
-    branch_len: np.ndarray       # [branches]
-    option_start: np.ndarray     # [option sub-branches]
+    # [length] int32: row k is on row q's path iff k <= q < span_end[k] (root rows: every real
+    # row; a padding row: itself only).
+    span_end: np.ndarray
+    # Per branch token its own path (its branch ancestors and itself), zero-padded to
+    # [branch tokens, L], and which entries are real. Only the CPU attention asks.
+    path_rows: torch.Tensor
+    path_ok: torch.Tensor
     readout_rows: torch.Tensor   # [n_readouts padded to READOUT_TILE] row within the document
     # An option's logprob is the sum of its summands: (readout index, token id) pairs, listed
     # option after option; option k belongs to branch option_branch[k].
@@ -51,7 +55,6 @@ class FlatDoc:
     term_option: np.ndarray      # [summands] option index within the document
     option_branch: np.ndarray    # [options] branch index
     n_branches: int
-    n_option_paths: int          # option sub-branches (options of several tokens)
     # extraction branches: branch -> (readout index, context rows (root + branch), settings)
     extract: dict[int, tuple[int, list[int], dict]] = field(default_factory=dict)
 
@@ -63,23 +66,49 @@ class FlatDoc:
     def max_position(self) -> int:
         return int(self.positions[: self.tokens].max())
 
-    @cached_property
+    @property
     def paths(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per branch token its own-path rows, zero-padded to ``[branch tokens, L]``, and which
-        entries are real (causal: up to the token itself). Only the CPU attention asks."""
-        rows = np.arange(self.root, self.tokens)
-        branch = self.branch_of[self.root:self.tokens].numpy().astype(np.int64)
-        option = self.option_of[self.root:self.tokens].numpy().astype(np.int64)
-        start, length = self.branch_start[branch], self.branch_len[branch]
-        in_option = option >= 0
-        own = np.where(in_option, length, rows - start + 1)           # template rows on the path
-        tail = np.where(in_option, rows - self.option_start[np.maximum(option, 0)] + 1, 0)
-        width = int((own + tail).max()) if len(rows) else 1
-        col = np.arange(width)[None, :]
-        path = np.where(col < own[:, None], start[:, None] + col,
-                        self.option_start[np.maximum(option, 0)][:, None] + col - own[:, None])
-        ok = col < (own + tail)[:, None]
-        return torch.from_numpy(np.where(ok, path, 0)), torch.from_numpy(ok)
+        return self.path_rows, self.path_ok
+
+
+class _Trie:
+    """Token prefix tree of the branches; node 0 is the root's end."""
+
+    def __init__(self):
+        self.children: list[dict[int, int]] = [{}]
+        self.token: list[int] = [-1]
+        self.parent: list[int] = [-1]
+
+    def walk(self, tokens: list[int]) -> list[int]:
+        """The nodes of ``tokens`` below the root, added where missing."""
+        node, nodes = 0, []
+        for tok in tokens:
+            child = self.children[node].get(tok)
+            if child is None:
+                child = self.children[node][tok] = len(self.token)
+                self.children.append({})
+                self.token.append(tok)
+                self.parent.append(node)
+            nodes.append(child)
+            node = child
+        return nodes
+
+    def rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """Depth-first rows (row of node n, node 0 excluded: row -1) and each node's subtree
+        end row."""
+        row = np.full(len(self.token), -1, dtype=np.int64)
+        end = np.zeros(len(self.token), dtype=np.int64)
+        stack, next_row = [(0, False)], 0
+        while stack:
+            node, done = stack.pop()
+            if done:
+                end[node] = next_row
+                continue
+            if node:
+                row[node], next_row = next_row, next_row + 1
+            stack.append((node, True))
+            stack.extend((c, False) for c in reversed(self.children[node].values()))
+        return row, end
 
 
 @dataclass
@@ -91,82 +120,79 @@ class BranchBlock:
 
     ids: np.ndarray              # [branch tokens]
     pos: np.ndarray              # [branch tokens] position - root
-    branch_of: np.ndarray        # [branch tokens]
-    option_of: np.ndarray        # [branch tokens] -1 outside option sub-branches
-    branch_start: np.ndarray     # [branches] row - root
-    branch_len: np.ndarray       # [branches]
-    option_start: np.ndarray     # [option sub-branches] row - root
+    end: np.ndarray              # [branch tokens] end of the row's subtree, row - root
+    path_rows: np.ndarray        # [branch tokens, L] the row's path (row - root), 0-padded
+    path_ok: np.ndarray          # [branch tokens, L]
     readout_rows: np.ndarray     # [readouts] row - root (-1: the root's last token)
     term_readout: np.ndarray
     term_token: np.ndarray
     term_option: np.ndarray
     option_branch: np.ndarray
+    n_branches: int
     n_scored: int                # option tokens read out (usage)
-    # extraction branches: branch -> (readout index, settings)
-    extract: dict[int, tuple[int, dict]] = field(default_factory=dict)
+    # extraction branches: branch -> (readout index, its path rows (row - root), settings)
+    extract: dict[int, tuple[int, list[int], dict]] = field(default_factory=dict)
 
     @classmethod
     def build(cls, branches: list[Branch]) -> BranchBlock:
-        ids: list[int] = []
-        pos: list[int] = []
-        branch_of: list[int] = []
-        option_of: list[int] = []
-        branch_start: list[int] = []
-        option_start: list[int] = []
-        readout_rows: list[int] = []
+        trie = _Trie()
+        readout_nodes: list[int] = []       # 0: the root's last token
         term_readout: list[int] = []
         term_token: list[int] = []
         term_option: list[int] = []
         option_branch: list[int] = []
-        extract: dict[int, tuple[int, dict]] = {}
-
-        def add_rows(tokens: list[int], start_pos: int, branch: int, option: int) -> int:
-            """Append a node's tokens; returns the row of its first token."""
-            first = len(ids)
-            ids.extend(tokens)
-            pos.extend(range(start_pos, start_pos + len(tokens)))
-            branch_of.extend([branch] * len(tokens))
-            option_of.extend([option] * len(tokens))
-            return first
-
+        extract: dict[int, tuple[int, int, dict]] = {}
         for b, br in enumerate(branches):
-            start = add_rows(br.prefix, 0, b, -1)
-            branch_start.append(start)
+            nodes = trie.walk(br.prefix)
             # The first option token is predicted by the last template token (the root's
             # last token when the template has no text before its slot).
-            first_row = start + len(br.prefix) - 1 if br.prefix else -1
-            first_pos = len(br.prefix) - 1
-            readout_rows.append(first_row)
-            shared = len(readout_rows) - 1
+            shared = len(readout_nodes)
+            readout_nodes.append(nodes[-1] if nodes else 0)
             if not br.options:   # an extraction slot: decoded later from this readout
-                extract[b] = (shared, br.decode or {})
+                extract[b] = (shared, readout_nodes[-1], br.decode or {})
             for opt in br.options:
                 k = len(option_branch)
                 option_branch.append(b)
                 term_readout.append(shared)
                 term_token.append(opt[0])
                 term_option.append(k)
-                if len(opt) > 1:   # a sub-branch holding all its tokens but the last
-                    first = add_rows(opt[:-1], first_pos + 1, b, len(option_start))
-                    option_start.append(first)
-                    for j, tok in enumerate(opt[1:]):
-                        readout_rows.append(first + j)
-                        term_readout.append(len(readout_rows) - 1)
-                        term_token.append(tok)
-                        term_option.append(k)
+                # a sub-branch holding all its tokens but the last
+                for node, tok in zip(trie.walk(br.prefix + opt[:-1])[len(br.prefix):], opt[1:]):
+                    readout_nodes.append(node)
+                    term_readout.append(len(readout_nodes) - 1)
+                    term_token.append(tok)
+                    term_option.append(k)
+
+        row, end = trie.rows()
+        n = len(trie.token) - 1
+        node_at = np.empty(n, dtype=np.int64)
+        node_at[row[1:]] = np.arange(1, n + 1)
+        parent = np.asarray(trie.parent, dtype=np.int64)
+        depth = np.zeros(n + 1, dtype=np.int64)
+        for node in range(1, n + 1):       # parents are created before their children
+            depth[node] = depth[parent[node]] + 1
+        ids = np.asarray(trie.token, dtype=np.int64)[node_at]
+        pos = depth[node_at] - 1
+        # Each row's path, filled from the row itself up to its first branch token.
+        width = int(pos.max()) + 1 if n else 1
+        path_rows = np.zeros((n, width), dtype=np.int64)
+        path_ok = np.arange(width)[None, :] <= pos[:, None]
+        at, col = node_at.copy(), pos.copy()
+        for _ in range(width):
+            live = col >= 0
+            path_rows[np.flatnonzero(live), col[live]] = row[at[live]]
+            at, col = np.where(live, parent[at], 0), col - 1
 
         def arr(values: list[int]) -> np.ndarray:
             return np.array(values, dtype=np.int64)
 
-        return cls(arr(ids), arr(pos), arr(branch_of), arr(option_of), arr(branch_start),
-                   arr([len(br.prefix) for br in branches]), arr(option_start),
-                   arr(readout_rows), arr(term_readout), arr(term_token), arr(term_option),
-                   arr(option_branch), sum(len(o) for br in branches for o in br.options),
-                   extract)
+        def path(node: int) -> list[int]:
+            return path_rows[row[node], :pos[row[node]] + 1].tolist() if node else []
 
-    @property
-    def n_branches(self) -> int:
-        return len(self.branch_start)
+        return cls(ids, pos, end[node_at], path_rows, path_ok, row[arr(readout_nodes)],
+                   arr(term_readout), arr(term_token), arr(term_option), arr(option_branch),
+                   len(branches), sum(len(o) for br in branches for o in br.options),
+                   {b: (r, path(node), settings) for b, (r, node, settings) in extract.items()})
 
     def place(self, root_ids: list[int], pad_id: int) -> FlatDoc:
         """The FlatDoc of these branches after ``root_ids``."""
@@ -175,22 +201,21 @@ class BranchBlock:
         pad = -tokens % ROW_TILE
         rpad = -len(self.readout_rows) % READOUT_TILE
 
-        def rows(root_part: np.ndarray, branch_part: np.ndarray, fill: int,
-                 dtype=torch.long) -> torch.Tensor:
-            out = np.concatenate([root_part, branch_part, np.full(pad, fill, dtype=np.int64)])
-            return torch.from_numpy(out).to(dtype)
+        def rows(root_part: np.ndarray, branch_part: np.ndarray, fill: np.ndarray | int,
+                 ) -> np.ndarray:
+            return np.concatenate([root_part, branch_part,
+                                   np.broadcast_to(np.asarray(fill, dtype=np.int64), (pad,))])
 
-        none = np.full(root, -1, dtype=np.int64)
         return FlatDoc(
-            input_ids=rows(np.asarray(root_ids, dtype=np.int64), self.ids, pad_id),
-            positions=rows(np.arange(root), self.pos + root, 0),
+            input_ids=torch.from_numpy(rows(np.asarray(root_ids, dtype=np.int64), self.ids,
+                                            pad_id)),
+            positions=torch.from_numpy(rows(np.arange(root), self.pos + root, 0)),
             root=root,
             tokens=tokens,
-            branch_of=rows(none, self.branch_of, -1, torch.int32),
-            option_of=rows(none, self.option_of, -1, torch.int32),
-            branch_start=self.branch_start + root,
-            branch_len=self.branch_len,
-            option_start=self.option_start + root if len(self.option_start) else np.zeros(1, np.int64),
+            span_end=rows(np.full(root, tokens), self.end + root,
+                          np.arange(tokens, tokens + pad) + 1).astype(np.int32),
+            path_rows=torch.from_numpy(self.path_rows + root),
+            path_ok=torch.from_numpy(self.path_ok),
             readout_rows=torch.from_numpy(np.concatenate(
                 [self.readout_rows + root, np.zeros(rpad, dtype=np.int64)])),
             term_readout=self.term_readout,
@@ -198,11 +223,8 @@ class BranchBlock:
             term_option=self.term_option,
             option_branch=self.option_branch,
             n_branches=self.n_branches,
-            n_option_paths=len(self.option_start),
-            extract={b: (r, [*range(root), *range(root + self.branch_start[b],
-                                                  root + self.branch_start[b] + self.branch_len[b])],
-                         settings)
-                     for b, (r, settings) in self.extract.items()},
+            extract={b: (r, [*range(root), *(root + p for p in path)], settings)
+                     for b, (r, path, settings) in self.extract.items()},
         )
 
 

@@ -87,21 +87,6 @@ class ModelRunner:
 
             self.graphs = PassGraphs(model)
 
-    def span(self, doc: FlatDoc, start: int) -> DocSpan:
-        """Attention metadata of one document placed at ``start``."""
-        dev, window = self.device, self.model.cfg.sliding_window
-        path_rows, path_ok = doc.paths
-        span = DocSpan(start, doc.root, doc.tokens, path_rows.to(dev), path_ok.to(dev))
-        if doc.max_position >= window:
-            root_pos = torch.arange(doc.root)
-            branch_pos = doc.positions[doc.root:doc.tokens]
-            path_pos = doc.positions[path_rows]
-            span.root_window = ((root_pos[:, None] >= root_pos[None, :])
-                                & (root_pos[:, None] - root_pos[None, :] < window)).to(dev)
-            span.branch_root_window = (branch_pos[:, None] - root_pos[None, :] < window).to(dev)
-            span.path_window = (path_ok & (branch_pos[:, None] - path_pos < window)).to(dev)
-        return span
-
     def flex_plan(self, docs: list[FlatDoc], rows: int):
         """CUDA: the pass's tree tensors on the device -> block masks."""
         inputs = self._upload(torch.from_numpy(pass_rows(docs, rows, self.pad_id)))
@@ -145,7 +130,9 @@ class ModelRunner:
         else:
             ids = torch.cat([d.input_ids for d in docs])
             pos = torch.cat([d.positions for d in docs])
-            plan = AttentionPlan([self.span(d, s) for d, s in zip(docs, starts)])
+            window = self.model.cfg.sliding_window
+            plan = AttentionPlan([doc_span(d, s, window, self.device)
+                                  for d, s in zip(docs, starts)])
         if keep:
             plan.keep_rows = self._upload(torch.cat(keep))
         hidden = self.model(ids, pos, plan)
@@ -209,7 +196,7 @@ class ModelRunner:
 
 def cuda_pass_plan(model: torch.nn.Module, inputs: torch.Tensor,
                    real_rows: int | None = None) -> AttentionPlan:
-    """How a pass's [5, rows] device rows (``pass_rows``) attend on CUDA: the block masks of
+    """How a pass's [4, rows] device rows (``pass_rows``) attend on CUDA: the block masks of
     its tree. ``real_rows``: compute only those (None: every row, padding too)."""
     from ..kernels.flex_tree import TreeTokens, build_flex_plan
 
@@ -217,24 +204,38 @@ def cuda_pass_plan(model: torch.nn.Module, inputs: torch.Tensor,
     return AttentionPlan([], flex=flex, rows=real_rows or inputs.shape[1])
 
 
+def doc_span(doc: FlatDoc, start: int, window: int, dev: torch.device) -> DocSpan:
+    """CPU attention metadata of one document placed at ``start``."""
+    path_rows, path_ok = doc.paths
+    span = DocSpan(start, doc.root, doc.tokens, path_rows.to(dev), path_ok.to(dev))
+    if doc.max_position >= window:
+        root_pos = torch.arange(doc.root)
+        branch_pos = doc.positions[doc.root:doc.tokens]
+        path_pos = doc.positions[path_rows]
+        span.root_window = ((root_pos[:, None] >= root_pos[None, :])
+                            & (root_pos[:, None] - root_pos[None, :] < window)).to(dev)
+        span.branch_root_window = (branch_pos[:, None] - root_pos[None, :] < window).to(dev)
+        span.path_window = (path_ok & (branch_pos[:, None] - path_pos < window)).to(dev)
+    return span
+
+
 def _body_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for name, p in model.named_parameters() if "embed" not in name)
 
 
 def pass_rows(docs: list[FlatDoc], rows: int, pad_id: int) -> np.ndarray:
-    """A pass padded to ``rows``, as one int32 [5, rows] array (one upload): token ids,
-    positions, and the tree tensors of kernels/flex_tree.TreeTokens (document, branch,
-    option sub-branch; ids unique across the pass, -1 for none)."""
-    out = np.empty((5, rows), dtype=np.int32)
-    out[0], out[1], out[2:] = pad_id, 0, -1
-    start = n_branches = n_options = 0
+    """A pass padded to ``rows``, as one int32 [4, rows] array (one upload): token ids,
+    positions, and the tree tensors of kernels/flex_tree.TreeTokens (document, -1 for padding;
+    the end of each row's subtree as a pass row, so k is on q's path iff k <= q < end[k])."""
+    out = np.empty((4, rows), dtype=np.int32)
+    out[0], out[1], out[2] = pad_id, 0, -1
+    out[3] = np.arange(1, rows + 1)      # a padding row: its own subtree
+    start = 0
     for i, doc in enumerate(docs):
         end = start + doc.length
         out[0, start:end] = doc.input_ids.numpy()
         out[1, start:end] = doc.positions.numpy()
         out[2, start:start + doc.tokens] = i
-        branch, option = doc.branch_of.numpy(), doc.option_of.numpy()
-        out[3, start:end] = np.where(branch >= 0, branch + n_branches, -1)
-        out[4, start:end] = np.where(option >= 0, option + n_options, -1)
-        start, n_branches, n_options = end, n_branches + doc.n_branches, n_options + doc.n_option_paths
+        out[3, start:end] = doc.span_end + start
+        start = end
     return out

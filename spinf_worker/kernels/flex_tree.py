@@ -1,10 +1,11 @@
 """Packed tree attention on CUDA through FlexAttention.
 
-The tree rule becomes a ``mask_mod`` over per-token tensors of the pass (document, branch,
-option sub-branch, position). Which 128-token key blocks each query block visits comes from
-per-block summaries of the tree (``tree_blocks``: a few [blocks, blocks] comparisons, not
-the dense [rows, rows] mask), so a document's key blocks are the same tiles, visited in the
-same order, wherever the 128-aligned document lands in the pass. Passes are padded to a few
+The tree rule becomes a ``mask_mod`` over per-token tensors of the pass (each row's subtree
+end and position). Which 128-token key blocks each query block visits, and in which of them
+every query sees every key (no ``mask_mod`` needed), comes from per-block summaries of the
+tree (``tree_blocks``: a few [blocks, blocks] comparisons, not the dense [rows, rows] mask),
+so a document's key blocks are the same tiles, visited in the same order, wherever the
+128-aligned document lands in the pass. Passes are padded to a few
 fixed sizes so the compiled kernels are reused.
 """
 
@@ -25,18 +26,17 @@ WIDE_HEAD_OPTIONS = {"BLOCK_M": 64, "BLOCK_N": 32, "num_stages": 2, "num_warps":
 
 @dataclass
 class TreeTokens:
-    """Per-row tensors of a pass, on the device. ids are unique across the pass; -1 = none."""
+    """Per-row tensors of a pass, on the device."""
 
-    doc: torch.Tensor      # -1 for padding rows
-    branch: torch.Tensor   # -1 for root rows
-    option: torch.Tensor   # -1 outside option sub-branches
+    doc: torch.Tensor      # document index, -1 for padding rows
+    end: torch.Tensor      # end of the row's subtree (pass rows): k is on q's path iff k <= q < end[k]
     pos: torch.Tensor
 
     @classmethod
     def of_pass(cls, inputs: torch.Tensor) -> TreeTokens:
-        """From a pass's [5, rows] rows (engine/runner.pass_rows): ids, positions, document,
-        branch, option."""
-        return cls(inputs[2], inputs[3], inputs[4], inputs[1])
+        """From a pass's [4, rows] rows (engine/runner.pass_rows): ids, positions, document,
+        subtree end."""
+        return cls(inputs[2], inputs[3], inputs[1])
 
 
 @dataclass
@@ -46,57 +46,71 @@ class FlexPlan:
 
 
 def build_flex_plan(tokens: TreeTokens, window: int) -> FlexPlan:
-    doc, branch, option, pos = tokens.doc, tokens.branch, tokens.option, tokens.pos
+    return FlexPlan(_block_mask(tokens, tree_mask(tokens, None), None),
+                    _block_mask(tokens, tree_mask(tokens, window), window))
+
+
+def tree_mask(tokens: TreeTokens, window: int | None):
+    """The ``mask_mod`` of the tree rule (and the window, if any) over the pass's rows."""
+    end, pos = tokens.end, tokens.pos
 
     def visible(b, h, q, k):
-        on_path = (branch[k] < 0) | ((branch[k] == branch[q])
-                                     & ((option[k] < 0) | (option[k] == option[q])))
-        tree = (doc[q] == doc[k]) & (doc[q] >= 0) & on_path & (pos[k] <= pos[q])
-        # A padding row sees itself only, so no row is fully masked.
-        return tree | ((doc[q] < 0) & (q == k))
+        # Rows follow the tree depth first, so q's ancestors are the rows k before it whose
+        # subtree reaches it; a padding row's subtree is itself only.
+        return (k <= q) & (q < end[k])
 
     def visible_in_window(b, h, q, k):
         return visible(b, h, q, k) & (pos[q] - pos[k] < window)
 
-    return FlexPlan(_block_mask(tokens, visible, None),
-                    _block_mask(tokens, visible_in_window, window))
+    return visible if window is None else visible_in_window
 
 
 def _block_mask(tokens: TreeTokens, mask_mod, window: int | None) -> BlockMask:
-    """Each query block visits its kept key blocks in block order; ``mask_mod`` decides
-    inside each block."""
+    """Each query block visits its partial key blocks, then its full ones (no ``mask_mod``
+    there), each list in block order."""
     n = tokens.doc.shape[0]
-    keep = tree_blocks(tokens, window)
-    counts = keep.sum(1, dtype=torch.int32)
-    order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True).to(torch.int32)
-    return BlockMask.from_kv_blocks(counts[None, None], order[None, None], BLOCK_SIZE=BLOCK,
+    keep, full = tree_blocks(tokens, window)
+    partial = keep & ~full
+
+    def listed(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        counts = blocks.sum(1, dtype=torch.int32)
+        order = torch.argsort((~blocks).to(torch.int8), dim=1, stable=True).to(torch.int32)
+        return counts[None, None], order[None, None]
+
+    return BlockMask.from_kv_blocks(*listed(partial), *listed(full), BLOCK_SIZE=BLOCK,
                                     mask_mod=mask_mod, seq_lengths=(n, n),
                                     compute_q_blocks=False)
 
 
-def tree_blocks(tokens: TreeTokens, window: int | None) -> torch.Tensor:
-    """[blocks, blocks] bool: (query block, key block) pairs kept because their document,
-    branch ranges and positions allow some query to see some key: a superset of the exact
-    rule that depends only on the document's own blocks."""
+def tree_blocks(tokens: TreeTokens, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two [blocks, blocks] bool tensors over (query block, key block) pairs: ``keep``, the
+    pairs where some query may see some key (a superset of the exact rule that depends only
+    on the document's own blocks), and ``full``, those where every query sees every key."""
     n = tokens.doc.shape[0]
     nb = n // BLOCK
-    doc, branch, pos = (t.view(nb, BLOCK) for t in (tokens.doc, tokens.branch, tokens.pos))
+    doc, end, pos = (t.view(nb, BLOCK) for t in (tokens.doc, tokens.end, tokens.pos))
+    row = torch.arange(n, device=doc.device, dtype=end.dtype).view(nb, BLOCK)
     real = doc >= 0
     big = torch.iinfo(torch.int32).max
+
+    def lo(t: torch.Tensor) -> torch.Tensor:
+        return torch.where(real, t, big).amin(1)
+
+    def hi(t: torch.Tensor) -> torch.Tensor:
+        return torch.where(real, t, -1).amax(1)
+
     block_doc = doc.amax(1)                 # a document's rows never share a block with another's
-    in_branch = real & (branch >= 0)
-    has_root = (real & (branch < 0)).any(1)
-    br_lo = torch.where(in_branch, branch, big).amin(1)
-    br_hi = torch.where(in_branch, branch, -1).amax(1)
-    pos_lo = torch.where(real, pos, big).amin(1)
-    pos_hi = torch.where(real, pos, -1).amax(1)
     q, k = (slice(None), None), (None, slice(None))
     keep = ((block_doc[q] == block_doc[k]) & (block_doc[q] >= 0)
-            & (pos_lo[k] <= pos_hi[q])                                    # causal
-            & (has_root[k] | ((br_lo[q] <= br_hi[k]) & (br_lo[k] <= br_hi[q]))))
+            & (lo(row)[k] <= hi(row)[q]) & (hi(end)[k] > lo(row)[q]))
+    all_real = real.all(1)
+    full = (keep & all_real[q] & all_real[k]
+            & (hi(row)[k] <= lo(row)[q]) & (lo(end)[k] > hi(row)[q]))
     if window is not None:
-        keep &= pos_lo[q] - pos_hi[k] < window
-    return keep | (torch.eye(nb, dtype=torch.bool, device=keep.device) & (block_doc < 0)[q])
+        keep &= lo(pos)[q] - hi(pos)[k] < window
+        full &= hi(pos)[q] - lo(pos)[k] < window
+    keep |= torch.eye(nb, dtype=torch.bool, device=keep.device) & (block_doc < 0)[q]
+    return keep, full
 
 
 @cache
