@@ -79,26 +79,34 @@ def _gemm_shape(matmul, quantize_rows, quantize_weight, m: int, n: int, k: int) 
     return out
 
 
-def elementwise_rates(rows: int, widths: list[int]) -> dict:
-    """gelu_mul (fp8 out) reading each row once vs chunk by chunk (twice): ms and GB/s moved,
-    against a device-to-device copy of the same input."""
-    from spinf_worker.kernels.fused import gelu_mul
-
+def gate_up_rates(rows: int, shapes: list[tuple[int, int]]) -> dict:
+    """The MLP's first half in fp8, [rows, K] -> fp8 [rows, I]: the gate|up GEMM alone, the
+    GEMM then gelu_mul (bf16 [rows, 2 I] written and read back), and gate_up_gelu (GELU * up
+    in the GEMM's epilogue): ms and TFLOP/s of the GEMM's work."""
     out = {}
-    for width in widths:
-        gu = torch.randn(rows, 2 * width, device="cuda", dtype=torch.bfloat16)
-        moved = gu.numel() * 2 + rows * width + rows * 4     # read bf16, write fp8 + scales
-        copy = torch.empty_like(gu)
-        runs = {"one_read": lambda gu=gu: gelu_mul(gu, quant=True, one_read=True),
-                "chunked": lambda gu=gu: gelu_mul(gu, quant=True, one_read=False),
-                "copy": lambda gu=gu, copy=copy: copy.copy_(gu)}
-        for name, fn in runs.items():
+    for width, k in shapes:
+        for name, fn in _gate_up_runs(rows, width, k).items():
             fn()
-            dt = cuda_time(lambda fn=fn: [fn() for _ in range(20)]) / 20
-            size = 2 * gu.numel() * 2 if name == "copy" else moved
-            out[f"gelu_mul_{rows}x{width}_{name}_ms"] = round(dt * 1e3, 3)
-            out[f"gelu_mul_{rows}x{width}_{name}_gb_per_s"] = round(size / dt / 1e9)
+            dt = cuda_time(lambda fn=fn: [fn() for _ in range(10)]) / 10
+            key = f"gate_up_{rows}x{width}x{k}_{name}"
+            out[f"{key}_ms"] = round(dt * 1e3, 3)
+            out[f"{key}_tflops"] = round(2 * rows * 2 * width * k / dt / 1e12, 1)
     return out
+
+
+def _gate_up_runs(rows: int, width: int, k: int) -> dict:
+    from spinf_worker.kernels.fused import gate_up_gelu, gelu_mul
+    from spinf_worker.kernels.triton_matmul import matmul
+    from spinf_worker.quant.fp8 import quantize_rows, quantize_weight
+
+    x8, xs = quantize_rows(torch.randn(rows, k, device="cuda", dtype=torch.bfloat16))
+    w8, ws = quantize_weight(torch.randn(2 * width, k, device="cuda", dtype=torch.bfloat16))
+
+    def gemm():
+        return matmul(x8, w8, a_scale=xs, w_scale=ws, out_dtype=torch.bfloat16)
+
+    return {"gemm": gemm, "gemm_then_gelu_mul": lambda: gelu_mul(gemm(), quant=True),
+            "gate_up_gelu": lambda: gate_up_gelu(w8, ws, x8, xs)}
 
 
 def load_docs(data: Path, tokenizer, n_docs: int, doc_tokens: int) -> list[str]:
@@ -233,7 +241,7 @@ def main() -> None:
     parser.add_argument("--doc-tokens", type=int, default=470)
     parser.add_argument("--baseline-docs-12b", type=int, default=4)
     parser.add_argument("--baseline-docs-270m", type=int, default=24)
-    parser.add_argument("--only", default="ceilings,elementwise,270m,12b")
+    parser.add_argument("--only", default="ceilings,gate_up,270m,12b")
     parser.add_argument("--pass-tokens-12b", type=int, nargs="*", default=[32768],
                         help="also run the 12B in fp8 with these pass budgets")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
@@ -257,8 +265,8 @@ def main() -> None:
         row.update(gemm_ceilings([(16384, 15360, 3840), (16384, 3840, 15360),
                                   (16384, 2048, 640), (1000, 15360, 3840)]))
         print(json.dumps(row), flush=True)
-    if "elementwise" in only:
-        row.update(elementwise_rates(16384, [2048, 15360]))
+    if "gate_up" in only:
+        row.update(gate_up_rates(16384, [(2048, 640), (15360, 3840)]))
         print(json.dumps(row), flush=True)
 
     def random_ckpt(cfg: dict) -> Checkpoint:

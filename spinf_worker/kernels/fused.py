@@ -5,7 +5,11 @@ what the unfused torch ops would have written in several passes over memory.
   quantised per row for the next linear layer);
 - ``qk_norm_rope``: per head RMSNorm of q and k, then RoPE; v copied out, from one fused
   q|k|v projection;
-- ``gelu_mul``: ``gelu_tanh(gate) * up`` from one fused gate|up projection (optionally fp8).
+- ``gate_up_gelu``: the gate|up GEMM with ``gelu_tanh(gate) * up`` in its epilogue, so the
+  [rows, 2 I] gate|up activations are never written (fp8: each tile's row maxima go out with
+  it, and ``quantize_tiles`` then quantises each row by its maximum);
+- ``gelu_mul``: ``gelu_tanh(gate) * up`` from a gate|up projection computed apart (optionally
+  fp8), for weights the Triton GEMM does not take.
 
 One program per row (or per row and head): a row's result never depends on the other rows.
 Intermediate values are rounded to bf16 exactly where the unfused ops store bf16 tensors.
@@ -18,6 +22,7 @@ import triton
 import triton.language as tl
 
 from ..quant.fp8 import FP8, INV_FP8_MAX
+from .triton_matmul import CONFIGS, tile_of
 
 CHUNK = 1024   # gelu_mul: columns per step of a row too wide to hold at once
 ONE_READ_MAX = 16384   # gelu_mul: rows up to this wide are held in registers and read once
@@ -182,3 +187,102 @@ def gelu_mul(gate_up: torch.Tensor, *, quant: bool, one_read: bool | None = None
                                BLOCK=block, ONE_READ=one_read,
                                num_warps=min(16, max(4, block // 1024)))
     return (out, scale) if quant else out
+
+
+# The gate|up GEMM: BLOCK_N columns of gate and the same columns of up per program (two
+# accumulators: the work of one BLOCK_M x 2 BLOCK_N tile of the plain GEMM, each column
+# reduced over K in the same BLOCK_K steps).
+GATED_BLOCK_N = 128
+
+
+@triton.jit
+def _gate_up_gelu_kernel(a_ptr, w_ptr, h_ptr, amax_ptr, a_scale_ptr, w_scale_ptr, M, N, K,
+                         stride_am, stride_wn, HAS_SCALE: tl.constexpr, AMAX: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         GROUP_M: tl.constexpr):
+    pid_m, pid_n = tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :]
+    g_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]
+    u_ptrs = g_ptrs + N * stride_wn
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        k_left = K - k
+        a = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_left), other=0.0)
+        w_mask = (offs_n[:, None] < N) & (offs_k[None, :] < k_left)
+        g = tl.load(g_ptrs, mask=w_mask, other=0.0)
+        u = tl.load(u_ptrs, mask=w_mask, other=0.0)
+        acc_g = tl.dot(a, tl.trans(g), acc_g)
+        acc_u = tl.dot(a, tl.trans(u), acc_u)
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    if HAS_SCALE:
+        a_scale = tl.load(a_scale_ptr + offs_m, mask=offs_m < M, other=0.0)
+        g_scale = tl.load(w_scale_ptr + offs_n, mask=offs_n < N, other=0.0)
+        u_scale = tl.load(w_scale_ptr + N + offs_n, mask=offs_n < N, other=0.0)
+        acc_g = acc_g * a_scale[:, None] * g_scale[None, :]
+        acc_u = acc_u * a_scale[:, None] * u_scale[None, :]
+    # Rounded where the unfused path stores bf16: the projection, gelu(gate), the product.
+    gate = acc_g.to(tl.bfloat16).to(tl.float32)
+    up = acc_u.to(tl.bfloat16).to(tl.float32)
+    h = (_gelu_tanh(gate).to(tl.bfloat16).to(tl.float32) * up).to(tl.bfloat16)
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    tl.store(h_ptr + offs_m[:, None] * N + offs_n[None, :], h, mask=mask)
+    if AMAX:
+        amax = tl.max(tl.where(mask, tl.abs(h.to(tl.float32)), 0.0), axis=1)
+        tl.store(amax_ptr + offs_m * tl.cdiv(N, BLOCK_N) + pid_n, amax, mask=offs_m < M)
+
+
+@triton.jit
+def _quantize_tiles_kernel(h_ptr, amax_ptr, out_ptr, scale_ptr, D, TILES, INV_FP8_MAX,
+                           BLOCK: tl.constexpr, TILE_BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    t = tl.arange(0, TILE_BLOCK)
+    amax = tl.max(tl.load(amax_ptr + row * TILES + t, mask=t < TILES, other=0.0), axis=0)
+    scale = tl.maximum(amax, 1e-12) * INV_FP8_MAX      # quant/fp8.py's rule, as _quantize_store
+    cols = tl.arange(0, BLOCK)
+    for start in range(0, D, BLOCK):
+        mask = start + cols < D
+        h = tl.load(h_ptr + row * D + start + cols, mask=mask, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(tl.div_rn(h, scale), -448.0), 448.0)
+        tl.store(out_ptr + row * D + start + cols, q.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(scale_ptr + row, scale)
+
+
+def gate_up_gelu(weight: torch.Tensor, weight_scale: torch.Tensor | None, x: torch.Tensor,
+                 x_scale: torch.Tensor | None = None):
+    """``gelu_tanh(x @ gate.T) * (x @ up.T)`` for a fused gate|up ``weight`` [2 I, K] (gate
+    rows first): bf16 [m, I], or with fp8 weights (``x`` fp8 with per-row ``x_scale``)
+    ``(fp8, per-row scale)`` for the down projection. The same bits as the plain GEMM
+    followed by ``gelu_mul``."""
+    m, k = x.shape
+    n = weight.shape[0] // 2
+    quant = weight_scale is not None
+    h = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
+    bm, _, bk, gm, warps, stages = CONFIGS[x.dtype]
+    tiles = triton.cdiv(n, GATED_BLOCK_N)
+    amax = torch.empty(m, tiles, dtype=torch.float32, device=x.device) if quant else h
+    if m:
+        _gate_up_gelu_kernel[(triton.cdiv(m, bm) * tiles,)](
+            x, weight, h, amax, x_scale if quant else x, weight_scale if quant else weight,
+            m, n, k, x.stride(0), weight.stride(0), HAS_SCALE=quant, AMAX=quant, BLOCK_M=bm,
+            BLOCK_N=GATED_BLOCK_N, BLOCK_K=bk, GROUP_M=gm, num_warps=warps, num_stages=stages)
+    return quantize_tiles(h, amax) if quant else h
+
+
+def quantize_tiles(h: torch.Tensor, tile_amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row fp8 quantisation of bf16 ``h`` [m, D] whose row maxima are already known, as
+    the maxima of each row's column tiles ``tile_amax`` [m, tiles]: one read of ``h``."""
+    m, d = h.shape
+    out = torch.empty(m, d, dtype=FP8, device=h.device)
+    scale = torch.empty(m, dtype=torch.float32, device=h.device)
+    if m:
+        _quantize_tiles_kernel[(m,)](h, tile_amax, out, scale, d, tile_amax.shape[1],
+                                     INV_FP8_MAX, BLOCK=min(triton.next_power_of_2(d), 4096),
+                                     TILE_BLOCK=triton.next_power_of_2(tile_amax.shape[1]),
+                                     num_warps=8)
+    return out, scale

@@ -196,12 +196,12 @@ class Gemma3Model(PackedLM):
 
     def _forward_fused(self, input_ids: torch.Tensor, positions: torch.Tensor,
                        plan) -> torch.Tensor:
-        """The same stack with the elementwise work fused into row-wise kernels: residual +
-        post-norm + next pre-norm (+ fp8 quantisation) in one, qk-norm + RoPE in one,
-        GELU * up (+ fp8) in one. Only the pass's real rows (``plan.rows``) are computed;
-        attention sees the padded pass, whose padding rows are zeros and see only themselves.
-        Returns the final-norm hidden states of the real rows."""
-        from ..kernels.fused import gelu_mul, qk_norm_rope, residual_norm
+        """The same stack with the elementwise work fused: residual + post-norm + next
+        pre-norm (+ fp8 quantisation) in one row-wise kernel, qk-norm + RoPE in one, GELU * up
+        in the gate|up GEMM's epilogue. Only the pass's real rows (``plan.rows``) are
+        computed; attention sees the padded pass, whose padding rows are zeros and see only
+        themselves. Returns the final-norm hidden states of the real rows."""
+        from ..kernels.fused import gate_up_gelu, gelu_mul, qk_norm_rope, residual_norm
 
         cfg, layers = self.cfg, self.layers
         rows = input_ids.shape[0]
@@ -229,7 +229,12 @@ class Gemma3Model(PackedLM):
             a = att.o_proj(o[:m].reshape(m, -1))
             h = residual_norm(x, a, layer.post_attention_layernorm.weight,
                               layer.pre_feedforward_layernorm.weight, eps, quant=quant)
-            d = mlp.down_proj(*_as_args(gelu_mul(mlp.gate_up_proj(*_as_args(h)), quant=quant)))
+            gate_up = mlp.gate_up_proj
+            if gate_up.weight.dtype in (torch.bfloat16, torch.float8_e4m3fn):
+                act = gate_up_gelu(gate_up.weight, gate_up.weight_scale, *_as_args(h))
+            else:
+                act = gelu_mul(gate_up(*_as_args(h)), quant=quant)
+            d = mlp.down_proj(*_as_args(act))
             last = i + 1 == len(layers)
             pre = self.norm if last else layers[i + 1].input_layernorm
             h = residual_norm(x, d, layer.post_feedforward_layernorm.weight, pre.weight, eps,

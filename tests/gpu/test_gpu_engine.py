@@ -13,7 +13,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 if torch.cuda.is_available():
     from spinf_worker.engine.engine import _init_random
     from spinf_worker.engine.layout import Branch, DocTree
-    from spinf_worker.engine.runner import ModelRunner
+    from spinf_worker.engine.runner import ModelRunner, doc_span, pass_rows
+    from spinf_worker.kernels.attention import AttentionPlan, packed_tree_attention
+    from spinf_worker.kernels.flex_tree import TreeTokens, build_flex_plan, flex_tree_attention
     from spinf_worker.kernels.rowwise import quantize_rows_fp8, rmsnorm
     from spinf_worker.kernels.triton_matmul import matmul
     from spinf_worker.models.gemma3 import Gemma3Config, Gemma3Model
@@ -75,12 +77,34 @@ def test_rmsnorm_rowwise():
 def _random_docs(n: int, seed: int) -> list:
     rng = random.Random(seed)
 
+    # Questions from a few tokens, so their branches share prefixes in the tree.
     def doc() -> DocTree:
         return DocTree([2] + [rng.randrange(5, 4000) for _ in range(rng.randint(1, 300))],
-                       [Branch([rng.randrange(5, 4000) for _ in range(rng.randint(0, 12))],
-                               [[rng.randrange(5, 4000) for _ in range(rng.randint(1, 3))]
+                       [Branch([rng.choice((17, 18, 19)) for _ in range(rng.randint(0, 12))],
+                               [[rng.randrange(5, 40) for _ in range(rng.randint(1, 3))]
                                 for _ in range(rng.randint(1, 4))]) for _ in range(8)])
     return [doc().flatten(0) for _ in range(n)]
+
+
+@pytest.mark.parametrize("window", [4096, 64])
+def test_flex_tree_attention_equals_cpu_tree_attention(window):
+    """FlexAttention over the pass's block masks (partial and full blocks) against the CPU
+    path's per-document root + own-path attention."""
+    docs = _random_docs(6, seed=3)
+    rows = sum(d.length for d in docs)
+    inputs = torch.from_numpy(pass_rows(docs, -(-rows // 4096) * 4096, 0))
+    torch.manual_seed(0)
+    q = torch.randn(inputs.shape[1], 4, 64)
+    k, v = torch.randn(2, inputs.shape[1], 2, 64).unbind(0)
+    starts = [sum(d.length for d in docs[:i]) for i in range(len(docs))]
+    cpu_plan = AttentionPlan([doc_span(d, s, window, torch.device("cpu"))
+                              for d, s in zip(docs, starts)])
+    want = packed_tree_attention(q[:rows], k[:rows], v[:rows], cpu_plan, sliding=True,
+                                 scale=0.125)
+    plan = build_flex_plan(TreeTokens.of_pass(inputs.cuda()), window)
+    got = flex_tree_attention(q.cuda(), k.cuda(), v.cuda(), plan, sliding=True, scale=0.125)
+    real = torch.cat([torch.arange(s, s + d.tokens) for d, s in zip(docs, starts)])
+    assert rel_err(got.cpu()[real], want[real]) < 1e-2
 
 
 def _runner(device: str, dtype: torch.dtype, fp8: bool = False, fuse: bool = True,

@@ -11,10 +11,11 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 if torch.cuda.is_available():
     from spinf_worker.engine.layout import Branch, DocTree
-    from spinf_worker.kernels.fused import gelu_mul, qk_norm_rope, residual_norm
-    from spinf_worker.kernels.rowwise import rmsnorm
+    from spinf_worker.kernels.fused import gate_up_gelu, gelu_mul, qk_norm_rope, residual_norm
+    from spinf_worker.kernels.rowwise import quantize_rows_fp8, rmsnorm
+    from spinf_worker.kernels.triton_matmul import matmul
     from spinf_worker.models.layers import apply_rope, rope_cos_sin
-    from spinf_worker.quant.fp8 import quantize_rows
+    from spinf_worker.quant.fp8 import quantize_rows, quantize_weight
 
     from .test_gpu_engine import _runner
 
@@ -104,6 +105,31 @@ def test_gelu_mul_reads_once_or_chunk_by_chunk_to_the_same_bits(width, quant):
         assert torch.equal(once[1], chunked[1])
         once, chunked = once[0].view(torch.uint8), chunked[0].view(torch.uint8)
     assert torch.equal(once, chunked)
+
+
+@pytest.mark.parametrize("quant", [False, True])
+@pytest.mark.parametrize("rows,k,width", [(300, 640, 2048), (1000, 3840, 15360), (5, 256, 200)])
+def test_gate_up_gelu_equals_gemm_then_gelu_mul(rows, k, width, quant):
+    """GELU * up in the GEMM's epilogue: the bits of the plain GEMM followed by gelu_mul,
+    and a row's bits whatever rows share the call."""
+    torch.manual_seed(0)
+    x = torch.randn(rows, k, device="cuda", dtype=BF16)
+    w = torch.randn(2 * width, k, device="cuda", dtype=BF16) * k ** -0.5
+    if quant:
+        w8, w_scale = quantize_weight(w)
+        x8, x_scale = quantize_rows_fp8(x)
+        fused = gate_up_gelu(w8, w_scale, x8, x_scale)
+        plain = gelu_mul(matmul(x8, w8, a_scale=x_scale, w_scale=w_scale,
+                                out_dtype=BF16), quant=True)
+        head = gate_up_gelu(w8, w_scale, x8[:3], x_scale[:3])
+        assert torch.equal(fused[1], plain[1]) and torch.equal(head[1], fused[1][:3])
+        fused, plain, head = (t[0].view(torch.uint8) for t in (fused, plain, head))
+    else:
+        fused = gate_up_gelu(w, None, x)
+        plain = gelu_mul(matmul(x, w), quant=False)
+        head = gate_up_gelu(w, None, x[:3])
+    assert torch.equal(fused, plain)
+    assert torch.equal(head, fused[:3])
 
 
 @pytest.mark.parametrize("scheme", ["bf16", "fp8"])
