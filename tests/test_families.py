@@ -516,3 +516,28 @@ def test_gemma4_released_config_shape():
         model = family.build(cfg)
     assert model.layers[15].mlp.up_proj.weight.shape == (12288, 1536)   # double-wide
     assert model.layers[14].self_attn.v_proj.weight.shape == (512, 1536)
+
+
+@pytest.mark.parametrize("interleave", [False, True])
+@torch.no_grad()
+def test_fused_projections_compute_the_parts(interleave):
+    """concat_linears: one layer whose output columns are the parts' (one after another, or
+    alternating), and the Gemma MLP reads gate and up back from the interleaved layout."""
+    from spinf_worker.models.gemma3 import MLP, Gemma3Config
+    from spinf_worker.models.layers import Linear, concat_linears
+
+    torch.manual_seed(0)
+    parts = [Linear(64, 96) for _ in range(2)]
+    for p in parts:
+        torch.nn.init.normal_(p.weight)
+    x = torch.randn(128, 64)
+    out = concat_linears(*parts, interleave=interleave)(x)
+    got = [out[:, 0::2], out[:, 1::2]] if interleave else list(out.split(96, dim=1))
+    for g, p in zip(got, parts):
+        torch.testing.assert_close(g, p(x))
+    mlp = MLP(Gemma3Config(hidden_size=64, intermediate_size=96))
+    for p in mlp.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    plain = mlp(x)
+    mlp.fuse_projections()
+    torch.testing.assert_close(mlp(x), plain)

@@ -5,9 +5,10 @@ what the unfused torch ops would have written in several passes over memory.
   quantised per row for the next linear layer);
 - ``qk_norm_rope``: per head RMSNorm of q and k, then RoPE; v copied out, from one fused
   q|k|v projection;
-- ``gate_up_gelu``: the gate|up GEMM with ``gelu_tanh(gate) * up`` in its epilogue, so the
-  [rows, 2 I] gate|up activations are never written (fp8: each tile's row maxima go out with
-  it, and ``quantize_tiles`` then quantises each row by its maximum);
+- ``gate_up_gelu``: the gate|up GEMM (gate and up weight rows interleaved) with
+  ``gelu_tanh(gate) * up`` in its epilogue, so the [rows, 2 I] gate|up activations are never
+  written (fp8: each tile's row maxima go out with it, and ``quantize_tiles`` then quantises
+  each row by its maximum);
 - ``gelu_mul``: ``gelu_tanh(gate) * up`` from a gate|up projection computed apart (optionally
   fp8), for weights the Triton GEMM does not take.
 
@@ -22,7 +23,7 @@ import triton
 import triton.language as tl
 
 from ..quant.fp8 import FP8, INV_FP8_MAX
-from .triton_matmul import CONFIGS, tile_of
+from .triton_matmul import CONFIGS, tile_of, tile_product
 
 CHUNK = 1024   # gelu_mul: columns per step of a row too wide to hold at once
 ONE_READ_MAX = 16384   # gelu_mul: rows up to this wide are held in registers and read once
@@ -135,8 +136,9 @@ def _gelu_tanh(g):
 @triton.jit
 def _gelu_mul_chunk(gu_ptr, row, start, cols, D: tl.constexpr, STRIDE: tl.constexpr):
     mask = start + cols < D
-    g = tl.load(gu_ptr + row * STRIDE + start + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(gu_ptr + row * STRIDE + D + start + cols, mask=mask, other=0.0).to(tl.float32)
+    pair = gu_ptr + row * STRIDE + 2 * (start + cols)     # gate, up interleaved
+    g = tl.load(pair, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(pair + 1, mask=mask, other=0.0).to(tl.float32)
     a = _gelu_tanh(g).to(tl.bfloat16).to(tl.float32)
     return (a * u).to(tl.bfloat16).to(tl.float32), mask
 
@@ -172,8 +174,8 @@ def _gelu_mul_kernel(gu_ptr, out_ptr, scale_ptr, D: tl.constexpr, INV_FP8_MAX, Q
 
 
 def gelu_mul(gate_up: torch.Tensor, *, quant: bool, one_read: bool | None = None):
-    """``gate_up``: [m, 2 I] bf16 (gate columns first) -> ``gelu_tanh(gate) * up`` as bf16
-    [m, I], or ``(fp8, per-row scale)`` when ``quant``. ``one_read``: hold each row in
+    """``gate_up``: [m, 2 I] bf16, gate and up columns interleaved (g0 u0 g1 u1 ...) ->
+    ``gelu_tanh(gate) * up`` as bf16 [m, I], or ``(fp8, per-row scale)`` when ``quant``. ``one_read``: hold each row in
     registers (default: rows up to ONE_READ_MAX wide); the same bits either way."""
     m, width = gate_up.shape
     d = width // 2
@@ -189,49 +191,28 @@ def gelu_mul(gate_up: torch.Tensor, *, quant: bool, one_read: bool | None = None
     return (out, scale) if quant else out
 
 
-# The gate|up GEMM: BLOCK_N columns of gate and the same columns of up per program (two
-# accumulators: the work of one BLOCK_M x 2 BLOCK_N tile of the plain GEMM, each column
-# reduced over K in the same BLOCK_K steps).
-GATED_BLOCK_N = 128
-
-
 @triton.jit
 def _gate_up_gelu_kernel(a_ptr, w_ptr, h_ptr, amax_ptr, a_scale_ptr, w_scale_ptr, M, N, K,
                          stride_am, stride_wn, HAS_SCALE: tl.constexpr, AMAX: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          GROUP_M: tl.constexpr):
+    """The plain GEMM's tile over the interleaved gate|up weight (N = 2 I columns), then
+    GELU(gate) * up in the epilogue: BLOCK_N / 2 columns of ``h`` [M, I] per tile."""
     pid_m, pid_n = tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :]
-    g_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]
-    u_ptrs = g_ptrs + N * stride_wn
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-        k_left = K - k
-        a = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_left), other=0.0)
-        w_mask = (offs_n[:, None] < N) & (offs_k[None, :] < k_left)
-        g = tl.load(g_ptrs, mask=w_mask, other=0.0)
-        u = tl.load(u_ptrs, mask=w_mask, other=0.0)
-        acc_g = tl.dot(a, tl.trans(g), acc_g)
-        acc_u = tl.dot(a, tl.trans(u), acc_u)
-        a_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K
-        u_ptrs += BLOCK_K
-    if HAS_SCALE:
-        a_scale = tl.load(a_scale_ptr + offs_m, mask=offs_m < M, other=0.0)
-        g_scale = tl.load(w_scale_ptr + offs_n, mask=offs_n < N, other=0.0)
-        u_scale = tl.load(w_scale_ptr + N + offs_n, mask=offs_n < N, other=0.0)
-        acc_g = acc_g * a_scale[:, None] * g_scale[None, :]
-        acc_u = acc_u * a_scale[:, None] * u_scale[None, :]
+    acc = tile_product(a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, pid_m, pid_n, M, N, K,
+                       stride_am, stride_wn, HAS_SCALE, BLOCK_M, BLOCK_N, BLOCK_K)
+    # Columns alternate gate, up: each thread holds both of a pair, so the split is free.
+    gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))
     # Rounded where the unfused path stores bf16: the projection, gelu(gate), the product.
-    gate = acc_g.to(tl.bfloat16).to(tl.float32)
-    up = acc_u.to(tl.bfloat16).to(tl.float32)
+    gate = gate.to(tl.bfloat16).to(tl.float32)
+    up = up.to(tl.bfloat16).to(tl.float32)
     h = (_gelu_tanh(gate).to(tl.bfloat16).to(tl.float32) * up).to(tl.bfloat16)
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    tl.store(h_ptr + offs_m[:, None] * N + offs_n[None, :], h, mask=mask)
+    half: tl.constexpr = BLOCK_N // 2
+    width = N // 2
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_h = pid_n * half + tl.arange(0, half)
+    mask = (offs_m[:, None] < M) & (offs_h[None, :] < width)
+    tl.store(h_ptr + offs_m[:, None] * width + offs_h[None, :], h, mask=mask)
     if AMAX:
         amax = tl.max(tl.where(mask, tl.abs(h.to(tl.float32)), 0.0), axis=1)
         tl.store(amax_ptr + offs_m * tl.cdiv(N, BLOCK_N) + pid_n, amax, mask=offs_m < M)
@@ -255,22 +236,22 @@ def _quantize_tiles_kernel(h_ptr, amax_ptr, out_ptr, scale_ptr, D, TILES, INV_FP
 
 def gate_up_gelu(weight: torch.Tensor, weight_scale: torch.Tensor | None, x: torch.Tensor,
                  x_scale: torch.Tensor | None = None):
-    """``gelu_tanh(x @ gate.T) * (x @ up.T)`` for a fused gate|up ``weight`` [2 I, K] (gate
-    rows first): bf16 [m, I], or with fp8 weights (``x`` fp8 with per-row ``x_scale``)
-    ``(fp8, per-row scale)`` for the down projection. The same bits as the plain GEMM
-    followed by ``gelu_mul``."""
+    """``gelu_tanh(x @ gate.T) * (x @ up.T)`` for a gate|up ``weight`` [2 I, K] whose rows
+    alternate gate, up (``concat_linears(..., interleave=True)``): bf16 [m, I], or with fp8
+    weights (``x`` fp8 with per-row ``x_scale``) ``(fp8, per-row scale)`` for the down
+    projection. The same bits as the plain GEMM followed by ``gelu_mul``."""
     m, k = x.shape
-    n = weight.shape[0] // 2
+    n = weight.shape[0]
     quant = weight_scale is not None
-    h = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
-    bm, _, bk, gm, warps, stages = CONFIGS[x.dtype]
-    tiles = triton.cdiv(n, GATED_BLOCK_N)
+    h = torch.empty(m, n // 2, dtype=torch.bfloat16, device=x.device)
+    bm, bn, bk, gm, warps, stages = CONFIGS[x.dtype]
+    tiles = triton.cdiv(n, bn)
     amax = torch.empty(m, tiles, dtype=torch.float32, device=x.device) if quant else h
     if m:
         _gate_up_gelu_kernel[(triton.cdiv(m, bm) * tiles,)](
             x, weight, h, amax, x_scale if quant else x, weight_scale if quant else weight,
             m, n, k, x.stride(0), weight.stride(0), HAS_SCALE=quant, AMAX=quant, BLOCK_M=bm,
-            BLOCK_N=GATED_BLOCK_N, BLOCK_K=bk, GROUP_M=gm, num_warps=warps, num_stages=stages)
+            BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_warps=warps, num_stages=stages)
     return quantize_tiles(h, amax) if quant else h
 
 

@@ -38,11 +38,11 @@ def tile_of(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl
 
 
 @triton.jit
-def _matmul_kernel(a_ptr, w_ptr, out_ptr, a_scale_ptr, w_scale_ptr, M, N, K,
-                   stride_am, stride_wn, stride_om,
-                   HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    pid_m, pid_n = tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+def tile_product(a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, pid_m, pid_n, M, N, K, stride_am,
+                 stride_wn, HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One fp32 output tile of ``(a @ w.T) * a_scale[:, None] * w_scale``, K reduced in
+    BLOCK_K steps from 0 up."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -60,6 +60,19 @@ def _matmul_kernel(a_ptr, w_ptr, out_ptr, a_scale_ptr, w_scale_ptr, M, N, K,
         a_scale = tl.load(a_scale_ptr + offs_m, mask=offs_m < M, other=0.0)
         w_scale = tl.load(w_scale_ptr + offs_n, mask=offs_n < N, other=0.0)
         acc = acc * a_scale[:, None] * w_scale[None, :]
+    return acc
+
+
+@triton.jit
+def _matmul_kernel(a_ptr, w_ptr, out_ptr, a_scale_ptr, w_scale_ptr, M, N, K,
+                   stride_am, stride_wn, stride_om,
+                   HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    pid_m, pid_n = tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    acc = tile_product(a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, pid_m, pid_n, M, N, K,
+                       stride_am, stride_wn, HAS_SCALE, BLOCK_M, BLOCK_N, BLOCK_K)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty),
              mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))

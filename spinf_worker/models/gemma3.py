@@ -120,14 +120,14 @@ class MLP(nn.Module):
         self.gate_up_proj: Linear | None = None   # set by Gemma3Model.fuse_projections
 
     def fuse_projections(self) -> None:
-        self.gate_up_proj = concat_linears(self.gate_proj, self.up_proj)
+        self.gate_up_proj = concat_linears(self.gate_proj, self.up_proj, interleave=True)
         del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is None:
             gate, up = self.gate_proj(x), self.up_proj(x)
         else:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            gate, up = self.gate_up_proj(x).unflatten(-1, (-1, 2)).unbind(-1)
         return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 

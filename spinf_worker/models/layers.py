@@ -66,19 +66,27 @@ class Linear(nn.Module):
         return y if self.bias is None else y + self.bias   # row-wise: still batch-invariant
 
 
-def concat_linears(*parts: Linear) -> Linear:
+def concat_linears(*parts: Linear, interleave: bool = False) -> Linear:
     """One linear layer computing several that share their input (q|k|v, gate|up): one larger
-    GEMM instead of several. Each output column is reduced exactly as before."""
+    GEMM instead of several. Each output column is reduced exactly as before. ``interleave``:
+    output columns alternate between the parts (g0 u0 g1 u1 ...) instead of following one
+    another, so one GEMM tile holds matching columns of each (kernels/fused.gate_up_gelu)."""
     dtype = parts[0].weight.dtype   # fp8 is concatenated as bytes
-    weight = torch.cat([p.weight.data.view(torch.uint8) if dtype.itemsize == 1
-                        else p.weight.data for p in parts])
+
+    def join(tensors: list[torch.Tensor]) -> torch.Tensor:
+        if interleave:
+            return torch.stack(tensors, dim=1).flatten(0, 1)
+        return torch.cat(tensors)
+
+    weight = join([p.weight.data.view(torch.uint8) if dtype.itemsize == 1 else p.weight.data
+                   for p in parts])
     with torch.device("meta"):
         fused = Linear(weight.shape[1], weight.shape[0], bias=parts[0].bias is not None)
     fused.weight = nn.Parameter(weight.view(dtype), requires_grad=False)
     if parts[0].weight_scale is not None:
-        fused.weight_scale = torch.cat([p.weight_scale for p in parts])
+        fused.weight_scale = join([p.weight_scale for p in parts])
     if fused.bias is not None:
-        fused.bias = nn.Parameter(torch.cat([p.bias.data for p in parts]), requires_grad=False)
+        fused.bias = nn.Parameter(join([p.bias.data for p in parts]), requires_grad=False)
     return fused
 
 

@@ -17,7 +17,7 @@ if torch.cuda.is_available():
     from spinf_worker.models.layers import apply_rope, rope_cos_sin
     from spinf_worker.quant.fp8 import quantize_rows, quantize_weight
 
-    from .test_gpu_engine import _runner
+    from .test_gpu_engine import _runner, rel_err
 
 BF16 = torch.bfloat16
 
@@ -82,7 +82,7 @@ def test_qk_norm_rope_equals_unfused():
 @pytest.mark.parametrize("quant", [False, True])
 def test_gelu_mul_close_to_unfused(quant):
     gu = torch.randn(129, 2 * 2560, device="cuda", dtype=BF16) * 2
-    gate, up = gu.chunk(2, dim=-1)
+    gate, up = gu.unflatten(-1, (-1, 2)).unbind(-1)     # interleaved
     ref = F.gelu(gate, approximate="tanh") * up
     out = gelu_mul(gu, quant=quant)
     if quant:
@@ -111,10 +111,11 @@ def test_gelu_mul_reads_once_or_chunk_by_chunk_to_the_same_bits(width, quant):
 @pytest.mark.parametrize("rows,k,width", [(300, 640, 2048), (1000, 3840, 15360), (5, 256, 200)])
 def test_gate_up_gelu_equals_gemm_then_gelu_mul(rows, k, width, quant):
     """GELU * up in the GEMM's epilogue: the bits of the plain GEMM followed by gelu_mul,
-    and a row's bits whatever rows share the call."""
+    close to the torch ops, and a row's bits whatever rows share the call."""
     torch.manual_seed(0)
     x = torch.randn(rows, k, device="cuda", dtype=BF16)
-    w = torch.randn(2 * width, k, device="cuda", dtype=BF16) * k ** -0.5
+    w = torch.randn(2 * width, k, device="cuda", dtype=BF16) * k ** -0.5   # g0 u0 g1 u1 ...
+    ref = F.gelu(x.float() @ w[0::2].float().T, approximate="tanh") * (x.float() @ w[1::2].float().T)
     if quant:
         w8, w_scale = quantize_weight(w)
         x8, x_scale = quantize_rows_fp8(x)
@@ -123,11 +124,13 @@ def test_gate_up_gelu_equals_gemm_then_gelu_mul(rows, k, width, quant):
                                 out_dtype=BF16), quant=True)
         head = gate_up_gelu(w8, w_scale, x8[:3], x_scale[:3])
         assert torch.equal(fused[1], plain[1]) and torch.equal(head[1], fused[1][:3])
+        assert rel_err(fused[0].float() * fused[1][:, None], ref) < 0.1
         fused, plain, head = (t[0].view(torch.uint8) for t in (fused, plain, head))
     else:
         fused = gate_up_gelu(w, None, x)
         plain = gelu_mul(matmul(x, w), quant=False)
         head = gate_up_gelu(w, None, x[:3])
+        assert rel_err(fused, ref) < 2e-2
     assert torch.equal(fused, plain)
     assert torch.equal(head, fused[:3])
 
