@@ -79,51 +79,58 @@ def residual_norm(x: torch.Tensor, y: torch.Tensor | None, w_post: torch.Tensor 
 
 
 @triton.jit
+def _norm_rope_heads(src, w_ptr, c, s, dst, eps, H: tl.constexpr, H_BLOCK: tl.constexpr,
+                     HD: tl.constexpr):
+    """One row's H heads of HD: per head RMSNorm (``1 + w``), then RoPE (``c``, ``s``: [1, HD])."""
+    h = tl.arange(0, H_BLOCK)[:, None]
+    j = tl.arange(0, HD)[None, :]
+    half: tl.constexpr = HD // 2
+    shifted = (j + half) % HD
+    mask = (h < H) & (j < HD)
+    x = tl.load(src + h * HD + j, mask=mask, other=0.0).to(tl.float32)
+    xs = tl.load(src + h * HD + shifted, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + j).to(tl.float32)
+    ws = tl.load(w_ptr + shifted).to(tl.float32)
+    rms = tl.rsqrt(tl.sum(x * x, axis=1) / HD + eps)[:, None]
+    n = (x * rms * (1.0 + w)).to(tl.bfloat16).to(tl.float32)
+    ns = (xs * rms * (1.0 + ws)).to(tl.bfloat16).to(tl.float32)
+    rotated = tl.where(j < half, -ns, ns)
+    out = ((n * c).to(tl.bfloat16).to(tl.float32)
+           + (rotated * s).to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16)
+    tl.store(dst + h * HD + j, out, mask=mask)
+
+
+@triton.jit
 def _qk_norm_rope_kernel(qkv_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr,
                          stride_qkv, eps, HQ: tl.constexpr, HKV: tl.constexpr,
-                         HD: tl.constexpr):
+                         HQ_BLOCK: tl.constexpr, HKV_BLOCK: tl.constexpr, HD: tl.constexpr):
     row = tl.program_id(0)
-    head = tl.program_id(1)
-    j = tl.arange(0, HD)
-    src = qkv_ptr + row * stride_qkv + head * HD
-    x = tl.load(src + j).to(tl.float32)
-    if head >= HQ + HKV:   # v: copied out as it is
-        tl.store(v_ptr + (row * HKV + head - HQ - HKV) * HD + j, x.to(v_ptr.dtype.element_ty))
-    else:
-        half: tl.constexpr = HD // 2
-        shifted = (j + half) % HD
-        xs = tl.load(src + shifted).to(tl.float32)
-        is_q = head < HQ
-        if is_q:  # noqa: SIM108 (a runtime condition: no ternary in Triton)
-            w_ptr = wq_ptr
-        else:
-            w_ptr = wk_ptr
-        w = tl.load(w_ptr + j).to(tl.float32)
-        ws = tl.load(w_ptr + shifted).to(tl.float32)
-        rms = tl.rsqrt(tl.sum(x * x, axis=0) / HD + eps)
-        n = (x * rms * (1.0 + w)).to(tl.bfloat16).to(tl.float32)
-        ns = (xs * rms * (1.0 + ws)).to(tl.bfloat16).to(tl.float32)
-        rotated = tl.where(j < half, -ns, ns)
-        c = tl.load(cos_ptr + row * HD + j).to(tl.float32)
-        s = tl.load(sin_ptr + row * HD + j).to(tl.float32)
-        out = ((n * c).to(tl.bfloat16).to(tl.float32)
-               + (rotated * s).to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16)
-        if is_q:  # noqa: SIM108 (a runtime condition: no ternary in Triton)
-            tl.store(q_ptr + (row * HQ + head) * HD + j, out)
-        else:
-            tl.store(k_ptr + (row * HKV + head - HQ) * HD + j, out)
+    src = qkv_ptr + row * stride_qkv
+    j = tl.arange(0, HD)[None, :]
+    c = tl.load(cos_ptr + row * HD + j).to(tl.float32)
+    s = tl.load(sin_ptr + row * HD + j).to(tl.float32)
+    _norm_rope_heads(src, wq_ptr, c, s, q_ptr + row * HQ * HD, eps, HQ, HQ_BLOCK, HD)
+    _norm_rope_heads(src + HQ * HD, wk_ptr, c, s, k_ptr + row * HKV * HD, eps, HKV, HKV_BLOCK,
+                     HD)
+    h = tl.arange(0, HKV_BLOCK)[:, None]
+    mask = (h < HKV) & (j < HD)
+    v = tl.load(src + (HQ + HKV) * HD + h * HD + j, mask=mask)     # v: copied out as it is
+    tl.store(v_ptr + row * HKV * HD + h * HD + j, v, mask=mask)
 
 
 def qk_norm_rope(qkv: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor, eps: float, q: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor) -> None:
     """``qkv``: [m, (HQ + 2 HKV) * HD] bf16; cos/sin: [m, HD] bf16. Writes rows [0, m) of
-    ``q`` [rows, HQ, HD], ``k`` and ``v`` [rows, HKV, HD] (Gemma's qk-norm: ``1 + w``)."""
+    ``q`` [rows, HQ, HD], ``k`` and ``v`` [rows, HKV, HD] (Gemma's qk-norm: ``1 + w``). One
+    program per row, all its heads at once."""
     m = qkv.shape[0]
     hq, hkv, hd = q.shape[1], k.shape[1], q.shape[2]
     if m:
-        _qk_norm_rope_kernel[(m, hq + 2 * hkv)](qkv, wq, wk, cos, sin, q, k, v, qkv.stride(0),
-                                                eps, HQ=hq, HKV=hkv, HD=hd)
+        _qk_norm_rope_kernel[(m,)](qkv, wq, wk, cos, sin, q, k, v, qkv.stride(0), eps, HQ=hq,
+                                   HKV=hkv, HQ_BLOCK=triton.next_power_of_2(hq),
+                                   HKV_BLOCK=triton.next_power_of_2(hkv), HD=hd,
+                                   num_warps=min(16, max(4, hq * hd // 512)))
 
 
 @triton.jit

@@ -58,8 +58,9 @@ def test_residual_norm_equals_unfused(d, quant):
     assert torch.equal(h3[0] if quant else h3, h[0][:3] if quant else h[:3])
 
 
-def test_qk_norm_rope_equals_unfused():
-    m, hq, hkv, hd = 301, 8, 4, 256
+@pytest.mark.parametrize("hq,hkv", [(8, 4), (4, 1), (6, 3)])
+def test_qk_norm_rope_equals_unfused(hq, hkv):
+    m, hd = 301, 256
     qkv = torch.randn(m, (hq + 2 * hkv) * hd, device="cuda", dtype=BF16)
     wq, wk = (torch.randn(hd, device="cuda", dtype=BF16) * 0.3 for _ in range(2))
     cos, sin = rope_cos_sin(torch.arange(m, device="cuda") * 3, hd, 10_000.0, 1.0, BF16)
