@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from ..quant.fp8 import FP8, INV_FP8_MAX
+from .rowwise import store_quantized_row
 from .triton_matmul import CONFIGS, tile_of, tile_product
 
 CHUNK = 1024   # gelu_mul: columns per step of a row too wide to hold at once
@@ -232,13 +233,7 @@ def _quantize_tiles_kernel(h_ptr, amax_ptr, out_ptr, scale_ptr, D, TILES, INV_FP
     t = tl.arange(0, TILE_BLOCK)
     amax = tl.max(tl.load(amax_ptr + row * TILES + t, mask=t < TILES, other=0.0), axis=0)
     scale = tl.maximum(amax, 1e-12) * INV_FP8_MAX      # quant/fp8.py's rule, as _quantize_store
-    cols = tl.arange(0, BLOCK)
-    for start in range(0, D, BLOCK):
-        mask = start + cols < D
-        h = tl.load(h_ptr + row * D + start + cols, mask=mask, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(tl.div_rn(h, scale), -448.0), 448.0)
-        tl.store(out_ptr + row * D + start + cols, q.to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(scale_ptr + row, scale)
+    store_quantized_row(h_ptr, out_ptr, scale_ptr, row, D, scale, BLOCK)
 
 
 def gate_up_gelu(weight: torch.Tensor, weight_scale: torch.Tensor | None, x: torch.Tensor,

@@ -42,6 +42,14 @@ def _quantize_rows_kernel(x_ptr, out_ptr, scale_ptr, D, INV_FP8_MAX, BLOCK: tl.c
         amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
     # The rule of quant/fp8.py to the bit: scale = amax * fp32(1/448), then an IEEE division.
     scale = tl.maximum(tl.max(amax, axis=0), 1e-12) * INV_FP8_MAX
+    store_quantized_row(x_ptr, out_ptr, scale_ptr, row, D, scale, BLOCK)
+
+
+@triton.jit
+def store_quantized_row(x_ptr, out_ptr, scale_ptr, row, D, scale, BLOCK: tl.constexpr):
+    """Row ``row`` of ``x`` [rows, D] divided by its ``scale`` (IEEE division, clamped to
+    ±448) into fp8, chunk by chunk, and the scale stored."""
+    cols = tl.arange(0, BLOCK)
     for start in range(0, D, BLOCK):
         mask = start + cols < D
         x = tl.load(x_ptr + row * D + start + cols, mask=mask, other=0.0).to(tl.float32)
