@@ -207,7 +207,8 @@ class Gemma3Model(PackedLM):
         rows = input_ids.shape[0]
         m = min(getattr(plan, "rows", None) or rows, rows)
         eps, hd = cfg.rms_norm_eps, cfg.head_dim
-        quant = layers[0].self_attn.qkv_proj.weight_scale is not None
+        # fp8 W8A8: the fused kernels hand the next GEMM its fp8 input (int8 is weight-only)
+        quant = layers[0].self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
         x = self._embed(input_ids[:m])
         ropes = {sliding: tuple(t[:, 0].contiguous() for t in pair)
                  for sliding, pair in self._ropes(positions[:m], x.dtype).items()}
