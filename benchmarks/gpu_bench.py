@@ -81,7 +81,7 @@ def _gemm_shape(matmul, quantize_rows, quantize_weight, m: int, n: int, k: int) 
 
 def gate_up_rates(rows: int, shapes: list[tuple[int, int]]) -> dict:
     """The MLP's first half in fp8, [rows, K] -> fp8 [rows, I]: the gate|up GEMM alone, the
-    GEMM then gelu_mul (bf16 [rows, 2 I] written and read back), and gate_up_gelu (GELU * up
+    GEMM then gelu_mul (bf16 [rows, 2 I] written and read back), and gate_up_act (GELU * up
     in the GEMM's epilogue): ms and TFLOP/s of the GEMM's work."""
     out = {}
     for width, k in shapes:
@@ -95,7 +95,7 @@ def gate_up_rates(rows: int, shapes: list[tuple[int, int]]) -> dict:
 
 
 def _gate_up_runs(rows: int, width: int, k: int) -> dict:
-    from spinf_worker.kernels.fused import gate_up_gelu, gelu_mul
+    from spinf_worker.kernels.fused import gate_up_act, gelu_mul
     from spinf_worker.kernels.triton_matmul import matmul
     from spinf_worker.quant.fp8 import quantize_rows, quantize_weight
 
@@ -106,7 +106,7 @@ def _gate_up_runs(rows: int, width: int, k: int) -> dict:
         return matmul(x8, w8, a_scale=xs, w_scale=ws, out_dtype=torch.bfloat16)
 
     return {"gemm": gemm, "gemm_then_gelu_mul": lambda: gelu_mul(gemm(), quant=True),
-            "gate_up_gelu": lambda: gate_up_gelu(w8, ws, x8, xs)}
+            "gate_up_gelu": lambda: gate_up_act(w8, ws, x8, xs)}
 
 
 def load_docs(data: Path, tokenizer, n_docs: int, doc_tokens: int) -> list[str]:

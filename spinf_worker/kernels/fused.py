@@ -5,8 +5,8 @@ what the unfused torch ops would have written in several passes over memory.
   quantised per row for the next linear layer);
 - ``qk_norm_rope``: per head RMSNorm of q and k, then RoPE; v copied out, from one fused
   q|k|v projection;
-- ``gate_up_gelu``: the gate|up GEMM (gate and up weight rows interleaved) with
-  ``gelu_tanh(gate) * up`` in its epilogue, so the [rows, 2 I] gate|up activations are never
+- ``gate_up_act``: the gate|up GEMM (gate and up weight rows interleaved) with
+  ``act(gate) * up`` (GELU or SiLU) in its epilogue, so the [rows, 2 I] gate|up activations are never
   written (fp8: each tile's row maxima go out with it, and ``quantize_tiles`` then quantises
   each row by its maximum);
 - ``gelu_mul``: ``gelu_tanh(gate) * up`` from a gate|up projection computed apart (optionally
@@ -42,20 +42,22 @@ def _quantize_store(h, cols, mask, out_ptr, scale_ptr, row, D, INV_FP8_MAX):
 
 @triton.jit
 def _residual_norm_kernel(x_ptr, y_ptr, w_post_ptr, w_pre_ptr, h_ptr, scale_ptr, D, eps,
-                          INV_FP8_MAX, HAS_Y: tl.constexpr, QUANT: tl.constexpr,
-                          BLOCK: tl.constexpr):
+                          INV_FP8_MAX, HAS_Y: tl.constexpr, POST_NORM: tl.constexpr,
+                          OFFSET: tl.constexpr, QUANT: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
     x = tl.load(x_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_Y:
         y = tl.load(y_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
-        w_post = tl.load(w_post_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        n = y * tl.rsqrt(tl.sum(y * y, axis=0) / D + eps) * (1.0 + w_post)
-        x = (x + n.to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16).to(tl.float32)
+        if POST_NORM:
+            w_post = tl.load(w_post_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            y = y * tl.rsqrt(tl.sum(y * y, axis=0) / D + eps) * (OFFSET + w_post)
+            y = y.to(tl.bfloat16).to(tl.float32)
+        x = (x + y).to(tl.bfloat16).to(tl.float32)
         tl.store(x_ptr + row * D + cols, x.to(x_ptr.dtype.element_ty), mask=mask)
     w_pre = tl.load(w_pre_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    h = x * tl.rsqrt(tl.sum(x * x, axis=0) / D + eps) * (1.0 + w_pre)
+    h = x * tl.rsqrt(tl.sum(x * x, axis=0) / D + eps) * (OFFSET + w_pre)
     h = h.to(tl.bfloat16).to(tl.float32)
     if QUANT:
         _quantize_store(h, cols, mask, h_ptr, scale_ptr, row, D, INV_FP8_MAX)
@@ -64,37 +66,40 @@ def _residual_norm_kernel(x_ptr, y_ptr, w_post_ptr, w_pre_ptr, h_ptr, scale_ptr,
 
 
 def residual_norm(x: torch.Tensor, y: torch.Tensor | None, w_post: torch.Tensor | None,
-                  w_pre: torch.Tensor, eps: float, *, quant: bool):
-    """Gemma's sandwich step on ``[rows, D]`` bf16: ``x += norm(y) * (1 + w_post)`` in place
-    (skipped when ``y`` is None), then returns ``h = norm(x) * (1 + w_pre)``: bf16, or
-    ``(fp8, per-row scale)`` when ``quant``."""
+                  w_pre: torch.Tensor, eps: float, *, quant: bool, offset: float = 1.0):
+    """The step between two blocks on ``[rows, D]`` bf16: ``x += norm(y) * (offset + w_post)``
+    in place (Gemma's sandwich norm; ``x += y`` when ``w_post`` is None, nothing when ``y``
+    is), then returns ``h = norm(x) * (offset + w_pre)``: bf16, or ``(fp8, per-row scale)``
+    when ``quant``. Gemma stores ``w - 1`` (offset 1), Llama and Qwen ``w`` (offset 0)."""
     rows, d = x.shape
     h = torch.empty(rows, d, dtype=FP8 if quant else x.dtype, device=x.device)
     scale = torch.empty(rows if quant else 1, dtype=torch.float32, device=x.device)
     if rows:
         _residual_norm_kernel[(rows,)](
             x, x if y is None else y, w_pre if w_post is None else w_post, w_pre, h, scale,
-            d, eps, INV_FP8_MAX, HAS_Y=y is not None, QUANT=quant,
-            BLOCK=triton.next_power_of_2(d))
+            d, eps, INV_FP8_MAX, HAS_Y=y is not None, POST_NORM=w_post is not None,
+            OFFSET=offset, QUANT=quant, BLOCK=triton.next_power_of_2(d))
     return (h, scale) if quant else h
 
 
 @triton.jit
 def _norm_rope_heads(src, w_ptr, c, s, dst, eps, H: tl.constexpr, H_BLOCK: tl.constexpr,
-                     HD: tl.constexpr):
-    """One row's H heads of HD: per head RMSNorm (``1 + w``), then RoPE (``c``, ``s``: [1, HD])."""
+                     HD: tl.constexpr, NORM: tl.constexpr, OFFSET: tl.constexpr):
+    """One row's H heads of HD: per head RMSNorm (``OFFSET + w``; none unless ``NORM``), then
+    RoPE (``c``, ``s``: [1, HD])."""
     h = tl.arange(0, H_BLOCK)[:, None]
     j = tl.arange(0, HD)[None, :]
     half: tl.constexpr = HD // 2
     shifted = (j + half) % HD
     mask = (h < H) & (j < HD)
-    x = tl.load(src + h * HD + j, mask=mask, other=0.0).to(tl.float32)
-    xs = tl.load(src + h * HD + shifted, mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + j).to(tl.float32)
-    ws = tl.load(w_ptr + shifted).to(tl.float32)
-    rms = tl.rsqrt(tl.sum(x * x, axis=1) / HD + eps)[:, None]
-    n = (x * rms * (1.0 + w)).to(tl.bfloat16).to(tl.float32)
-    ns = (xs * rms * (1.0 + ws)).to(tl.bfloat16).to(tl.float32)
+    n = tl.load(src + h * HD + j, mask=mask, other=0.0).to(tl.float32)
+    ns = tl.load(src + h * HD + shifted, mask=mask, other=0.0).to(tl.float32)
+    if NORM:
+        w = tl.load(w_ptr + j).to(tl.float32)
+        ws = tl.load(w_ptr + shifted).to(tl.float32)
+        rms = tl.rsqrt(tl.sum(n * n, axis=1) / HD + eps)[:, None]
+        n = (n * rms * (OFFSET + w)).to(tl.bfloat16).to(tl.float32)
+        ns = (ns * rms * (OFFSET + ws)).to(tl.bfloat16).to(tl.float32)
     rotated = tl.where(j < half, -ns, ns)
     out = ((n * c).to(tl.bfloat16).to(tl.float32)
            + (rotated * s).to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16)
@@ -104,33 +109,38 @@ def _norm_rope_heads(src, w_ptr, c, s, dst, eps, H: tl.constexpr, H_BLOCK: tl.co
 @triton.jit
 def _qk_norm_rope_kernel(qkv_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr,
                          stride_qkv, eps, HQ: tl.constexpr, HKV: tl.constexpr,
-                         HQ_BLOCK: tl.constexpr, HKV_BLOCK: tl.constexpr, HD: tl.constexpr):
+                         HQ_BLOCK: tl.constexpr, HKV_BLOCK: tl.constexpr, HD: tl.constexpr,
+                         NORM: tl.constexpr, OFFSET: tl.constexpr):
     row = tl.program_id(0)
     src = qkv_ptr + row * stride_qkv
     j = tl.arange(0, HD)[None, :]
     c = tl.load(cos_ptr + row * HD + j).to(tl.float32)
     s = tl.load(sin_ptr + row * HD + j).to(tl.float32)
-    _norm_rope_heads(src, wq_ptr, c, s, q_ptr + row * HQ * HD, eps, HQ, HQ_BLOCK, HD)
+    _norm_rope_heads(src, wq_ptr, c, s, q_ptr + row * HQ * HD, eps, HQ, HQ_BLOCK, HD, NORM,
+                     OFFSET)
     _norm_rope_heads(src + HQ * HD, wk_ptr, c, s, k_ptr + row * HKV * HD, eps, HKV, HKV_BLOCK,
-                     HD)
+                     HD, NORM, OFFSET)
     h = tl.arange(0, HKV_BLOCK)[:, None]
     mask = (h < HKV) & (j < HD)
     v = tl.load(src + (HQ + HKV) * HD + h * HD + j, mask=mask)     # v: copied out as it is
     tl.store(v_ptr + row * HKV * HD + h * HD + j, v, mask=mask)
 
 
-def qk_norm_rope(qkv: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor, eps: float, q: torch.Tensor, k: torch.Tensor,
-                 v: torch.Tensor) -> None:
+def qk_norm_rope(qkv: torch.Tensor, wq: torch.Tensor | None, wk: torch.Tensor | None,
+                 cos: torch.Tensor, sin: torch.Tensor, eps: float, q: torch.Tensor,
+                 k: torch.Tensor, v: torch.Tensor, *, offset: float = 1.0) -> None:
     """``qkv``: [m, (HQ + 2 HKV) * HD] bf16; cos/sin: [m, HD] bf16. Writes rows [0, m) of
-    ``q`` [rows, HQ, HD], ``k`` and ``v`` [rows, HKV, HD] (Gemma's qk-norm: ``1 + w``). One
-    program per row, all its heads at once."""
+    ``q`` [rows, HQ, HD], ``k`` and ``v`` [rows, HKV, HD]: q and k RMS-normed per head
+    (``offset + w``: Gemma's 1, Qwen's 0; no norm when ``wq`` is None, as in Llama), then
+    rotated. One program per row, all its heads at once."""
     m = qkv.shape[0]
     hq, hkv, hd = q.shape[1], k.shape[1], q.shape[2]
     if m:
-        _qk_norm_rope_kernel[(m,)](qkv, wq, wk, cos, sin, q, k, v, qkv.stride(0), eps, HQ=hq,
-                                   HKV=hkv, HQ_BLOCK=triton.next_power_of_2(hq),
+        _qk_norm_rope_kernel[(m,)](qkv, qkv if wq is None else wq, qkv if wk is None else wk,
+                                   cos, sin, q, k, v, qkv.stride(0), eps, HQ=hq, HKV=hkv,
+                                   HQ_BLOCK=triton.next_power_of_2(hq),
                                    HKV_BLOCK=triton.next_power_of_2(hkv), HD=hd,
+                                   NORM=wq is not None, OFFSET=offset,
                                    num_warps=min(16, max(4, hq * hd // 512)))
 
 
@@ -200,21 +210,25 @@ def gelu_mul(gate_up: torch.Tensor, *, quant: bool, one_read: bool | None = None
 
 
 @triton.jit
-def _gate_up_gelu_kernel(a_ptr, w_ptr, h_ptr, amax_ptr, a_scale_ptr, w_scale_ptr, M, N, K,
-                         stride_am, stride_wn, HAS_SCALE: tl.constexpr, AMAX: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         GROUP_M: tl.constexpr):
+def _gate_up_act_kernel(a_ptr, w_ptr, h_ptr, amax_ptr, a_scale_ptr, w_scale_ptr, M, N, K,
+                        stride_am, stride_wn, HAS_SCALE: tl.constexpr, AMAX: tl.constexpr,
+                        ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """The plain GEMM's tile over the interleaved gate|up weight (N = 2 I columns), then
-    GELU(gate) * up in the epilogue: BLOCK_N / 2 columns of ``h`` [M, I] per tile."""
+    act(gate) * up in the epilogue: BLOCK_N / 2 columns of ``h`` [M, I] per tile."""
     pid_m, pid_n = tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     acc = tile_product(a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, pid_m, pid_n, M, N, K,
                        stride_am, stride_wn, HAS_SCALE, BLOCK_M, BLOCK_N, BLOCK_K)
     # Columns alternate gate, up: each thread holds both of a pair, so the split is free.
     gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))
-    # Rounded where the unfused path stores bf16: the projection, gelu(gate), the product.
+    # Rounded where the unfused path stores bf16: the projection, act(gate), the product.
     gate = gate.to(tl.bfloat16).to(tl.float32)
     up = up.to(tl.bfloat16).to(tl.float32)
-    h = (_gelu_tanh(gate).to(tl.bfloat16).to(tl.float32) * up).to(tl.bfloat16)
+    if ACT == 0:  # noqa: SIM108 (a compile-time choice: no ternary over constexprs here)
+        a = _gelu_tanh(gate)
+    else:
+        a = gate / (1.0 + tl.exp(-gate))      # SiLU, as torch computes it
+    h = (a.to(tl.bfloat16).to(tl.float32) * up).to(tl.bfloat16)
     half: tl.constexpr = BLOCK_N // 2
     width = N // 2
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -236,12 +250,16 @@ def _quantize_tiles_kernel(h_ptr, amax_ptr, out_ptr, scale_ptr, D, TILES, INV_FP
     store_quantized_row(h_ptr, out_ptr, scale_ptr, row, D, scale, BLOCK)
 
 
-def gate_up_gelu(weight: torch.Tensor, weight_scale: torch.Tensor | None, x: torch.Tensor,
-                 x_scale: torch.Tensor | None = None):
-    """``gelu_tanh(x @ gate.T) * (x @ up.T)`` for a gate|up ``weight`` [2 I, K] whose rows
-    alternate gate, up (``concat_linears(..., interleave=True)``): bf16 [m, I], or with fp8
-    weights (``x`` fp8 with per-row ``x_scale``) ``(fp8, per-row scale)`` for the down
-    projection. The same bits as the plain GEMM followed by ``gelu_mul``."""
+ACTIVATIONS = {"gelu_tanh": 0, "silu": 1}
+
+
+def gate_up_act(weight: torch.Tensor, weight_scale: torch.Tensor | None, x: torch.Tensor,
+                x_scale: torch.Tensor | None = None, *, act: str = "gelu_tanh"):
+    """``act(x @ gate.T) * (x @ up.T)`` (``act``: gelu_tanh for Gemma, silu for Llama and
+    Qwen) for a gate|up ``weight`` [2 I, K] whose rows alternate gate, up
+    (``concat_linears(..., interleave=True)``): bf16 [m, I], or with fp8 weights (``x`` fp8
+    with per-row ``x_scale``) ``(fp8, per-row scale)`` for the down projection. With GELU,
+    the same bits as the plain GEMM followed by ``gelu_mul``."""
     m, k = x.shape
     n = weight.shape[0]
     quant = weight_scale is not None
@@ -250,10 +268,11 @@ def gate_up_gelu(weight: torch.Tensor, weight_scale: torch.Tensor | None, x: tor
     tiles = triton.cdiv(n, bn)
     amax = torch.empty(m, tiles, dtype=torch.float32, device=x.device) if quant else h
     if m:
-        _gate_up_gelu_kernel[(triton.cdiv(m, bm) * tiles,)](
+        _gate_up_act_kernel[(triton.cdiv(m, bm) * tiles,)](
             x, weight, h, amax, x_scale if quant else x, weight_scale if quant else weight,
-            m, n, k, x.stride(0), weight.stride(0), HAS_SCALE=quant, AMAX=quant, BLOCK_M=bm,
-            BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_warps=warps, num_stages=stages)
+            m, n, k, x.stride(0), weight.stride(0), HAS_SCALE=quant, AMAX=quant,
+            ACT=ACTIVATIONS[act], BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm,
+            num_warps=warps, num_stages=stages)
     return quantize_tiles(h, amax) if quant else h
 
 

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.attention import AttentionPlan
+from .fused_stack import FusedStyle, fused_forward
 from .layers import Linear, PackedLM, RMSNorm, apply_rope, concat_linears, rope_cos_sin
 
 
@@ -196,53 +197,13 @@ class Gemma3Model(PackedLM):
 
     def _forward_fused(self, input_ids: torch.Tensor, positions: torch.Tensor,
                        plan) -> torch.Tensor:
-        """The same stack with the elementwise work fused: residual + post-norm + next
-        pre-norm (+ fp8 quantisation) in one row-wise kernel, qk-norm + RoPE in one, GELU * up
-        in the gate|up GEMM's epilogue. Only the pass's real rows (``plan.rows``) are
-        computed; attention sees the padded pass, whose padding rows are zeros and see only
-        themselves. Returns the final-norm hidden states of the real rows."""
-        from ..kernels.fused import gate_up_gelu, gelu_mul, qk_norm_rope, residual_norm
-
-        cfg, layers = self.cfg, self.layers
-        rows = input_ids.shape[0]
+        """The same stack with the elementwise work fused (models/fused_stack.py)."""
+        cfg, rows = self.cfg, input_ids.shape[0]
         m = min(getattr(plan, "rows", None) or rows, rows)
-        eps, hd = cfg.rms_norm_eps, cfg.head_dim
-        # fp8 W8A8: the fused kernels hand the next GEMM its fp8 input (int8 is weight-only)
-        quant = layers[0].self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
         x = self._embed(input_ids[:m])
         ropes = {sliding: tuple(t[:, 0].contiguous() for t in pair)
                  for sliding, pair in self._ropes(positions[:m], x.dtype).items()}
-
-        def heads(n: int) -> torch.Tensor:
-            t = torch.empty(rows, n, hd, dtype=x.dtype, device=x.device)
-            t[m:].zero_()
-            return t
-
-        h = residual_norm(x, None, None, layers[0].input_layernorm.weight, eps, quant=quant)
-        for i, layer in enumerate(layers):
-            att, mlp = layer.self_attn, layer.mlp
-            qkv = att.qkv_proj(*_as_args(h))
-            q, k, v = heads(cfg.num_heads), heads(cfg.num_kv_heads), heads(cfg.num_kv_heads)
-            qk_norm_rope(qkv, att.q_norm.weight, att.k_norm.weight, *ropes[att.sliding], eps,
-                         q, k, v)
-            o = plan.attend(q, k, v, layer=att.layer, sliding=att.sliding,
-                            scale=cfg.query_pre_attn_scalar ** -0.5)
-            a = att.o_proj(o[:m].reshape(m, -1))
-            h = residual_norm(x, a, layer.post_attention_layernorm.weight,
-                              layer.pre_feedforward_layernorm.weight, eps, quant=quant)
-            gate_up = mlp.gate_up_proj
-            if gate_up.weight.dtype in (torch.bfloat16, torch.float8_e4m3fn):
-                act = gate_up_gelu(gate_up.weight, gate_up.weight_scale, *_as_args(h))
-            else:
-                act = gelu_mul(gate_up(*_as_args(h)), quant=quant)
-            d = mlp.down_proj(*_as_args(act))
-            last = i + 1 == len(layers)
-            pre = self.norm if last else layers[i + 1].input_layernorm
-            h = residual_norm(x, d, layer.post_feedforward_layernorm.weight, pre.weight, eps,
-                              quant=quant and not last)
-        return h
-
-def _as_args(h) -> tuple:
-    """A fused kernel's output as Linear arguments: ``(x,)`` or fp8 ``(x, x_scale)``."""
-    return h if isinstance(h, tuple) else (h,)
-
+        style = FusedStyle(norm_offset=1.0, act="gelu_tanh", qk_norm=True, sandwich=True,
+                           attn_scale=cfg.query_pre_attn_scalar ** -0.5)
+        return fused_forward(self.layers, self.norm, x, rows, plan,
+                             lambda att: ropes[att.sliding], cfg, style)

@@ -70,7 +70,7 @@ def concat_linears(*parts: Linear, interleave: bool = False) -> Linear:
     """One linear layer computing several that share their input (q|k|v, gate|up): one larger
     GEMM instead of several. Each output column is reduced exactly as before. ``interleave``:
     output columns alternate between the parts (g0 u0 g1 u1 ...) instead of following one
-    another, so one GEMM tile holds matching columns of each (kernels/fused.gate_up_gelu)."""
+    another, so one GEMM tile holds matching columns of each (kernels/fused.gate_up_act)."""
     dtype = parts[0].weight.dtype   # fp8 is concatenated as bytes
 
     def join(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -16,7 +16,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.attention import AttentionPlan
-from .layers import Linear, PackedLM, RMSNorm, apply_rope, rope_cos_sin_from, rope_inv_freq
+from .fused_stack import FusedStyle, fusable, fused_forward
+from .layers import (
+    Linear,
+    PackedLM,
+    RMSNorm,
+    apply_rope,
+    concat_linears,
+    rope_cos_sin_from,
+    rope_inv_freq,
+)
 
 NO_WINDOW = 1 << 30   # "sliding_window" of a stack without sliding layers: never masks
 
@@ -96,6 +105,11 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.qkv_proj: Linear | None = None   # set by LlamaModel.fuse_projections
+
+    def fuse_projections(self) -> None:
+        self.qkv_proj = concat_linears(self.q_proj, self.k_proj, self.v_proj)
+        del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 plan: AttentionPlan) -> torch.Tensor:
@@ -118,6 +132,11 @@ class MLP(nn.Module):
         self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias)
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias)
+        self.gate_up_proj: Linear | None = None   # set by LlamaModel.fuse_projections
+
+    def fuse_projections(self) -> None:
+        self.gate_up_proj = concat_linears(self.gate_proj, self.up_proj, interleave=True)
+        del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -148,11 +167,43 @@ class LlamaModel(PackedLM):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
 
+    @property
+    def capturable(self) -> bool:
+        """The fused CUDA forward makes no host syncs and no host tensors: a pass can be
+        captured as a CUDA graph (engine/cuda_graphs.py)."""
+        return self.layers[0].self_attn.qkv_proj is not None
+
+    def fuse_projections(self) -> None:
+        """CUDA: one q|k|v and one gate|up GEMM per layer, and the fused forward
+        (models/fused_stack.py). Stacks with biases or int8 weights keep the module forward."""
+        cfg = self.cfg
+        if cfg.attention_bias or cfg.mlp_bias or not fusable(self, cfg.head_dim):
+            return
+        for layer in self.layers:
+            layer.self_attn.fuse_projections()
+            layer.mlp.fuse_projections()
+        self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope).to(self.embed_tokens.weight.device)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 plan: AttentionPlan) -> torch.Tensor:
+        if input_ids.is_cuda and self.capturable:
+            return self._forward_fused(input_ids, positions, plan)
         x = self.embed_tokens(input_ids)
         rope = rope_cos_sin_from(positions, rope_inv_freq(self.cfg.head_dim, self.cfg.rope),
                                  x.dtype)
         for layer in self.layers:
             x = layer(x, rope, plan)
         return self.norm(x)
+
+    def _forward_fused(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                       plan) -> torch.Tensor:
+        """The same stack with the elementwise work fused (models/fused_stack.py)."""
+        cfg, rows = self.cfg, input_ids.shape[0]
+        m = min(getattr(plan, "rows", None) or rows, rows)
+        x = self.embed_tokens(input_ids[:m])
+        cos, sin = (t[:, 0].contiguous()
+                    for t in rope_cos_sin_from(positions[:m], self.inv_freq, x.dtype))
+        style = FusedStyle(norm_offset=0.0, act="silu", qk_norm=cfg.qk_norm, sandwich=False,
+                           attn_scale=cfg.head_dim ** -0.5)
+        return fused_forward(self.layers, self.norm, x, rows, plan, lambda att: (cos, sin),
+                             cfg, style)
