@@ -5,7 +5,9 @@ one GPU, engine (bf16, fp8) against transformers one-sequence-per-question, in o
         --tokenizer DIR_WITH_tokenizer.json [--model270 HF_DIR] --out OUT_DIR
 
 Models: a Gemma-3-12B-shaped stack with random weights, and the 270M (real weights from
---model270, else random weights of its shape). Prints a table; writes one flat JSON per run.
+--model270, else random weights of its shape); stage ``qwen3``: a Qwen3-8B-shaped stack with
+random weights, fused CUDA forward against module by module. Stages: ``--only``. Prints a
+table; writes one flat JSON per run.
 """
 
 from __future__ import annotations
@@ -29,6 +31,11 @@ GEMMA_12B = dict(model_type="gemma3_text", vocab_size=262144, hidden_size=3840,
                  query_pre_attn_scalar=256, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
                  max_position_embeddings=131072, rms_norm_eps=1e-6, tie_word_embeddings=True,
                  bos_token_id=2, eos_token_id=1, pad_token_id=0)
+# A Qwen3-8B-shaped body (with the Gemma tokenizer's vocabulary, the one the job is tokenised with)
+QWEN3_8B = dict(model_type="qwen3", vocab_size=262144, hidden_size=4096, intermediate_size=12288,
+                num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                rope_theta=1_000_000.0, max_position_embeddings=40960, rms_norm_eps=1e-6,
+                tie_word_embeddings=False, bos_token_id=2, eos_token_id=1, pad_token_id=0)
 GEMMA_270M = dict(GEMMA_12B, hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
                   num_attention_heads=4, num_key_value_heads=1, sliding_window=512,
                   max_position_embeddings=32768)
@@ -128,13 +135,13 @@ def linear_flops(cfg: dict, tokens: int) -> float:
 
 
 def run_engine(name: str, ckpt: Checkpoint, scheme: str, requests: list[dict],
-               max_pass_tokens: int | None = None, cuda_graphs: bool = True
+               max_pass_tokens: int | None = None, cuda_graphs: bool = True, fuse: bool = True
                ) -> tuple[dict, list]:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     engine = Engine(ckpt, device="cuda",
                     settings=EngineSettings(scheme=scheme, max_pass_tokens=max_pass_tokens,
-                                            cuda_graphs=cuda_graphs))
+                                            cuda_graphs=cuda_graphs, fuse=fuse))
     t0 = time.perf_counter()
     first = engine.score_batch(requests)          # compiles masks/kernels, fills the floor cache
     warm = time.perf_counter() - t0
@@ -241,7 +248,7 @@ def main() -> None:
     parser.add_argument("--doc-tokens", type=int, default=470)
     parser.add_argument("--baseline-docs-12b", type=int, default=4)
     parser.add_argument("--baseline-docs-270m", type=int, default=24)
-    parser.add_argument("--only", default="ceilings,gate_up,270m,12b")
+    parser.add_argument("--only", default="ceilings,gate_up,270m,12b,qwen3")
     parser.add_argument("--pass-tokens-12b", type=int, nargs="*", default=[32768],
                         help="also run the 12B in fp8 with these pass budgets")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
@@ -311,6 +318,14 @@ def main() -> None:
             save()
             print(json.dumps(figures), flush=True)
         row.update(run_baseline("12b", ckpt, docs, questions, args.baseline_docs_12b))
+    if "qwen3" in only:   # the Llama/Qwen3 stack: fused forward against module by module
+        ckpt = random_ckpt(QWEN3_8B)
+        for name, scheme, fuse in (("qwen3_8b", "bf16", True), ("qwen3_8b", "fp8", True),
+                                   ("qwen3_8b_unfused", "fp8", False)):
+            figures, _ = run_engine(name, ckpt, scheme, requests, fuse=fuse)
+            row.update(figures)
+            save()
+            print(json.dumps(figures), flush=True)
     for name in ("270m", "270m_random", "12b"):
         base = row.get(f"{name}_baseline_questions_per_s")
         for scheme in ("bf16", "fp8"):

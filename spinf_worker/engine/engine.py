@@ -57,6 +57,7 @@ class EngineSettings:
     scheme: str = "auto"             # auto | fp32 | bf16 | fp8 (W8A8; GPUs with fp8 tensor cores)
     #                                  | int8 (weight-only, per-channel scales; CPU or CUDA)
     cuda_graphs: bool = True         # CUDA: replay passes as captured graphs (engine/cuda_graphs.py)
+    fuse: bool = True                # CUDA: fused projections and forward kernels (off: module by module)
 
 
 @dataclass
@@ -153,7 +154,7 @@ class Engine:
         self.model = model.eval()
         self.pad_id = checkpoint.config.get("pad_token_id") or 0
         self.runner = ModelRunner(self.model, self.device, self.dtype, self.pad_id,
-                                  cuda_graphs=self.settings.cuda_graphs)
+                                  fuse=self.settings.fuse, cuda_graphs=self.settings.cuda_graphs)
         self.packs = official_packs() if packs is None else packs
         self.decoder = SlotDecoder(self.model, checkpoint.tokenizer, checkpoint.eos_token_id,
                                    self.pad_id)
