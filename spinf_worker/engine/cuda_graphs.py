@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from .runner import cuda_pass_plan
+from .staging import PinnedStaging
 
 
 class PassGraph:
@@ -47,8 +48,8 @@ class PassGraph:
 class PassGraphs:
     """The captured graph of each pass bucket, captured the first time the bucket runs."""
 
-    def __init__(self, model: torch.nn.Module):
-        self.model = model
+    def __init__(self, model: torch.nn.Module, staging: PinnedStaging):
+        self.model, self.staging = model, staging
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[int, PassGraph] = {}
 
@@ -62,6 +63,6 @@ class PassGraphs:
             graph = self.graphs[rows] = PassGraph(self.model, rows, self.pool)
         # From pinned memory the copy is queued behind the work already on the stream (the
         # previous replay may still be reading this buffer) without the host waiting.
-        graph.inputs.copy_(inputs.pin_memory(), non_blocking=True)
+        self.staging.copy(inputs, graph.inputs)
         graph.graph.replay()
         return graph.hidden
