@@ -26,13 +26,9 @@ from ..models.loader import DEFAULT_MODEL, Checkpoint, load_checkpoint
 from ..packs import Pack, PackQuestion, category_scores, decide, find_pack, official_packs
 from ..protocol import (
     Candidate,
-    CombinationScore,
-    OptionScore,
     Query,
-    QueryScore,
     ScoreRequest,
     ScoreResponse,
-    Usage,
     query_layout_key,
 )
 from ..templates import Combination, expand_grid
@@ -378,6 +374,9 @@ class Engine:
 
     def _respond(self, p: _Prepared, scores: DocScores, floor_keys: list[tuple | None],
                  floors: dict[tuple, DocScores]) -> ScoreResponse:
+        # Built as plain data and validated once: a bulk job answers thousands of options a
+        # second, and one validation of the whole response costs ~40% less than a model
+        # per option.
         query_scores, b, decoded = [], 0, 0
         for q, grid, fkey in zip(p.queries, p.query_set.grids, floor_keys):
             combos = []
@@ -385,50 +384,48 @@ class Engine:
                 if fkey is None:       # an extraction slot
                     found = scores.found.get(b, [])
                     decoded += sum(len(f.tokens) for f in found)
-                    combos.append(CombinationScore(values=combo.values, candidates=[
+                    combos.append({"values": combo.values, "candidates": [
                         Candidate(text=text, logprob=lp, p=math.exp(lp),
                                   value=_value(q.slot_kind, text))
-                        for text, lp in _merge_same_text(found)]))
+                        for text, lp in _merge_same_text(found)]})
                 else:
                     combos.append(_option_scores(q, combo, scores, b, floors[fkey], ci))
                 b += 1
-            query_scores.append(QueryScore(id=q.id, combinations=combos))
+            query_scores.append({"id": q.id, "combinations": combos})
         scored = p.query_set.block.n_scored + decoded
-        return ScoreResponse(
-            id=f"score-{uuid.uuid4().hex}", created=int(time.time()), model=self.model_name,
-            system_fingerprint=self.fingerprint,
-            usage=Usage(prompt_tokens=p.flat.tokens, scored_tokens=scored,
-                        total_tokens=p.flat.tokens + scored),
-            queries=query_scores[:len(p.request.scoring.queries)],
-            packs=_pack_results(p.packs, query_scores[len(p.request.scoring.queries):]))
+        n_own = len(p.request.scoring.queries)
+        return ScoreResponse.model_validate({
+            "id": f"score-{uuid.uuid4().hex}", "created": int(time.time()),
+            "model": self.model_name, "system_fingerprint": self.fingerprint,
+            "usage": {"prompt_tokens": p.flat.tokens, "scored_tokens": scored,
+                      "total_tokens": p.flat.tokens + scored},
+            "queries": query_scores[:n_own],
+            "packs": _pack_results(p.packs, query_scores[n_own:])})
 
 
 def _option_scores(q: Query, combo: Combination, scores: DocScores, b: int, floor: DocScores,
-                   floor_b: int) -> CombinationScore:
+                   floor_b: int) -> dict:
     """Branch b's options: logprobs, probabilities over the options, floor probabilities
-    (branch floor_b of the floor's DocTree)."""
+    (branch floor_b of the floor's DocTree), as a CombinationScore's data."""
     lp, probs, start, residual = scores.lists
     _, floor_probs, floor_start, _ = floor.lists
     at, floor_at = start[b], floor_start[floor_b]
-    return CombinationScore(
-        values=combo.values,
-        options=[OptionScore(text=o, logprob=lp[at + k], p=probs[at + k],
-                             floor_p=floor_probs[floor_at + k])
-                 for k, o in enumerate(q.options)],
-        residual=residual[b])
+    return {"values": combo.values,
+            "options": [{"text": o, "logprob": lp[at + k], "p": probs[at + k],
+                         "floor_p": floor_probs[floor_at + k]} for k, o in enumerate(q.options)],
+            "residual": residual[b]}
 
 
-def _pack_results(packs: list[tuple[Pack, list[PackQuestion]]],
-                  scored: list[QueryScore]) -> list[dict]:
+def _pack_results(packs: list[tuple[Pack, list[PackQuestion]]], scored: list[dict]) -> list[dict]:
     """Per requested pack: its questions' positive-option scores, categories, decision."""
     out, it = [], iter(scored)
     for named, chosen in packs:
         questions = []
         for question, score in zip(chosen, it):
-            positive = next(o for o in score.combinations[0].options
-                            if o.text == question.positive)
+            positive = next(o for o in score["combinations"][0]["options"]
+                            if o["text"] == question.positive)
             questions.append({"id": question.id, "category": question.category,
-                              "p": positive.p, "floor_p": positive.floor_p})
+                              "p": positive["p"], "floor_p": positive["floor_p"]})
         categories = category_scores(named, {q["id"]: (q["p"], q["floor_p"]) for q in questions})
         out.append({"id": named.id, "version": named.version, "questions": questions,
                     "categories": categories, "decision": decide(named, categories)})
