@@ -18,7 +18,6 @@ from __future__ import annotations
 import torch
 
 from .runner import cuda_pass_plan
-from .staging import PinnedStaging
 
 
 class PassGraph:
@@ -48,8 +47,8 @@ class PassGraph:
 class PassGraphs:
     """The captured graph of each pass bucket, captured the first time the bucket runs."""
 
-    def __init__(self, model: torch.nn.Module, staging: PinnedStaging):
-        self.model, self.staging = model, staging
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[int, PassGraph] = {}
 
@@ -63,6 +62,6 @@ class PassGraphs:
             graph = self.graphs[rows] = PassGraph(self.model, rows, self.pool)
         # From pinned memory the copy is queued behind the work already on the stream (the
         # previous replay may still be reading this buffer) without the host waiting.
-        self.staging.copy(inputs, graph.inputs)
+        graph.inputs.copy_(inputs.pin_memory(), non_blocking=True)
         graph.graph.replay()
         return graph.hidden

@@ -10,7 +10,6 @@ import torch
 
 from ..kernels.attention import AttentionPlan, DocSpan
 from .layout import FlatDoc
-from .staging import PinnedStaging
 
 READOUT_CHUNK = 1024  # LM-head rows at a time (a multiple of READOUT_TILE)
 PASS_BUCKET = 4096    # CUDA passes are padded to a multiple of this
@@ -79,7 +78,6 @@ class ModelRunner:
         (models whose forward is capturable, up to GRAPH_MAX_BODY_PARAMS; passes without
         extraction slots)."""
         self.model, self.device, self.dtype, self.pad_id = model, device, dtype, pad_id
-        self.staging = PinnedStaging(device) if device.type == "cuda" else None
         if fuse and device.type == "cuda" and hasattr(model, "fuse_projections"):
             model.fuse_projections()
         self.graphs = None
@@ -87,7 +85,7 @@ class ModelRunner:
                 and _body_params(model) <= GRAPH_MAX_BODY_PARAMS):
             from .cuda_graphs import PassGraphs
 
-            self.graphs = PassGraphs(model, self.staging)
+            self.graphs = PassGraphs(model)
 
     def flex_plan(self, docs: list[FlatDoc], rows: int):
         """CUDA: the pass's tree tensors on the device -> block masks."""
@@ -95,11 +93,11 @@ class ModelRunner:
         return cuda_pass_plan(self.model, inputs).flex
 
     def _upload(self, t: torch.Tensor) -> torch.Tensor:
-        """Host -> device without waiting for the work already queued on the device, so the
-        next pass is laid out while this one runs (engine/staging.py)."""
+        """Host -> device without waiting for the work already queued on the device (a copy
+        from pageable memory would), so the next pass is laid out while this one runs."""
         if self.device.type != "cuda":
             return t
-        return self.staging.copy(t)
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def run(self, docs: list[FlatDoc]) -> list[DocScores]:
         """Run the documents as one packed pass."""
