@@ -18,6 +18,7 @@ first option token, shared by all options) and each sub-branch token.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -43,10 +44,7 @@ class FlatDoc:
     # [length] int32: row k is on row q's path iff k <= q < span_end[k] (root rows: every real
     # row; a padding row: itself only).
     span_end: np.ndarray
-    # Per branch token its own path (its branch ancestors and itself), zero-padded to
-    # [branch tokens, L], and which entries are real. Only the CPU attention asks.
-    path_rows: torch.Tensor
-    path_ok: torch.Tensor
+    block: BranchBlock           # the branches' layout, shared by the documents that ask them
     readout_rows: torch.Tensor   # [n_readouts padded to READOUT_TILE] row within the document
     # An option's logprob is the sum of its summands: (readout index, token id) pairs, listed
     # option after option; option k belongs to branch option_branch[k].
@@ -66,9 +64,13 @@ class FlatDoc:
     def max_position(self) -> int:
         return int(self.positions[: self.tokens].max())
 
-    @property
+    @cached_property
     def paths(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.path_rows, self.path_ok
+        """Per branch token its own path (its branch ancestors and itself, as rows of this
+        document), zero-padded to ``[branch tokens, L]``, and which entries are real. Only
+        the CPU attention asks."""
+        rows, ok = self.block.paths
+        return torch.from_numpy(rows + self.root), torch.from_numpy(ok)
 
 
 class _Trie:
@@ -121,8 +123,7 @@ class BranchBlock:
     ids: np.ndarray              # [branch tokens]
     pos: np.ndarray              # [branch tokens] position - root
     end: np.ndarray              # [branch tokens] end of the row's subtree, row - root
-    path_rows: np.ndarray        # [branch tokens, L] the row's path (row - root), 0-padded
-    path_ok: np.ndarray          # [branch tokens, L]
+    parent: np.ndarray           # [branch tokens] the parent's row - root (-1: the root)
     readout_rows: np.ndarray     # [readouts] row - root (-1: the root's last token)
     term_readout: np.ndarray
     term_token: np.ndarray
@@ -172,27 +173,37 @@ class BranchBlock:
         for node in range(1, n + 1):       # parents are created before their children
             depth[node] = depth[parent[node]] + 1
         ids = np.asarray(trie.token, dtype=np.int64)[node_at]
-        pos = depth[node_at] - 1
-        # Each row's path, filled from the row itself up to its first branch token.
-        width = int(pos.max()) + 1 if n else 1
-        path_rows = np.zeros((n, width), dtype=np.int64)
-        path_ok = np.arange(width)[None, :] <= pos[:, None]
-        at, col = node_at.copy(), pos.copy()
-        for _ in range(width):
-            live = col >= 0
-            path_rows[np.flatnonzero(live), col[live]] = row[at[live]]
-            at, col = np.where(live, parent[at], 0), col - 1
 
         def arr(values: list[int]) -> np.ndarray:
             return np.array(values, dtype=np.int64)
 
-        def path(node: int) -> list[int]:
-            return path_rows[row[node], :pos[row[node]] + 1].tolist() if node else []
+        def path(node: int) -> list[int]:   # the rows from the first branch token to node
+            rows = []
+            while node:
+                rows.append(int(row[node]))
+                node = parent[node]
+            return rows[::-1]
 
-        return cls(ids, pos, end[node_at], path_rows, path_ok, row[arr(readout_nodes)],
-                   arr(term_readout), arr(term_token), arr(term_option), arr(option_branch),
-                   len(branches), sum(len(o) for br in branches for o in br.options),
+        return cls(ids, depth[node_at] - 1, end[node_at], row[parent[node_at]],
+                   row[arr(readout_nodes)], arr(term_readout), arr(term_token),
+                   arr(term_option), arr(option_branch), len(branches),
+                   sum(len(o) for br in branches for o in br.options),
                    {b: (r, path(node), settings) for b, (r, node, settings) in extract.items()})
+
+    @cached_property
+    def paths(self) -> tuple[np.ndarray, np.ndarray]:
+        """Each row's path (row - root), filled from the row itself up to its first branch
+        token, zero-padded to [branch tokens, L], and which entries are real."""
+        n = len(self.ids)
+        width = int(self.pos.max()) + 1 if n else 1
+        rows = np.zeros((n, width), dtype=np.int64)
+        ok = np.arange(width)[None, :] <= self.pos[:, None]
+        at, col = np.arange(n), self.pos.copy()
+        for _ in range(width):
+            live = col >= 0
+            rows[np.flatnonzero(live), col[live]] = at[live]
+            at, col = np.where(live, self.parent[np.maximum(at, 0)], 0), col - 1
+        return rows, ok
 
     def place(self, root_ids: list[int], pad_id: int) -> FlatDoc:
         """The FlatDoc of these branches after ``root_ids``."""
@@ -214,8 +225,7 @@ class BranchBlock:
             tokens=tokens,
             span_end=rows(np.full(root, tokens), self.end + root,
                           np.arange(tokens, tokens + pad) + 1).astype(np.int32),
-            path_rows=torch.from_numpy(self.path_rows + root),
-            path_ok=torch.from_numpy(self.path_ok),
+            block=self,
             readout_rows=torch.from_numpy(np.concatenate(
                 [self.readout_rows + root, np.zeros(rpad, dtype=np.int64)])),
             term_readout=self.term_readout,
