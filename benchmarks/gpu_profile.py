@@ -20,7 +20,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_bench import GEMMA_12B, GEMMA_270M, ROOT, load_docs  # noqa: E402
+from gpu_bench import GEMMA_12B, GEMMA_270M, ROOT, cuda_time, load_docs  # noqa: E402
 
 from spinf_worker.engine import Engine, EngineSettings  # noqa: E402
 from spinf_worker.models.loader import Checkpoint  # noqa: E402
@@ -63,16 +63,9 @@ def main() -> None:
 def host_profile(engine: Engine, requests: list[dict], rows: int) -> None:
     from spinf_worker.engine.packer import pack
 
-    def timed(fn) -> float:
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        return time.perf_counter() - t
-
-    print("score_batch s:", [round(timed(lambda: engine.score_batch(requests)), 4)
+    print("score_batch s:", [round(cuda_time(lambda: engine.score_batch(requests), 1), 4)
                              for _ in range(6)])
-    print("layout s:", [round(timed(lambda: engine._prepare_batch(requests)), 4)
+    print("layout s:", [round(cuda_time(lambda: engine._prepare_batch(requests), 1), 4)
                         for _ in range(3)])
     flats = [p.flat for p in engine._prepare_batch(requests)]
     passes = [[flats[i] for i in p.docs] for p in pack(flats, engine.settings.max_pass_tokens)]

@@ -71,20 +71,20 @@ def test_each_readout_sees_exactly_its_one_question_prompt(seed):
     ids = torch.from_numpy(pass_rows(docs, t.doc.shape[0], 0))[0].long()
     start = 0
     for tree, d in zip(trees, docs):
-        readouts = d.readout_rows.tolist()
-        for summand in range(len(d.term_option)):
-            k, readout = d.term_option[summand], d.term_readout[summand]
-            b = d.option_branch[k]
+        readouts, blk = d.readout_rows.tolist(), d.block
+        for summand in range(len(blk.term_option)):
+            k, readout = blk.term_option[summand], blk.term_readout[summand]
+            b = blk.option_branch[k]
             br = tree.branches[b]
-            option = br.options[k - np.searchsorted(d.option_branch, b)]
+            option = br.options[k - np.searchsorted(blk.option_branch, b)]
             # the summand's place in its option: 0 = first token (read after the template)
-            nth = int((d.term_option[:summand] == k).sum())
+            nth = int((blk.term_option[:summand] == k).sum())
             prompt = tree.root + br.prefix + option[:nth]
             row = start + readouts[readout]
             keys = torch.nonzero(seen[row]).flatten()
             assert ids[keys].tolist() == prompt
             assert t.pos[keys].tolist() == list(range(len(prompt)))
-            assert d.term_token[summand] == option[nth]
+            assert blk.term_token[summand] == option[nth]
         start += d.length
 
 

@@ -44,15 +44,9 @@ class FlatDoc:
     # [length] int32: row k is on row q's path iff k <= q < span_end[k] (root rows: every real
     # row; a padding row: itself only).
     span_end: np.ndarray
-    block: BranchBlock           # the branches' layout, shared by the documents that ask them
+    # the branches' layout and readout summands, shared by the documents that ask them
+    block: BranchBlock
     readout_rows: torch.Tensor   # [n_readouts padded to READOUT_TILE] row within the document
-    # An option's logprob is the sum of its summands: (readout index, token id) pairs, listed
-    # option after option; option k belongs to branch option_branch[k].
-    term_readout: np.ndarray     # [summands] readout index
-    term_token: np.ndarray       # [summands] the token whose logprob is read there
-    term_option: np.ndarray      # [summands] option index within the document
-    option_branch: np.ndarray    # [options] branch index
-    n_branches: int
     # extraction branches: branch -> (readout index, context rows (root + branch), settings)
     extract: dict[int, tuple[int, list[int], dict]] = field(default_factory=dict)
 
@@ -125,10 +119,12 @@ class BranchBlock:
     end: np.ndarray              # [branch tokens] end of the row's subtree, row - root
     parent: np.ndarray           # [branch tokens] the parent's row - root (-1: the root)
     readout_rows: np.ndarray     # [readouts] row - root (-1: the root's last token)
-    term_readout: np.ndarray
-    term_token: np.ndarray
-    term_option: np.ndarray
-    option_branch: np.ndarray
+    # An option's logprob is the sum of its summands: (readout index, token id) pairs, listed
+    # option after option; option k belongs to branch option_branch[k].
+    term_readout: np.ndarray     # [summands] readout index
+    term_token: np.ndarray       # [summands] the token whose logprob is read there
+    term_option: np.ndarray      # [summands] option index within the document
+    option_branch: np.ndarray    # [options] branch index
     n_branches: int
     n_scored: int                # option tokens read out (usage)
     # extraction branches: branch -> (readout index, its path rows (row - root), settings)
@@ -191,6 +187,11 @@ class BranchBlock:
                    {b: (r, path(node), settings) for b, (r, node, settings) in extract.items()})
 
     @cached_property
+    def option_start(self) -> np.ndarray:
+        """[branches + 1]: branch b's options are [option_start[b], option_start[b + 1])."""
+        return np.searchsorted(self.option_branch, np.arange(self.n_branches + 1))
+
+    @cached_property
     def paths(self) -> tuple[np.ndarray, np.ndarray]:
         """Each row's path (row - root), filled from the row itself up to its first branch
         token, zero-padded to [branch tokens, L], and which entries are real."""
@@ -228,11 +229,6 @@ class BranchBlock:
             block=self,
             readout_rows=torch.from_numpy(np.concatenate(
                 [self.readout_rows + root, np.zeros(rpad, dtype=np.int64)])),
-            term_readout=self.term_readout,
-            term_token=self.term_token,
-            term_option=self.term_option,
-            option_branch=self.option_branch,
-            n_branches=self.n_branches,
             extract={b: (r, [*range(root), *(root + p for p in path)], settings)
                      for b, (r, path, settings) in self.extract.items()},
         )

@@ -152,18 +152,18 @@ class ModelRunner:
             rows.append(start + doc.readout_rows)
             for b, (r, *_) in doc.extract.items():
                 first_at[base + r] = (i, b)
-            readout.append(doc.term_readout + base)
-            token.append(doc.term_token)
+            readout.append(doc.block.term_readout + base)
+            token.append(doc.block.term_token)
             base += doc.readout_rows.shape[0]
         readout_t = torch.from_numpy(np.concatenate(readout))
         order = torch.argsort(readout_t, stable=True)
         readout_sorted = readout_t[order]
         bounds = torch.searchsorted(readout_sorted, torch.arange(0, base + READOUT_CHUNK,
                                                                  READOUT_CHUNK)).tolist()
-        n_rows, n_terms = base, readout_t.shape[0]
+        n_terms = readout_t.shape[0]
         index_d = self._upload(torch.cat([torch.cat(rows), readout_sorted,
                                           torch.from_numpy(np.concatenate(token))[order]]))
-        rows_d, readout_d, token_d = index_d.split([n_rows, n_terms, n_terms])
+        rows_d, readout_d, token_d = index_d.split([base, n_terms, n_terms])
         values = torch.empty(readout_t.shape[0], dtype=torch.float32, device=self.device)
         first = {}
         for c, lo in enumerate(range(0, base, READOUT_CHUNK)):
@@ -181,16 +181,16 @@ class ModelRunner:
         values[pending.order.numpy()] = pending.values.cpu().numpy()
         out, i = [], 0
         for doc in pending.docs:
-            n_terms, n_options = len(doc.term_option), len(doc.option_branch)
+            block = doc.block
+            n_terms = len(block.term_option)
             # Summands added one by one in option order (np.add.at is unbuffered), so an
             # option's sum never depends on the other documents of the pass.
-            lp = np.zeros(n_options, dtype=np.float32)
-            np.add.at(lp, doc.term_option, values[i:i + n_terms])
+            lp = np.zeros(len(block.option_branch), dtype=np.float32)
+            np.add.at(lp, block.term_option, values[i:i + n_terms])
             i += n_terms
-            mass = np.zeros(doc.n_branches, dtype=np.float64)
-            np.add.at(mass, doc.option_branch, np.exp(lp.astype(np.float64)))
-            start = np.searchsorted(doc.option_branch, np.arange(doc.n_branches + 1))
-            out.append(DocScores(lp, start, 1.0 - mass))
+            mass = np.zeros(block.n_branches, dtype=np.float64)
+            np.add.at(mass, block.option_branch, np.exp(lp.astype(np.float64)))
+            out.append(DocScores(lp, block.option_start, 1.0 - mass))
         return out
 
 

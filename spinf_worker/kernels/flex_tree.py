@@ -100,15 +100,17 @@ def tree_blocks(tokens: TreeTokens, window: int | None) -> tuple[torch.Tensor, t
         return torch.where(real, t, -1).amax(1)
 
     block_doc = doc.amax(1)                 # a document's rows never share a block with another's
+    row_lo, row_hi = lo(row), hi(row)
     q, k = (slice(None), None), (None, slice(None))
     keep = ((block_doc[q] == block_doc[k]) & (block_doc[q] >= 0)
-            & (lo(row)[k] <= hi(row)[q]) & (hi(end)[k] > lo(row)[q]))
+            & (row_lo[k] <= row_hi[q]) & (hi(end)[k] > row_lo[q]))
     all_real = real.all(1)
     full = (keep & all_real[q] & all_real[k]
-            & (hi(row)[k] <= lo(row)[q]) & (lo(end)[k] > hi(row)[q]))
+            & (row_hi[k] <= row_lo[q]) & (lo(end)[k] > row_hi[q]))
     if window is not None:
-        keep &= lo(pos)[q] - hi(pos)[k] < window
-        full &= hi(pos)[q] - lo(pos)[k] < window
+        pos_lo, pos_hi = lo(pos), hi(pos)
+        keep &= pos_lo[q] - pos_hi[k] < window
+        full &= pos_hi[q] - pos_lo[k] < window
     keep |= torch.eye(nb, dtype=torch.bool, device=keep.device) & (block_doc < 0)[q]
     return keep, full
 

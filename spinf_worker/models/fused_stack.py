@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .layers import Linear
+
 FP8 = torch.float8_e4m3fn
 
 
@@ -33,8 +35,13 @@ class FusedStyle:
 
 def fusable(stack: torch.nn.Module, head_dim: int) -> bool:
     """Weights the fused kernels take (bf16, fp8) and a power-of-two head width."""
-    weight = next(m.weight for m in stack.modules() if hasattr(m, "weight_scale"))
+    weight = next(m.weight for m in stack.modules() if isinstance(m, Linear))
     return weight.dtype in (torch.bfloat16, FP8) and head_dim & (head_dim - 1) == 0
+
+
+def real_rows(plan, rows: int) -> int:
+    """The rows a pass computes: its real rows (``plan.rows``), or all of a decode step's."""
+    return min(getattr(plan, "rows", None) or rows, rows)
 
 
 def fused_forward(layers, final_norm, x: torch.Tensor, rows: int, plan,

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.attention import AttentionPlan
-from .fused_stack import FusedStyle, fused_forward
+from .fused_stack import FusedStyle, fused_forward, real_rows
 from .layers import Linear, PackedLM, RMSNorm, apply_rope, concat_linears, rope_cos_sin
 
 
@@ -199,7 +199,7 @@ class Gemma3Model(PackedLM):
                        plan) -> torch.Tensor:
         """The same stack with the elementwise work fused (models/fused_stack.py)."""
         cfg, rows = self.cfg, input_ids.shape[0]
-        m = min(getattr(plan, "rows", None) or rows, rows)
+        m = real_rows(plan, rows)
         x = self._embed(input_ids[:m])
         ropes = {sliding: tuple(t[:, 0].contiguous() for t in pair)
                  for sliding, pair in self._ropes(positions[:m], x.dtype).items()}

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.attention import AttentionPlan
-from .fused_stack import FusedStyle, fusable, fused_forward
+from .fused_stack import FusedStyle, fusable, fused_forward, real_rows
 from .layers import (
     Linear,
     PackedLM,
@@ -199,7 +199,7 @@ class LlamaModel(PackedLM):
                        plan) -> torch.Tensor:
         """The same stack with the elementwise work fused (models/fused_stack.py)."""
         cfg, rows = self.cfg, input_ids.shape[0]
-        m = min(getattr(plan, "rows", None) or rows, rows)
+        m = real_rows(plan, rows)
         x = self.embed_tokens(input_ids[:m])
         cos, sin = (t[:, 0].contiguous()
                     for t in rope_cos_sin_from(positions[:m], self.inv_freq, x.dtype))
