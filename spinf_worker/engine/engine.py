@@ -38,7 +38,7 @@ from .presentation import Presenter, choose_mode
 from .runner import DocScores, ModelRunner, PendingPass
 from .scheduler import PassScheduler
 
-KERNEL_VERSION = "tree-split-mm-tiles-1"
+KERNEL_VERSION = "prefix-tree-fused-2"   # bump when a change moves any score's bits
 QUERY_SET_CACHE = 256   # laid-out query lists kept (bulk jobs repeat one list per document)
 PREPARE_CHUNK = 8       # requests whose contents are tokenised together (in parallel);
 #                         few enough that the first pass starts early
@@ -178,8 +178,9 @@ class Engine:
     def _fingerprint(self) -> str:
         device_class = (torch.cuda.get_device_name(self.device) if self.device.type == "cuda"
                         else "cpu")
+        fused = self.settings.fuse and self.device.type == "cuda"   # other kernels, other bits
         parts = [self.checkpoint.weights_digest, self.scheme, __version__, KERNEL_VERSION,
-                 f"threads={torch.get_num_threads()}",
+                 f"threads={torch.get_num_threads()}", f"fused={fused}",
                  device_class, self.presenter.mode]
         return "fp_" + hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
