@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..kernels.matmul import ROW_TILE
+from ..tiles import ROW_TILE
 
 
 @dataclass

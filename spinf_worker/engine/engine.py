@@ -32,6 +32,7 @@ from ..protocol import (
     query_layout_key,
 )
 from ..templates import Combination, expand_grid
+from ..tiles import padded_rows
 from .decode import SlotDecoder, SlotJob
 from .layout import Branch, BranchBlock, DocTree, FlatDoc
 from .presentation import Presenter, choose_mode
@@ -40,6 +41,7 @@ from .scheduler import PassScheduler
 
 KERNEL_VERSION = "prefix-tree-fused-2"   # bump when a change moves any score's bits
 QUERY_SET_CACHE = 256   # laid-out query lists kept (bulk jobs repeat one list per document)
+ROOT_CACHE = 4096       # contents tokenised by rows(), kept for the score_batch that follows
 PREPARE_CHUNK = 8       # requests whose contents are tokenised together (in parallel);
 #                         few enough that the first pass starts early
 
@@ -161,6 +163,7 @@ class Engine:
                                    eos_text=tok.id_to_token(checkpoint.eos_token_id) or "<eos>")
         self.fingerprint = self._fingerprint()
         self._floor: OrderedDict[tuple, list[DocScores]] = OrderedDict()
+        self._roots: OrderedDict[str, list[int]] = OrderedDict()   # tokenised by rows()
         self._query_sets: OrderedDict[tuple[str, ...], _QuerySet] = OrderedDict()
         # per (pack, version, chosen questions): the packs are fixed, so this stays small
         self._pack_query_cache: dict[tuple, tuple[list[Query], tuple[str, ...]]] = {}
@@ -240,6 +243,17 @@ class Engine:
             settle(done)
         return results
 
+    def rows(self, request: dict | ScoreRequest) -> int:
+        """Rows the request's document takes in a pass (the real layout: content plus the
+        query set's prefix tree, padded to the tile); the queue packs passes by this. The
+        content's ids are kept for the score_batch that follows. Raises what scoring would."""
+        p = self._parse(request)
+        root = self.presenter.root_ids_batch([p.text])[0]
+        self._roots[p.text] = root
+        while len(self._roots) > ROOT_CACHE:
+            self._roots.popitem(last=False)
+        return padded_rows(len(root) + len(p.query_set.block.ids))
+
     # ---- request -> DocTree -----------------------------------------------------------
 
     def _check_model(self, name: str | None) -> None:
@@ -280,7 +294,7 @@ class Engine:
                 out.append(err)
         ok = [i for i, p in enumerate(out) if not isinstance(p, SpinfError)]
         limit = self.config.max_position_embeddings
-        for i, root in zip(ok, self.presenter.root_ids_batch([out[i].text for i in ok])):
+        for i, root in zip(ok, self._root_ids([out[i].text for i in ok])):
             p = out[i]
             p.flat = p.query_set.block.place(root, self.pad_id)
             if p.flat.max_position >= limit:
@@ -288,6 +302,15 @@ class Engine:
                     f"content plus the longest question is {p.flat.max_position + 1} tokens; "
                     f"the model's context is {limit} tokens", param="messages")
         return out
+
+    def _root_ids(self, texts: list[str]) -> list[list[int]]:
+        """BOS + ids of each text: those rows() tokenised already, the rest in parallel."""
+        # pop(t, None): rows() may run on another thread (the queue parses entries while a
+        # pass runs) and evict an entry at any moment
+        known = {t: ids for t in texts if (ids := self._roots.pop(t, None)) is not None}
+        missing = [t for t in texts if t not in known]
+        known.update(zip(missing, self.presenter.root_ids_batch(missing)))
+        return [known[t] for t in texts]
 
     def _parse(self, raw: dict | ScoreRequest) -> _Prepared:
         request = ScoreRequest.parse(raw)

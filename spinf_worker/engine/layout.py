@@ -23,7 +23,7 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from ..kernels.matmul import READOUT_TILE, ROW_TILE
+from ..tiles import READOUT_TILE, ROW_TILE
 
 
 @dataclass

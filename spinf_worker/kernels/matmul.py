@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import torch
 
-ROW_TILE = 128      # body rows: the document alignment
-READOUT_TILE = 32   # LM-head rows: each document's readouts are padded to this
+from ..tiles import ROW_TILE
 
 
 def tiled_linear(x: torch.Tensor, weight: torch.Tensor, tile: int = ROW_TILE) -> torch.Tensor:

@@ -8,8 +8,9 @@ import math
 import torch
 from torch import nn
 
-from ..kernels.matmul import READOUT_TILE, linear
+from ..kernels.matmul import linear
 from ..quant.fp8 import quantize_weight
+from ..tiles import READOUT_TILE
 
 
 class RMSNorm(nn.Module):

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.matmul import ROW_TILE, linear
+from ..kernels.matmul import linear
+from ..tiles import ROW_TILE
 
 INT8_MAX = 127.0
 

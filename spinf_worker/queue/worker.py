@@ -26,8 +26,8 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError, ResponseError
 
 from ..errors import SpinfError
-from ..kernels.matmul import ROW_TILE
 from ..protocol import ScoreRequest, ScoreResponse
+from ..tiles import ROW_TILE
 from .engine_thread import ENGINE_THREAD
 from .keys import GROUP, Keys
 from .settings import ServiceSettings
