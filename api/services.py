@@ -80,11 +80,6 @@ def get_services(request: Request) -> Services:
 ServicesDep = Annotated[Services, Depends(get_services)]
 
 
-def model_names(model: str) -> set[str]:
-    """The names a served model answers to: its own and the bare name after the last "/"."""
-    return {model, model.rsplit("/", 1)[-1]}
-
-
 async def read_json(request: Request) -> Any:
     """The request body as JSON; the size limit is enforced while it is read (middleware)."""
     raw = await request.body()

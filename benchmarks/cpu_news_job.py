@@ -85,7 +85,7 @@ def run_engine(engine: Engine, docs: list[str], block: dict) -> dict:
             raise RuntimeError(f"engine returned an error: {r!r}")
 
     # passes, and fill = real tokens / rows run (each document is padded to a 128-row tile)
-    flats = [engine._prepare(r).flat for r in requests]   # the same layout score_batch packed
+    flats = [p.flat for p in engine.preparer.prepare_batch(requests)]   # the same layout score_batch packed
     passes = pack(flats, engine.settings.max_pass_tokens)
     logprobs = [[[o.logprob for o in q.combinations[0].options] for q in r.queries]
                 for r in responses]

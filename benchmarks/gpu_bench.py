@@ -151,7 +151,7 @@ def run_engine(name: str, ckpt: Checkpoint, scheme: str, requests: list[dict],
     responses = engine.score_batch(requests)
     tokens = sum(r.usage.prompt_tokens for r in responses)
     questions = sum(len(q.combinations) for r in responses for q in r.queries)
-    flats = [engine._prepare(r).flat for r in requests]
+    flats = [p.flat for p in engine.preparer.prepare_batch(requests)]
     from spinf_worker.engine.packer import pack
     from spinf_worker.engine.runner import PASS_BUCKET
     passes = pack(flats, engine.settings.max_pass_tokens)

@@ -65,9 +65,9 @@ def host_profile(engine: Engine, requests: list[dict], rows: int) -> None:
 
     print("score_batch s:", [round(cuda_time(lambda: engine.score_batch(requests), 1), 4)
                              for _ in range(6)])
-    print("layout s:", [round(cuda_time(lambda: engine._prepare_batch(requests), 1), 4)
+    print("layout s:", [round(cuda_time(lambda: engine.preparer.prepare_batch(requests), 1), 4)
                         for _ in range(3)])
-    flats = [p.flat for p in engine._prepare_batch(requests)]
+    flats = [p.flat for p in engine.preparer.prepare_batch(requests)]
     passes = [[flats[i] for i in p.docs] for p in pack(flats, engine.settings.max_pass_tokens)]
     runner = engine.runner
     for docs in passes:

@@ -143,7 +143,7 @@ def run_engine(engine: Engine, requests: list[dict], warmup: dict) -> dict:
     for r in responses:
         if not isinstance(r, ScoreResponse):
             raise RuntimeError(f"engine returned an error: {r!r}")
-    flats = [engine._prepare(r).flat for r in requests]   # the layout score_batch packed
+    flats = [p.flat for p in engine.preparer.prepare_batch(requests)]   # the layout score_batch packed
     passes = pack(flats, engine.settings.max_pass_tokens)
     return dict(seconds=seconds, cpu_s=cpu_s, other_cpu_s=other_s, warmup_s=warmup_s,
                 threads=threads,

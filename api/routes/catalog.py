@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
+from spinf_worker.model_names import served_names
+
 from ..auth import V1_AUTH
 from ..errors import NotFoundError
 from ..models import ModelList, ModelObject, error_responses
-from ..services import ServicesDep, WorkerInfo, model_names
+from ..services import ServicesDep, WorkerInfo
 
 router = APIRouter(prefix="/v1/models", tags=["models"], dependencies=V1_AUTH)
 
@@ -36,7 +38,7 @@ async def list_models(services: ServicesDep) -> ModelList:
 async def get_model(model_id: str, services: ServicesDep) -> ModelObject:
     live, _registered = await services.workers()
     for model in _catalog(live):
-        if model_id in model_names(model.id):
+        if model_id in served_names(model.id):
             return model
     raise NotFoundError(f"model {model_id!r} is not served by any live worker",
                         param="model", code="model_not_found")

@@ -13,6 +13,7 @@ from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse
 
 from spinf_worker.errors import InvalidRequestError, ModelNotFoundError
+from spinf_worker.model_names import served_names
 from spinf_worker.protocol import ScoreRequest, ScoreResponse
 from spinf_worker.queue.batches import (
     result_error,
@@ -24,7 +25,7 @@ from spinf_worker.queue.producer import Submission
 from ..auth import V1_AUTH
 from ..errors import RateLimitError
 from ..models import ChatCompletion, ChatCompletionRequest, JobAccepted, error_responses, json_body
-from ..services import Services, ServicesDep, model_names, read_json
+from ..services import Services, ServicesDep, read_json
 
 router = APIRouter(prefix="/v1", tags=["scoring"], dependencies=V1_AUTH)
 
@@ -40,7 +41,7 @@ async def check_model(services: Services, model: str | None) -> None:
         return
     live, registered = await services.workers()
     served = {w.model for w in (live or registered)}
-    if served and not any(model in model_names(name) for name in served):
+    if served and not any(model in served_names(name) for name in served):
         raise ModelNotFoundError(
             f"model {model!r} is not served here; served: {', '.join(sorted(served))}",
             param="model")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -19,6 +20,13 @@ PASS_BUCKET = 4096    # CUDA passes are padded to a multiple of this
 GRAPH_MAX_BODY_PARAMS = 2_000_000_000
 
 
+class ScoreLists(NamedTuple):
+    logprobs: list[float]       # per option
+    probs: list[float]          # per option, over its branch's options
+    branch_start: list[int]     # per branch + 1
+    residual: list[float]       # per branch
+
+
 @dataclass
 class DocScores:
     """Per option its summed logprob (fp32), per branch the full-vocab residual."""
@@ -32,11 +40,11 @@ class DocScores:
         return self.option_logprobs[self.branch_start[b]:self.branch_start[b + 1]]
 
     @cached_property
-    def lists(self) -> tuple[list[float], list[float], list[int], list[float]]:
-        """Logprobs, probabilities, branch starts and residuals as Python lists, converted
-        once (a response reads them option by option)."""
-        return (self.option_logprobs.tolist(), self.option_probs.tolist(),
-                self.branch_start.tolist(), self.residual.tolist())
+    def lists(self) -> ScoreLists:
+        """The scores as Python lists, converted once (a response reads them option by
+        option)."""
+        return ScoreLists(self.option_logprobs.tolist(), self.option_probs.tolist(),
+                          self.branch_start.tolist(), self.residual.tolist())
 
     @cached_property
     def option_probs(self) -> np.ndarray:

@@ -29,11 +29,10 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
 from spinf_worker.errors import ModelNotFoundError
+from spinf_worker.model_names import DEFAULT_MODEL, is_default
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL = "google/gemma-3-270m"
-_DEFAULT_ALIASES = {DEFAULT_MODEL, "gemma-3-270m"}
 
 # Bump when the conversion output changes, so old caches are rebuilt.
 CONVERTER_VERSION = 1
@@ -66,7 +65,7 @@ def cache_root() -> Path:
 
 def load_checkpoint(model: str | None = None, *, cache_dir: Path | None = None) -> Checkpoint:
     root = Path(cache_dir) if cache_dir is not None else cache_root()
-    if model is None or model in _DEFAULT_ALIASES:
+    if is_default(model):
         return _load_packaged_default(root)
 
     path = Path(model).expanduser()

@@ -11,13 +11,13 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 if torch.cuda.is_available():
-    from spinf_worker.engine.engine import _init_random
     from spinf_worker.engine.layout import Branch, DocTree
     from spinf_worker.engine.runner import ModelRunner, doc_span, pass_rows
     from spinf_worker.kernels.attention import AttentionPlan, packed_tree_attention
     from spinf_worker.kernels.flex_tree import TreeTokens, build_flex_plan, flex_tree_attention
     from spinf_worker.kernels.rowwise import quantize_rows_fp8, rmsnorm
     from spinf_worker.kernels.triton_matmul import matmul
+    from spinf_worker.models.build import init_random
     from spinf_worker.models.gemma3 import Gemma3Config, Gemma3Model
     from spinf_worker.quant.fp8 import quantize_rows, quantize_weight
     from spinf_worker.quant.int8 import quantize_linears
@@ -115,7 +115,7 @@ def _runner(device: str, dtype: torch.dtype, fp8: bool = False, fuse: bool = Tru
         model = Gemma3Model(Gemma3Config(**CFG))
     model = model.to_empty(device="cpu").float()
     with torch.no_grad():
-        _init_random(model, seed=0)
+        init_random(model, seed=0)
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.normal_(0, 0.2)

@@ -15,8 +15,8 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 if torch.cuda.is_available():
-    from spinf_worker.engine.engine import _init_random
     from spinf_worker.engine.runner import ModelRunner
+    from spinf_worker.models.build import init_random
     from spinf_worker.models.gemma4 import Gemma4Config, Gemma4Model
     from spinf_worker.models.layers import RMSNorm
     from spinf_worker.models.llama import LlamaConfig, LlamaModel
@@ -62,7 +62,7 @@ def _runner(family: str, device: str, dtype: torch.dtype, scheme: str = "bf16",
         model = model_class(cfg)
     model = model.to_empty(device="cpu").float()
     with torch.no_grad():
-        _init_random(model, seed=0)
+        init_random(model, seed=0)
         gen = torch.Generator().manual_seed(1)
         for m in model.modules():
             if isinstance(m, RMSNorm):
