@@ -1,10 +1,12 @@
-"""Query lists laid out once per distinct list (engine._QuerySet): requests that share one
+"""Query lists laid out once per distinct list (engine/prepare.py: QuerySet): requests that share one
 still answer with their own ids, and lists that differ in anything but ids get their own
 layout."""
 
 from __future__ import annotations
 
 import copy
+
+import pytest
 
 from .test_engine_parity import NEWS, QUERIES
 
@@ -34,3 +36,32 @@ def test_a_list_differing_in_options_gets_its_own_layout(tiny_engine):
     assert [text for text, _ in _options(flipped)["topic"][0]] == changed[0]["options"]
     assert dict(_options(flipped)["topic"][0]) == topic     # the same scores, in its order
     assert _options(flipped)["tone"] == _options(base)["tone"]
+
+
+
+def test_rows_are_the_rows_the_document_takes_in_a_pass(tiny_engine):
+    """Engine.rows (what the queue packs passes by) is the real layout's length: content
+    plus the prefix tree of the queries, padded to the tile; scoring after it (which reuses
+    the ids it tokenised) gives the same bits as scoring without it."""
+    texts = ["", NEWS[:40], " ".join([NEWS] * 4)]
+    requests = [{"text": text, "scoring": {"queries": QUERIES}} for text in texts]
+    alone = tiny_engine.score_batch(requests)
+    rows = [tiny_engine.rows(r) for r in requests]
+    flats = [p.flat for p in tiny_engine.preparer.prepare_batch(requests)]
+    assert rows == [f.length for f in flats]
+    assert all(r % 128 == 0 for r in rows) and rows[0] < rows[2]
+    for r in requests:
+        tiny_engine.rows(r)
+    after = tiny_engine.score_batch(requests)
+    assert [_options(a) for a in after] == [_options(a) for a in alone]
+
+
+def test_rows_raise_what_scoring_reports(tiny_engine):
+    from spinf_worker.errors import SpinfError
+
+    bad = {"text": NEWS, "model": "no-such-model", "scoring": {"queries": QUERIES}}
+    [scored] = tiny_engine.score_batch([bad])
+    with pytest.raises(SpinfError) as raised:
+        tiny_engine.rows(bad)
+    assert isinstance(scored, SpinfError)
+    assert raised.value.to_openai() == scored.to_openai()
