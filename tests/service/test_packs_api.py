@@ -26,6 +26,8 @@ def test_git_pack_scores_through_the_api_equal_plain_queries(tmp_path, monkeypat
                                                              tiny_engine):
     import subprocess
 
+    from spinf_worker.engine import Engine
+
     monkeypatch.setenv("SPINF_CACHE_DIR", str(tmp_path / "cache"))
     repo = tmp_path / "repo"
     repo.mkdir()
@@ -33,10 +35,10 @@ def test_git_pack_scores_through_the_api_equal_plain_queries(tmp_path, monkeypat
     sha = commit(repo, {"service.json": TWO}, "pack")
     settings = settings.model_copy(update={"packs": pin_sources([f"git+file://{repo}@main"])})
     assert settings.packs == [f"git+file://{repo}@{sha}"]
-    # what serve.load_engine does for a worker
-    monkeypatch.setattr(tiny_engine, "packs", load_sources(settings.packs))
+    # what serve.load_engine does for a worker: an engine built with the configured packs
+    engine = Engine(tiny_engine.checkpoint, device="cpu", packs=load_sources(settings.packs))
     text = "I was charged twice for September and I want my money back now."
-    with LiveServer(settings) as server, InProcessWorker(tiny_engine, settings):
+    with LiveServer(settings) as server, InProcessWorker(engine, settings):
         client = httpx.Client(base_url=server.v1, timeout=60)
         listed = {p["id"]: p for p in client.get("/packs").json()["data"]}
         assert listed["acme/service-pack"]["source"]["commit"] == sha
