@@ -18,7 +18,6 @@ import signal
 import socket
 import time
 import uuid
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import structlog
@@ -27,7 +26,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from ..errors import SpinfError
 from ..protocol import ScoreRequest, ScoreResponse
-from ..tiles import ROW_TILE
+from ..tiles import ROW_TILE, padded_rows
 from .engine_thread import ENGINE_THREAD
 from .keys import GROUP, Keys
 from .settings import ServiceSettings
@@ -39,7 +38,6 @@ REPLY_MAXLEN = 1000          # reply streams hold hints only; the results are du
 REPLY_TTL_S = 3600           # the reply stream of an API instance that went away expires
 MAX_RETRY_DELAY_S = 5.0      # Redis unreachable: wait up to this long between attempts
 PRUNE_CONSUMER_IDLE_MS = 3_600_000   # consumers this quiet with nothing pending are gone
-CHAT_OVERHEAD_TOKENS = 8     # role markers a chat template adds around each message
 
 EXPIRED_ERROR = {"message": "deadline passed before the job was scored",
                  "type": "timeout_error", "param": None, "code": "deadline_exceeded"}
@@ -70,7 +68,7 @@ class Entry:
     request: ScoreRequest | None = None
     error: SpinfError | None = None   # the request's own fault: a final answer, not retried
     failure: str | None = None        # could not even be read: retried, then dead-lettered
-    rows: int = 0                     # estimated rows in a pass
+    rows: int = 0                     # rows in a pass (Engine.rows)
 
     @property
     def job(self) -> str:
@@ -79,28 +77,6 @@ class Entry:
     def expired(self, at_ms: int) -> bool:
         deadline = self.fields.get("deadline_ms")
         return deadline is not None and int(float(deadline)) <= at_ms
-
-
-def estimate_rows(encode: Callable[[str], Sequence[int]], request: ScoreRequest) -> int:
-    """A cheap guess of the rows a request takes in a pass (content, then every combination
-    of every query with its options), padded like the engine pads documents."""
-    tokens = 1   # BOS
-    for message in request.content_messages():
-        with contextlib.suppress(SpinfError):       # the engine reports it properly
-            tokens += len(encode(message.text())) + CHAT_OVERHEAD_TOKENS
-    for query in request.scoring.queries:
-        combinations = math.prod(len(v) for v in query.values.values()) if query.values else 1
-        per_combination = len(encode(query.template))
-        per_combination += sum(len(encode(option)) for option in query.options or ())
-        tokens += combinations * per_combination
-    return -(-tokens // ROW_TILE) * ROW_TILE
-
-
-def _encoder(engine) -> Callable[[str], Sequence[int]]:
-    presenter = getattr(engine, "presenter", None)
-    if presenter is not None:
-        return presenter.encode
-    return lambda text: range(len(text) // 4 + 1)    # about four characters a token
 
 
 class Worker:
@@ -113,7 +89,6 @@ class Worker:
         self.name = name or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.passes = 0                       # score_batch calls made
         self.log = log.bind(worker=self.name)
-        self._encode = _encoder(engine)
         # entry ids this worker holds (read, not yet acked or given up on): kept looking busy
         self._held: dict[str, set[str]] = {s: set() for s in keys.streams}
         self._ready: list[Entry] = []         # parsed, waiting for a pass
@@ -277,7 +252,9 @@ class Worker:
             body = json.loads(fields["payload"])
             try:
                 entry.request = ScoreRequest.parse(body)
-                entry.rows = estimate_rows(self._encode, entry.request)
+                # the engine's own layout (prefix tree included); it keeps the content's
+                # token ids for the pass that scores the entry
+                entry.rows = self.engine.rows(entry.request)
             except SpinfError as err:
                 entry.error = err
         except Exception as err:   # a damaged entry; retried like any failure, then dead
@@ -429,7 +406,7 @@ class Worker:
             # a document takes its rows padded to the tile: real_rows/rows is the fill
             pipe.hincrby(self.keys.stats, "real_rows", tokens)
             pipe.hincrby(self.keys.stats, "rows",
-                         sum(-(-o.usage.prompt_tokens // ROW_TILE) * ROW_TILE for o in scored))
+                         sum(padded_rows(o.usage.prompt_tokens) for o in scored))
             pipe.hincrbyfloat(self.keys.stats, "seconds_busy", busy_s)
             await pipe.execute()
 

@@ -294,3 +294,17 @@ async def test_reply_listener_wakes_on_notice_and_reads_the_result_key(redis, ke
         assert await listener.wait("job_never", timeout=0.2) is None
     finally:
         await listener.stop()
+
+
+def test_entry_rows_are_the_engines_own_count(tiny_engine, keys, settings):
+    """A pass is packed by the engine's layout (Engine.rows); what that count rejects is the
+    entry's own error, answered without a pass."""
+    worker = Worker(tiny_engine, None, keys, settings)
+    entry = worker._parse(keys.interactive, "1-0",
+                          {"job": "job_1", "payload": json.dumps(body(1))})
+    assert entry.error is None and entry.failure is None
+    assert entry.rows == tiny_engine.rows(body(1)) and entry.rows % 128 == 0
+    wrong = worker._parse(keys.interactive, "2-0",
+                          {"job": "job_2", "payload": json.dumps(body(2, model="not-this-one"))})
+    assert wrong.error is not None and wrong.error.code == "model_not_found"
+    assert wrong.failure is None and wrong.rows == 0
