@@ -163,7 +163,7 @@ def test_family_configs(engines):
     llama, qwen, gemma = engines["llama"], engines["qwen3"], engines["gemma4"]
     assert type(llama.model) is LlamaModel and llama.model.lm_head is not None
     assert llama.config.rope["rope_type"] == "llama3" and llama.config.sliding_window == NO_WINDOW
-    assert llama.model.layers[0].mlp.up_proj.bias is not None
+    assert llama.model.layers[0].mlp.gate_up_proj.bias is not None
     assert engines["smollm"].model.lm_head is None
     assert type(qwen.model) is Qwen3Model
     assert qwen.config.layer_types == ("full_attention",) * 2 + ("sliding_attention",) * 2
@@ -280,8 +280,9 @@ REQUEST = {"messages": [{"role": "user", "content": NEWS}], "scoring": {"queries
 def test_int8_tiny_close_and_batch_invariant(tiny_dir, tiny_engine):
     engine = _int8(tiny_dir)
     layer = engine.model.layers[0]
-    assert layer.self_attn.q_proj.weight.dtype == torch.int8
-    assert layer.self_attn.q_proj.weight_scale.shape == (64,)
+    qkv = layer.self_attn.qkv_proj
+    assert qkv.weight.dtype == torch.int8
+    assert qkv.weight_scale.shape == (qkv.weight.shape[0],)     # per output channel
     assert engine.model.embed_tokens.weight.dtype == torch.float32     # the head stays
     assert engine.scheme == "int8" and engine.fingerprint != tiny_engine.fingerprint
     alone = engine.score(REQUEST)
@@ -521,23 +522,27 @@ def test_gemma4_released_config_shape():
 @pytest.mark.parametrize("interleave", [False, True])
 @torch.no_grad()
 def test_fused_projections_compute_the_parts(interleave):
-    """concat_linears: one layer whose output columns are the parts' (one after another, or
-    alternating), and the Gemma MLP reads gate and up back from the interleaved layout."""
+    """A fused projection (q|k|v, gate|up: one Linear from the start, the checkpoint's parts
+    joined at load) computes each part's columns (one after another, or alternating), and the
+    Gemma MLP reads gate and up back from the interleaved layout."""
+    import torch.nn.functional as F
+
     from spinf_worker.models.gemma3 import MLP, Gemma3Config
-    from spinf_worker.models.layers import Linear, concat_linears
+    from spinf_worker.models.layers import Linear, join_parts
 
     torch.manual_seed(0)
     parts = [Linear(64, 96) for _ in range(2)]
     for p in parts:
         torch.nn.init.normal_(p.weight)
     x = torch.randn(128, 64)
-    out = concat_linears(*parts, interleave=interleave)(x)
+    fused = Linear(64, 192)
+    fused.weight.copy_(join_parts([p.weight for p in parts], interleave))
+    out = fused(x)
     got = [out[:, 0::2], out[:, 1::2]] if interleave else list(out.split(96, dim=1))
-    for g, p in zip(got, parts):
+    for g, p in zip(got, parts, strict=True):
         torch.testing.assert_close(g, p(x))
     mlp = MLP(Gemma3Config(hidden_size=64, intermediate_size=96))
-    for p in mlp.parameters():
-        torch.nn.init.normal_(p, std=0.1)
-    plain = mlp(x)
-    mlp.fuse_projections()
+    mlp.gate_up_proj.weight.copy_(join_parts([p.weight for p in parts], interleave=True))
+    torch.nn.init.normal_(mlp.down_proj.weight, std=0.1)
+    plain = mlp.down_proj(F.gelu(parts[0](x), approximate="tanh") * parts[1](x))
     torch.testing.assert_close(mlp(x), plain)

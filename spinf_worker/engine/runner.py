@@ -81,13 +81,12 @@ class PendingPass:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype,
                  pad_id: int, *, fuse: bool = True, cuda_graphs: bool = True):
-        """``fuse``: on CUDA, fuse the model's projections and run its fused forward.
+        """``fuse``: on CUDA, run the model's fused forward where it has one (``fusable``).
         ``cuda_graphs``: on CUDA, replay each pass bucket's forward as a captured graph
         (models whose forward is capturable, up to GRAPH_MAX_BODY_PARAMS; passes without
         extraction slots)."""
         self.model, self.device, self.dtype, self.pad_id = model, device, dtype, pad_id
-        if fuse and device.type == "cuda" and hasattr(model, "fuse_projections"):
-            model.fuse_projections()
+        model.use_fused = fuse and device.type == "cuda" and model.fusable
         self.graphs = None
         if (cuda_graphs and device.type == "cuda" and getattr(model, "capturable", False)
                 and _body_params(model) <= GRAPH_MAX_BODY_PARAMS):

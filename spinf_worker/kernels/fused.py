@@ -257,7 +257,7 @@ def gate_up_act(weight: torch.Tensor, weight_scale: torch.Tensor | None, x: torc
                 x_scale: torch.Tensor | None = None, *, act: str = "gelu_tanh"):
     """``act(x @ gate.T) * (x @ up.T)`` (``act``: gelu_tanh for Gemma, silu for Llama and
     Qwen) for a gate|up ``weight`` [2 I, K] whose rows alternate gate, up
-    (``concat_linears(..., interleave=True)``): bf16 [m, I], or with fp8 weights (``x`` fp8
+    (layers.FUSED_PROJECTIONS, interleaved): bf16 [m, I], or with fp8 weights (``x`` fp8
     with per-row ``x_scale``) ``(fp8, per-row scale)`` for the down projection. With GELU,
     the same bits as the plain GEMM followed by ``gelu_mul``."""
     m, k = x.shape

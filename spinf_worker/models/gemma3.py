@@ -16,7 +16,7 @@ from torch import nn
 
 from ..kernels.attention import AttentionPlan
 from .fused_stack import FusedStyle, fused_forward, real_rows
-from .layers import Linear, PackedLM, RMSNorm, apply_rope, concat_linears, rope_cos_sin
+from .layers import Linear, PackedLM, RMSNorm, apply_rope, rope_cos_sin, split_gate_up
 
 
 @dataclass
@@ -80,21 +80,12 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg, self.sliding, self.layer = cfg, sliding, layer
         hd = cfg.head_dim
-        self.q_proj = Linear(cfg.hidden_size, cfg.num_heads * hd)
-        self.k_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * hd)
-        self.v_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * hd)
+        self.qkv_proj = Linear(cfg.hidden_size, (cfg.num_heads + 2 * cfg.num_kv_heads) * hd)
         self.o_proj = Linear(cfg.num_heads * hd, cfg.hidden_size)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, offset=1.0)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, offset=1.0)
-        self.qkv_proj: Linear | None = None   # set by Gemma3Model.fuse_projections
-
-    def fuse_projections(self) -> None:
-        self.qkv_proj = concat_linears(self.q_proj, self.k_proj, self.v_proj)
-        del self.q_proj, self.k_proj, self.v_proj
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if self.qkv_proj is None:
-            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
         hq, hkv = self.cfg.num_heads * self.cfg.head_dim, self.cfg.num_kv_heads * self.cfg.head_dim
         return self.qkv_proj(x).split([hq, hkv, hkv], dim=-1)
 
@@ -115,20 +106,11 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: Gemma3Config):
         super().__init__()
-        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size)
-        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
-        self.gate_up_proj: Linear | None = None   # set by Gemma3Model.fuse_projections
-
-    def fuse_projections(self) -> None:
-        self.gate_up_proj = concat_linears(self.gate_proj, self.up_proj, interleave=True)
-        del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_proj is None:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        else:
-            gate, up = self.gate_up_proj(x).unflatten(-1, (-1, 2)).unbind(-1)
+        gate, up = split_gate_up(self.gate_up_proj(x))
         return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 
@@ -153,10 +135,6 @@ class Gemma3Model(PackedLM):
     """``forward`` returns the final-norm hidden states of every packed token;
     ``readout_logprobs`` applies the LM head to the few rows that predict option tokens."""
 
-    # The CUDA forward makes no host syncs and no host tensors: a pass can be captured as a
-    # CUDA graph (engine/cuda_graphs.py).
-    capturable = True
-
     def __init__(self, cfg: Gemma3Config):
         super().__init__()
         if cfg.attn_logit_softcapping is not None:
@@ -170,7 +148,7 @@ class Gemma3Model(PackedLM):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 plan: AttentionPlan) -> torch.Tensor:
-        if input_ids.is_cuda and self.layers[0].self_attn.qkv_proj is not None:
+        if input_ids.is_cuda and self.use_fused:
             return self._forward_fused(input_ids, positions, plan)
         x = self._embed(input_ids)
         ropes = self._ropes(positions, x.dtype)
@@ -188,12 +166,13 @@ class Gemma3Model(PackedLM):
                 False: rope_cos_sin(positions, cfg.head_dim, cfg.rope_global_base,
                                     cfg.rope_global_linear_factor, dtype)}
 
-    def fuse_projections(self) -> None:
-        """CUDA: one q|k|v and one gate|up GEMM per layer (fewer, larger GEMMs); the forward
-        then runs the fused kernels of kernels/fused.py."""
-        for layer in self.layers:
-            layer.self_attn.fuse_projections()
-            layer.mlp.fuse_projections()
+    @property
+    def fusable(self) -> bool:
+        return True   # the fused forward takes every scheme (int8: gate|up then gelu_mul)
+
+    @property
+    def capturable(self) -> bool:
+        return True   # the module forward on CUDA too
 
     def _forward_fused(self, input_ids: torch.Tensor, positions: torch.Tensor,
                        plan) -> torch.Tensor:

@@ -67,28 +67,22 @@ class Linear(nn.Module):
         return y if self.bias is None else y + self.bias   # row-wise: still batch-invariant
 
 
-def concat_linears(*parts: Linear, interleave: bool = False) -> Linear:
-    """One linear layer computing several that share their input (q|k|v, gate|up): one larger
-    GEMM instead of several. Each output column is reduced exactly as before. ``interleave``:
-    output columns alternate between the parts (g0 u0 g1 u1 ...) instead of following one
-    another, so one GEMM tile holds matching columns of each (kernels/fused.gate_up_act)."""
-    dtype = parts[0].weight.dtype   # fp8 is concatenated as bytes
+# Projections that share their input are one Linear from the start (one larger GEMM): the
+# checkpoint's parts are joined when the weights are loaded. gate|up is interleaved
+# (g0 u0 g1 u1 ...) so one GEMM tile holds matching columns of each (kernels/fused.gate_up_act).
+FUSED_PROJECTIONS = {"qkv_proj": (("q_proj", "k_proj", "v_proj"), False),
+                     "gate_up_proj": (("gate_proj", "up_proj"), True)}
 
-    def join(tensors: list[torch.Tensor]) -> torch.Tensor:
-        if interleave:
-            return torch.stack(tensors, dim=1).flatten(0, 1)
-        return torch.cat(tensors)
 
-    weight = join([p.weight.data.view(torch.uint8) if dtype.itemsize == 1 else p.weight.data
-                   for p in parts])
-    with torch.device("meta"):
-        fused = Linear(weight.shape[1], weight.shape[0], bias=parts[0].bias is not None)
-    fused.weight = nn.Parameter(weight.view(dtype), requires_grad=False)
-    if parts[0].weight_scale is not None:
-        fused.weight_scale = join([p.weight_scale for p in parts])
-    if fused.bias is not None:
-        fused.bias = nn.Parameter(join([p.bias.data for p in parts]), requires_grad=False)
-    return fused
+def join_parts(parts: list[torch.Tensor], interleave: bool) -> torch.Tensor:
+    """The rows of a fused projection's weight (or bias) from its parts'."""
+    return torch.stack(parts, dim=1).flatten(0, 1) if interleave else torch.cat(parts)
+
+
+def split_gate_up(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate and up back from the interleaved gate|up projection's output."""
+    gate, up = gate_up.unflatten(-1, (-1, 2)).unbind(-1)
+    return gate, up
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, base: float, linear_factor: float,
@@ -150,7 +144,22 @@ def rope_cos_sin_from(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: to
 
 class PackedLM(nn.Module):
     """What every stack shares: the LM head on the readout rows only, fp8 at load time, HF
-    weights by name. A subclass sets ``cfg``, ``embed_tokens`` and ``lm_head`` (None: tied)."""
+    weights by name. A subclass sets ``cfg``, ``embed_tokens`` and ``lm_head`` (None: tied).
+
+    ``fusable``: its weights and shapes suit the fused CUDA forward (models/fused_stack.py);
+    ``use_fused`` is set by the runner that chooses it, and ``forward`` then runs it on CUDA
+    (the same weights, other kernels). ``capturable``: that forward makes no host syncs and no
+    host tensors, so a pass can be captured as a CUDA graph (engine/cuda_graphs.py)."""
+
+    use_fused = False
+
+    @property
+    def fusable(self) -> bool:
+        return False
+
+    @property
+    def capturable(self) -> bool:
+        return False
 
     def readout_logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary log-softmax in fp32 for ``[n, dim]`` rows, ``n % READOUT_TILE == 0``."""
@@ -169,11 +178,21 @@ class PackedLM(nn.Module):
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor],
                         optional: tuple[str, ...] = ()) -> None:
-        """Copy HF-named tensors (with or without the ``model.`` prefix) into the model;
-        names ending in one of ``optional`` keep their value when the checkpoint lacks them."""
+        """Copy HF-named tensors (with or without the ``model.`` prefix) into the model, the
+        parts of fused projections joined (FUSED_PROJECTIONS); names ending in one of
+        ``optional`` keep their value when the checkpoint lacks them."""
+        def find(name: str) -> torch.Tensor | None:
+            return weights.get("model." + name, weights.get(name))
+
         missing = []
         for name, param in self.state_dict().items():
-            src = weights.get("model." + name, weights.get(name))
+            src = find(name)
+            owner, _, leaf = name.rpartition(".")
+            parent, _, projection = owner.rpartition(".")
+            if src is None and projection in FUSED_PROJECTIONS:
+                names, interleave = FUSED_PROJECTIONS[projection]
+                parts = [find(f"{parent}.{part}.{leaf}") for part in names]
+                src = None if any(p is None for p in parts) else join_parts(parts, interleave)
             if src is None:
                 if not name.endswith(optional):
                     missing.append(name)

@@ -22,9 +22,9 @@ from .layers import (
     PackedLM,
     RMSNorm,
     apply_rope,
-    concat_linears,
     rope_cos_sin_from,
     rope_inv_freq,
+    split_gate_up,
 )
 
 NO_WINDOW = 1 << 30   # "sliding_window" of a stack without sliding layers: never masks
@@ -98,26 +98,18 @@ class Attention(nn.Module):
         self.cfg, self.layer = cfg, layer
         self.sliding = cfg.layer_types[layer] == "sliding_attention"
         hd, bias = cfg.head_dim, cfg.attention_bias
-        self.q_proj = Linear(cfg.hidden_size, cfg.num_heads * hd, bias)
-        self.k_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * hd, bias)
-        self.v_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * hd, bias)
+        self.qkv_proj = Linear(cfg.hidden_size, (cfg.num_heads + 2 * cfg.num_kv_heads) * hd, bias)
         self.o_proj = Linear(cfg.num_heads * hd, cfg.hidden_size, bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
-        self.qkv_proj: Linear | None = None   # set by LlamaModel.fuse_projections
-
-    def fuse_projections(self) -> None:
-        self.qkv_proj = concat_linears(self.q_proj, self.k_proj, self.v_proj)
-        del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 plan: AttentionPlan) -> torch.Tensor:
         """``plan``: a packed pass (AttentionPlan) or decoding steps (engine.decode.DecodePlan)."""
         t, hd = x.shape[0], self.cfg.head_dim
-        q = self.q_proj(x).view(t, -1, hd)
-        k = self.k_proj(x).view(t, -1, hd)
-        v = self.v_proj(x).view(t, -1, hd)
+        hq, hkv = self.cfg.num_heads * hd, self.cfg.num_kv_heads * hd
+        q, k, v = (p.reshape(t, -1, hd) for p in self.qkv_proj(x).split([hq, hkv, hkv], dim=-1))
         if self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
@@ -129,17 +121,12 @@ class MLP(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         bias = cfg.mlp_bias
-        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias)
-        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias)
-        self.gate_up_proj: Linear | None = None   # set by LlamaModel.fuse_projections
-
-    def fuse_projections(self) -> None:
-        self.gate_up_proj = concat_linears(self.gate_proj, self.up_proj, interleave=True)
-        del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = split_gate_up(self.gate_up_proj(x))
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -166,27 +153,21 @@ class LlamaModel(PackedLM):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+        self._inv_freq: torch.Tensor | None = None   # the fused forward's, on its device
+
+    @property
+    def fusable(self) -> bool:
+        """Stacks with biases or int8 weights keep the module forward on CUDA."""
+        cfg = self.cfg
+        return not (cfg.attention_bias or cfg.mlp_bias) and fusable(self, cfg.head_dim)
 
     @property
     def capturable(self) -> bool:
-        """The fused CUDA forward makes no host syncs and no host tensors: a pass can be
-        captured as a CUDA graph (engine/cuda_graphs.py)."""
-        return self.layers[0].self_attn.qkv_proj is not None
-
-    def fuse_projections(self) -> None:
-        """CUDA: one q|k|v and one gate|up GEMM per layer, and the fused forward
-        (models/fused_stack.py). Stacks with biases or int8 weights keep the module forward."""
-        cfg = self.cfg
-        if cfg.attention_bias or cfg.mlp_bias or not fusable(self, cfg.head_dim):
-            return
-        for layer in self.layers:
-            layer.self_attn.fuse_projections()
-            layer.mlp.fuse_projections()
-        self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope).to(self.embed_tokens.weight.device)
+        return self.use_fused
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 plan: AttentionPlan) -> torch.Tensor:
-        if input_ids.is_cuda and self.capturable:
+        if input_ids.is_cuda and self.use_fused:
             return self._forward_fused(input_ids, positions, plan)
         x = self.embed_tokens(input_ids)
         rope = rope_cos_sin_from(positions, rope_inv_freq(self.cfg.head_dim, self.cfg.rope),
@@ -201,8 +182,11 @@ class LlamaModel(PackedLM):
         cfg, rows = self.cfg, input_ids.shape[0]
         m = real_rows(plan, rows)
         x = self.embed_tokens(input_ids[:m])
+        if self._inv_freq is None or self._inv_freq.device != x.device:
+            # once, on the device: a host copy in every pass would break a graph's capture
+            self._inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope).to(x.device)
         cos, sin = (t[:, 0].contiguous()
-                    for t in rope_cos_sin_from(positions[:m], self.inv_freq, x.dtype))
+                    for t in rope_cos_sin_from(positions[:m], self._inv_freq, x.dtype))
         style = FusedStyle(norm_offset=0.0, act="silu", qk_norm=cfg.qk_norm, sandwich=False,
                            attn_scale=cfg.head_dim ** -0.5)
         return fused_forward(self.layers, self.norm, x, rows, plan, lambda att: (cos, sin),
