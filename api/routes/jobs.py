@@ -8,8 +8,8 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from spinf_worker.queue.batches import result_error
 from spinf_worker.queue.producer import Submission
+from spinf_worker.queue.results import normalize_error
 
 from ..auth import V1_AUTH
 from ..errors import NotFoundError
@@ -52,11 +52,9 @@ async def get_job(job_id: str, services: ServicesDep) -> JSONResponse:
     if job.get("status") in FINISHED:
         result = await services.producer.get_result(job_id)
         if result is not None:
-            shown["status_code"] = result.get("status_code")
-            if result.get("status_code") == 200:
-                shown["response"] = result.get("body")
-            else:
-                shown["error"] = result_error(result)
+            shown.update(status_code=result.status_code,
+                         response=result.body if result.succeeded else None,
+                         error=result.openai_error)
         elif job.get("error"):
-            shown["error"] = result_error({"error": job["error"]})
+            shown["error"] = normalize_error(job["error"])
     return JSONResponse(shown)

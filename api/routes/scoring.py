@@ -15,12 +15,9 @@ from fastapi.responses import JSONResponse
 from spinf_worker.errors import InvalidRequestError, ModelNotFoundError
 from spinf_worker.model_names import served_names
 from spinf_worker.protocol import ScoreRequest, ScoreResponse
-from spinf_worker.queue.batches import (
-    result_error,
-    score_request_from_chat,
-    score_to_chat_completion,
-)
+from spinf_worker.queue.batches import score_request_from_chat, score_to_chat_completion
 from spinf_worker.queue.producer import Submission
+from spinf_worker.queue.results import JobResult
 
 from ..auth import V1_AUTH
 from ..errors import RateLimitError
@@ -77,8 +74,9 @@ def accepted(job_id: str, status: str = "queued") -> JSONResponse:
 
 
 async def submit_and_wait(services: Services, request: ScoreRequest, *,
-                          idempotency_key: str | None, timeout: float):
-    """(job id, result dict or None when not finished within ``timeout``)."""
+                          idempotency_key: str | None, timeout: float
+                          ) -> tuple[str, JobResult | None]:
+    """(job id, its result or None when not finished within ``timeout``)."""
     await check_model(services, request.model)
     await check_backlog(services)
     payload = request.model_dump(mode="json", exclude_none=True)
@@ -94,9 +92,8 @@ async def still_running(services: Services, job_id: str) -> JSONResponse:
     return accepted(job_id, job["status"] if job else "queued")
 
 
-def failed(result: dict, job_id: str) -> JSONResponse:
-    return JSONResponse({"error": result_error(result)},
-                        status_code=int(result.get("status_code") or 500),
+def failed(result: JobResult, job_id: str) -> JSONResponse:
+    return JSONResponse({"error": result.openai_error}, status_code=result.status_code or 500,
                         headers={"X-Job-Id": job_id})
 
 
@@ -108,9 +105,9 @@ async def answer(services, score_request: ScoreRequest, idempotency_key: str | N
                                            idempotency_key=idempotency_key, timeout=timeout)
     if result is None:
         return await still_running(services, job_id)
-    if result.get("status_code") != 200:
+    if not result.succeeded:
         return failed(result, job_id)
-    return JSONResponse(shape(result["body"]), headers={"X-Job-Id": job_id})
+    return JSONResponse(shape(result.body), headers={"X-Job-Id": job_id})
 
 
 IdempotencyKey = Annotated[str | None, Header(alias="Idempotency-Key", max_length=256)]

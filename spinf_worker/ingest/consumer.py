@@ -21,11 +21,11 @@ import time
 import structlog
 from redis.exceptions import RedisError
 
-from ..queue.batches import result_error
 from ..queue.keys import Keys
 from ..queue.producer import Producer, Submission
 from ..queue.redis_client import connect
 from ..queue.replies import ReplyListener
+from ..queue.results import JobResult
 from ..queue.settings import ServiceSettings
 from .config import Settings, Source
 from .items import Item
@@ -233,11 +233,10 @@ class Consumer:
                                 exc_info=not isinstance(err, RedisError))
                     await asyncio.sleep(delay)
             item = Item.from_record(record["item"])
-            ok = result.get("status_code") == 200
+            ok = result.succeeded
             line = {**item.meta(), "job_id": record["job"],
                     "status": "succeeded" if ok else "failed",
-                    "response": result.get("body") if ok else None,
-                    "error": None if ok else result_error(result)}
+                    "response": result.body if ok else None, "error": result.openai_error}
             written = asyncio.get_running_loop().create_future()
             await self.outbox.put((Result(key, line), written))
             await written
@@ -245,7 +244,7 @@ class Consumer:
             self._inflight.pop(key, None)
             self.gate.release()
 
-    async def _score(self, key: str, record: dict) -> dict:
+    async def _score(self, key: str, record: dict) -> JobResult:
         """Submit the item unless its job is known and alive, and wait for the result."""
         while True:
             job = record.get("job")

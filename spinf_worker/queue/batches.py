@@ -44,6 +44,7 @@ from ..errors import InvalidRequestError, SpinfError
 from ..protocol import ScoreRequest
 from . import files
 from .keys import Keys
+from .results import JobResult
 
 BATCH_ID_PREFIX = "batch_"
 LINE_ID_PREFIX = "batch_req_"
@@ -318,37 +319,25 @@ async def _endpoint(redis, keys: Keys, batch_id: str) -> str | None:
     return endpoint
 
 
-def result_error(result: dict) -> dict:
-    error = result.get("error") or {}
-    if isinstance(error, dict) and isinstance(error.get("error"), dict):
-        error = error["error"]  # accept the full {"error": {...}} envelope too
-    if not isinstance(error, dict):
-        error = {"message": str(error)}
-    return {"message": error.get("message") or "the request failed",
-            "type": error.get("type") or "server_error", "param": error.get("param"),
-            "code": error.get("code")}
-
-
-def result_line(endpoint: str, job_id: str, custom_id: str | None, result: dict
+def result_line(endpoint: str, job_id: str, custom_id: str | None, result: JobResult
                 ) -> tuple[dict, str]:
     """The output or error line of a finished job, and the counter it adds to."""
-    status_code = int(result.get("status_code") or 500)
-    if status_code == 200 and "body" in result:
-        body = result["body"]
+    if result.succeeded:
+        body = result.body
         if endpoint == "/v1/chat/completions":
             body = score_to_chat_completion(body)
         response = {"status_code": 200, "request_id": job_id, "body": body}
         return {"id": _line_id(), "custom_id": custom_id, "response": response,
                 "error": None}, "completed"
-    error = result_error(result)
-    response = {"status_code": status_code, "request_id": job_id, "body": {"error": error}}
+    error = result.openai_error
+    response = {"status_code": result.status_code, "request_id": job_id,
+                "body": {"error": error}}
     return {"id": _line_id(), "custom_id": custom_id, "response": response,
-            "error": {"code": error["code"] or error["type"],
-                      "message": error["message"]}}, "failed"
+            "error": {"code": result.error_code, "message": error["message"]}}, "failed"
 
 
 async def record_result(redis, keys: Keys, batch_id: str, job_id: str,
-                        custom_id: str | None, result: dict) -> bool:
+                        custom_id: str | None, result: JobResult) -> bool:
     """Add a finished job's line to its batch. Safe to call more than once for the same job
     (only the first call counts) and from many workers at once. Returns True when this call
     recorded the line."""

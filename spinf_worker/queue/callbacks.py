@@ -4,8 +4,7 @@ its callback URL, signed the Standard Webhooks way (docs/CALLBACKS.md).
 Records it relies on (written by workers, docs/QUEUE.md):
 - ``keys.callbacks``: stream entries ``{job: <id>}`` (``retry: 1`` on entries it re-adds itself);
 - ``keys.job(id)``: hash with ``callback`` (the URL), ``status``, ``custom_id``, ``finished_at``;
-- ``keys.result(id)``: JSON ``{"status_code": 200, "body": {...}}`` or
-  ``{"status_code": 4xx/5xx, "error": {...}}``.
+- ``keys.result(id)``: the job's result (results.JobResult).
 
 Retries do not block other deliveries: a delivery that has to wait goes into a sorted set of
 due times (``Keys.callback_retry``), and a dispatcher moves due jobs back onto the stream with one Lua
@@ -41,6 +40,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from .. import __version__
 from .keys import DISPATCHERS, Keys
+from .results import JobResult
 from .settings import ServiceSettings
 
 log = structlog.get_logger(__name__)
@@ -247,13 +247,13 @@ def backoff_s(attempt: int, base_s: float) -> float:
     return random.uniform(0.0, min(base_s * 2 ** (attempt - 1), MAX_DELAY_S))
 
 
-def build_event(job_id: str, job: Mapping[str, str], result: dict | None) -> dict:
+def build_event(job_id: str, job: Mapping[str, str], result: JobResult | None) -> dict:
     """The webhook body: the job's outcome and its response (or error)."""
-    body = result.get("body") if result else None
-    error = result.get("error") if result else None
     if result is None:
+        succeeded, body = False, None
         error = {"message": "the job's result is no longer stored", "type": "server_error"}
-    succeeded = body is not None and int(result.get("status_code", 200)) < 400
+    else:
+        succeeded, body, error = result.succeeded, result.body, result.error
     finished = job.get("finished_at")
     when = float(finished) if finished else time.time()
     return {
@@ -455,7 +455,7 @@ class CallbackDispatcher:
             return
 
         raw = await self.redis.get(self.keys.result(job_id))
-        body = json.dumps(build_event(job_id, job, json.loads(raw) if raw else None),
+        body = json.dumps(build_event(job_id, job, JobResult.from_json(raw) if raw else None),
                           separators=(",", ":"), ensure_ascii=False).encode()
         attempt_no = attempts + 1
         # counted before the POST: a crash mid-request still uses up an attempt

@@ -11,6 +11,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from .keys import GROUP, Keys
+from .results import JobResult
 from .settings import ServiceSettings
 
 PRIORITIES = ("interactive", "bulk")
@@ -110,9 +111,9 @@ class Producer:
         fields = await self.redis.hgetall(self.keys.job(job_id))
         return decode_job(job_id, fields) if fields else None
 
-    async def get_result(self, job_id: str) -> dict | None:
+    async def get_result(self, job_id: str) -> JobResult | None:
         raw = await self.redis.get(self.keys.result(job_id))
-        return json.loads(raw) if raw is not None else None
+        return JobResult.from_json(raw) if raw is not None else None
 
 
 def _present(fields: dict) -> dict:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import uuid
 
 import structlog
@@ -18,6 +17,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from .keys import Keys
+from .results import JobResult
 
 log = structlog.get_logger()
 
@@ -56,8 +56,8 @@ class ReplyListener:
         if job_id not in self._waiting:
             self._waiting[job_id] = asyncio.get_running_loop().create_future()
 
-    async def wait(self, job_id: str, timeout: float) -> dict | None:
-        """The job's result dict, or None when it is not ready within ``timeout`` seconds."""
+    async def wait(self, job_id: str, timeout: float) -> JobResult | None:
+        """The job's result, or None when it is not ready within ``timeout`` seconds."""
         self.expect(job_id)
         future = self._waiting[job_id]
         try:
@@ -70,9 +70,9 @@ class ReplyListener:
         finally:
             self._waiting.pop(job_id, None)
 
-    async def _result(self, job_id: str) -> dict | None:
+    async def _result(self, job_id: str) -> JobResult | None:
         raw = await self.redis.get(self.keys.result(job_id))
-        return json.loads(raw) if raw is not None else None
+        return JobResult.from_json(raw) if raw is not None else None
 
     async def _read_forever(self) -> None:
         while True:

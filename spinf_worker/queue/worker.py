@@ -29,6 +29,7 @@ from ..protocol import ScoreRequest, ScoreResponse
 from ..tiles import ROW_TILE, padded_rows
 from .engine_thread import ENGINE_THREAD
 from .keys import GROUP, Keys
+from .results import JobResult
 from .settings import ServiceSettings
 
 log = structlog.get_logger()
@@ -38,19 +39,6 @@ REPLY_MAXLEN = 1000          # reply streams hold hints only; the results are du
 REPLY_TTL_S = 3600           # the reply stream of an API instance that went away expires
 MAX_RETRY_DELAY_S = 5.0      # Redis unreachable: wait up to this long between attempts
 PRUNE_CONSUMER_IDLE_MS = 3_600_000   # consumers this quiet with nothing pending are gone
-
-EXPIRED_ERROR = {"message": "deadline passed before the job was scored",
-                 "type": "timeout_error", "param": None, "code": "deadline_exceeded"}
-
-
-def dead_letter_error(deliveries: int) -> dict:
-    return {"message": f"the job could not be processed ({deliveries} attempts) and was set "
-                       "aside", "type": "server_error", "param": None, "code": "dead_letter"}
-
-
-def error_result(error: SpinfError) -> dict:
-    return {"status_code": error.status, "error": error.to_openai()["error"]}
-
 
 def now_ms() -> int:
     return int(time.time() * 1000)
@@ -285,23 +273,22 @@ class Worker:
                 stored = await pipe.execute()
             done_before = {e.id: r for e, r in zip(entries, stored) if r is not None}
         at = now_ms()
-        answered: list[tuple[Entry, dict, str | None]] = []
+        answered: list[tuple[Entry, JobResult, str | None]] = []
         dead: list[Entry] = []
         gone: list[Entry] = []
         for entry in entries:
             if not entry.fields:          # deleted from the stream while pending
                 gone.append(entry)
             elif entry.id in done_before:   # finished before a crash, not acked: tell again
-                answered.append((entry, json.loads(done_before[entry.id]), None))
+                answered.append((entry, JobResult.from_json(done_before[entry.id]), None))
             elif entry.deliveries > self.settings.max_deliveries:
                 dead.append(entry)
             elif entry.failure is not None:
                 await self._fail(entry, entry.failure)
             elif entry.error is not None:
-                answered.append((entry, error_result(entry.error), "failed"))
+                answered.append((entry, JobResult.failed(entry.error), "failed"))
             elif entry.expired(at):
-                answered.append((entry, {"status_code": 408, "error": EXPIRED_ERROR},
-                                 "expired"))
+                answered.append((entry, JobResult.expired(), "expired"))
             else:
                 self._ready.append(entry)
         await self._ack(gone)
@@ -341,8 +328,7 @@ class Worker:
             expired = [e for e in batch if e.expired(at)]
             live = [e for e in batch if not e.expired(at)]
             if expired:
-                await self._finish([(e, {"status_code": 408, "error": EXPIRED_ERROR},
-                                     "expired") for e in expired])
+                await self._finish([(e, JobResult.expired(), "expired") for e in expired])
             if not live:
                 return
             await self._mark_running(live)
@@ -352,10 +338,9 @@ class Worker:
             answered = []
             for entry, outcome in zip(live, outcomes):
                 if isinstance(outcome, ScoreResponse):
-                    answered.append((entry, {"status_code": 200, "body": outcome.model_dump()},
-                                     "succeeded"))
+                    answered.append((entry, JobResult.ok(outcome), "succeeded"))
                 elif isinstance(outcome, SpinfError):
-                    answered.append((entry, error_result(outcome), "failed"))
+                    answered.append((entry, JobResult.failed(outcome), "failed"))
                 else:
                     await self._fail(entry, outcome)
             await self._count_pass(outcomes, busy_s)
@@ -412,7 +397,7 @@ class Worker:
 
     # ---- outcomes ----------------------------------------------------------------------
 
-    async def _finish(self, answered: list[tuple[Entry, dict, str | None]]) -> None:
+    async def _finish(self, answered: list[tuple[Entry, JobResult, str | None]]) -> None:
         """Store results, then notify, then ack. ``status`` None: the result is stored
         already (a re-delivery after a crash), only the later steps are repeated."""
         ttl = self.settings.result_ttl_s
@@ -421,10 +406,10 @@ class Worker:
             for entry, result, status in answered:
                 if status is None or not entry.job:
                     continue
-                pipe.set(self.keys.result(entry.job), json.dumps(result), ex=ttl)
+                pipe.set(self.keys.result(entry.job), result.to_json(), ex=ttl)
                 record = {"status": status, "finished_at": finished_at}
-                if "error" in result:
-                    record["error"] = json.dumps(result["error"])
+                if result.error is not None:
+                    record["error"] = json.dumps(result.error)
                 pipe.hset(self.keys.job(entry.job), mapping=record)
                 pipe.expire(self.keys.job(entry.job), ttl)
             for name in ("failed", "expired"):
@@ -453,7 +438,7 @@ class Worker:
             acked.append(entry)
         await self._ack(acked)
 
-    async def _record_batch_line(self, entry: Entry, result: dict) -> None:
+    async def _record_batch_line(self, entry: Entry, result: JobResult) -> None:
         from . import batches  # the batch module depends on this one, not the other way
 
         await batches.record_result(self.redis, self.keys, entry.fields["batch"], entry.job,
@@ -501,8 +486,8 @@ class Worker:
         for entry in entries:
             self.log.error("job dead-lettered", job=entry.job, entry=entry.id,
                            deliveries=entry.deliveries)
-        await self._finish([(e, {"status_code": 500, "error": dead_letter_error(e.deliveries)},
-                             "failed") for e in entries])
+        await self._finish([(e, JobResult.dead_letter(e.deliveries), "failed")
+                            for e in entries])
 
     # ---- chores ------------------------------------------------------------------------
 

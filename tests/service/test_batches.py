@@ -14,6 +14,7 @@ from api.models import Batch, BatchList, FileObject
 from spinf_worker.queue import batches, files
 from spinf_worker.queue.producer import Producer
 from spinf_worker.queue.redis_client import connect
+from spinf_worker.queue.results import JobResult
 
 from .live import InProcessWorker, LiveServer, jsonl, wait_for
 
@@ -207,11 +208,12 @@ async def test_racing_and_repeated_results_count_once_and_finalize_once(redis, k
     entries = [fields for _id, fields in await redis.xrange(keys.bulk)]
     assert len(entries) == count and {e["batch"] for e in entries} == {batch["id"]}
 
-    def result(i: int) -> dict:
+    def result(i: int) -> JobResult:
         if i % 10 == 0:
-            return {"status_code": 400, "error": {"message": "no", "type": "invalid_request_error",
-                                                  "param": "model", "code": "model_not_found"}}
-        return {"status_code": 200, "body": {"id": f"score-{i}", "queries": []}}
+            return JobResult(status_code=400, error={
+                "message": "no", "type": "invalid_request_error", "param": "model",
+                "code": "model_not_found"})
+        return JobResult.ok({"id": f"score-{i}", "queries": []})
 
     workers = asyncio.Semaphore(12)  # reports in flight at once, as from a dozen workers
 

@@ -86,9 +86,9 @@ async def test_submit_is_scored_like_the_engine_alone(redis, keys, settings, tin
     finally:
         await listener.stop()
     assert created and job_id.startswith("job_")
-    assert result["status_code"] == 200
+    assert result.status_code == 200 and result.succeeded
     alone = tiny_engine.score(request).model_dump()
-    assert without_ids(result["body"]) == without_ids(alone)   # logprobs bit for bit
+    assert without_ids(result.body) == without_ids(alone)   # logprobs bit for bit
     job = await producer.get_job(job_id)
     assert job["status"] == "succeeded" and job["custom_id"] == "c1"
     assert job["finished_at"] >= job["created_at"]
@@ -201,7 +201,7 @@ async def test_graceful_stop_finishes_the_pass_and_hands_back_the_rest(
     stop.set()
     await asyncio.wait_for(task, 60)
 
-    assert (await producer.get_result(running_job))["status_code"] == 200
+    assert (await producer.get_result(running_job)).status_code == 200
     done = [j for j in jobs if await producer.get_result(j) is not None]
     assert 1 <= len(done) < len(jobs)
     statuses = {(await producer.get_job(j))["status"] for j in jobs if j not in done}
@@ -278,7 +278,7 @@ async def test_reply_listener_wakes_on_notice_and_reads_the_result_key(redis, ke
     try:
         # stored, never notified (the notice was missed): found at once
         await redis.set(keys.result("job_a"), json.dumps({"status_code": 200, "body": {}}))
-        assert (await listener.wait("job_a", timeout=5))["status_code"] == 200
+        assert (await listener.wait("job_a", timeout=5)).status_code == 200
 
         async def finish_later():
             await asyncio.sleep(0.3)
@@ -288,7 +288,7 @@ async def test_reply_listener_wakes_on_notice_and_reads_the_result_key(redis, ke
         listener.expect("job_b")
         started = time.monotonic()
         later = asyncio.create_task(finish_later())
-        assert (await listener.wait("job_b", timeout=30))["status_code"] == 408
+        assert (await listener.wait("job_b", timeout=30)).status_code == 408
         assert time.monotonic() - started < 10     # woken by the notice, not the timeout
         await later
         assert await listener.wait("job_never", timeout=0.2) is None

@@ -1,0 +1,100 @@
+"""A job's result: what a worker stores under ``keys.result(id)`` and every reader reads back
+(the API routes, batch lines, callbacks, ingest). Torch-free.
+
+Stored as JSON, one of two shapes (docs/QUEUE.md):
+``{"status_code": 200, "body": <ScoreResponse>}`` or
+``{"status_code": 4xx/5xx, "error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from ..errors import SpinfError
+from ..protocol import ScoreResponse
+
+EXPIRED_ERROR = {"message": "deadline passed before the job was scored",
+                 "type": "timeout_error", "param": None, "code": "deadline_exceeded"}
+
+
+def normalize_error(error: Any) -> dict:
+    """``{"message", "type", "param", "code"}`` from a stored error, however it was written
+    (the bare error, the ``{"error": {...}}`` envelope, a string)."""
+    error = error or {}
+    if isinstance(error, dict) and isinstance(error.get("error"), dict):
+        error = error["error"]
+    if not isinstance(error, dict):
+        error = {"message": str(error)}
+    return {"message": error.get("message") or "the request failed",
+            "type": error.get("type") or "server_error", "param": error.get("param"),
+            "code": error.get("code")}
+
+
+class JobResult(BaseModel):
+    """The outcome of one job: the ScoreResponse (``body``) or an error, with the HTTP status
+    a synchronous caller gets."""
+
+    model_config = ConfigDict(frozen=True)
+
+    status_code: int
+    body: dict | None = None       # the ScoreResponse as plain data, when scored
+    error: dict | None = None      # the error as stored (see openai_error)
+
+    # ---- made by workers -----------------------------------------------------------------
+
+    @classmethod
+    def ok(cls, response: ScoreResponse | dict) -> JobResult:
+        body = response.model_dump() if isinstance(response, ScoreResponse) else response
+        return cls(status_code=200, body=body)
+
+    @classmethod
+    def failed(cls, error: SpinfError) -> JobResult:
+        """The request's own fault (or the engine's verdict on it): a final answer."""
+        return cls(status_code=error.status, error=error.to_openai()["error"])
+
+    @classmethod
+    def expired(cls) -> JobResult:
+        return cls(status_code=408, error=dict(EXPIRED_ERROR))
+
+    @classmethod
+    def dead_letter(cls, deliveries: int) -> JobResult:
+        return cls(status_code=500, error={
+            "message": f"the job could not be processed ({deliveries} attempts) and was set "
+                       "aside", "type": "server_error", "param": None, "code": "dead_letter"})
+
+    # ---- read back -----------------------------------------------------------------------
+
+    @property
+    def succeeded(self) -> bool:
+        return self.status_code == 200 and self.body is not None
+
+    @property
+    def openai_error(self) -> dict | None:
+        """The error in the OpenAI shape (always all four fields); None when it succeeded."""
+        return None if self.succeeded else normalize_error(self.error)
+
+    @property
+    def error_code(self) -> str | None:
+        """The error's code, else its type (what a batch error line names); None when it
+        succeeded."""
+        error = self.openai_error
+        return None if error is None else error["code"] or error["type"]
+
+    # ---- storage -------------------------------------------------------------------------
+
+    def to_json(self) -> str:
+        """The stored text: the key of the outcome only, never a null one."""
+        data: dict[str, Any] = {"status_code": self.status_code}
+        if self.body is not None:
+            data["body"] = self.body
+        if self.error is not None:
+            data["error"] = self.error
+        return json.dumps(data)
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> JobResult:
+        # json.loads reads back all that json.dumps wrote (NaN and infinities included)
+        return cls.model_validate(json.loads(raw))
