@@ -53,7 +53,7 @@ def main() -> None:
     n_slots = len(SLOTS) * len(docs)
     same = all([o.logprob for o in a.queries[i].combinations[0].options]
                == [o.logprob for o in b.queries[i].combinations[0].options]
-               for a, b in zip(plain, with_slots) for i in range(len(questions["queries"])))
+               for a, b in zip(plain, with_slots, strict=True) for i in range(len(questions["queries"])))
     commit = sh("git rev-parse --short HEAD")
     row = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "machine": cpu_model(),
            "docs": len(docs), "questions_per_doc": len(questions["queries"]),

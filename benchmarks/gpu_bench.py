@@ -232,9 +232,9 @@ def run_baseline(name: str, ckpt: Checkpoint, docs: list[str], questions: dict,
 
 
 def delta_p(a: list, b: list) -> tuple[float, float]:
-    diffs = [abs(oa.p - ob.p) for ra, rb in zip(a, b) for qa, qb in zip(ra.queries, rb.queries)
-             for ca, cb in zip(qa.combinations, qb.combinations)
-             for oa, ob in zip(ca.options, cb.options)]
+    diffs = [abs(oa.p - ob.p) for ra, rb in zip(a, b, strict=True) for qa, qb in zip(ra.queries, rb.queries, strict=True)
+             for ca, cb in zip(qa.combinations, qb.combinations, strict=True)
+             for oa, ob in zip(ca.options, cb.options, strict=True)]
     return sum(diffs) / len(diffs), max(diffs)
 
 

@@ -55,13 +55,13 @@ def main() -> None:
         seconds[name] = round(time.perf_counter() - t0, 2)
 
     dp, dlp, dfloor, top1 = [], [], [], []
-    for a, b in zip(responses[args.scheme], responses["fp32"]):
-        for qa, qb in zip(a.queries, b.queries):
-            for ca, cb in zip(qa.combinations, qb.combinations):
+    for a, b in zip(responses[args.scheme], responses["fp32"], strict=True):
+        for qa, qb in zip(a.queries, b.queries, strict=True):
+            for ca, cb in zip(qa.combinations, qb.combinations, strict=True):
                 pa, pb = [o.p for o in ca.options], [o.p for o in cb.options]
-                dp += [abs(x - y) for x, y in zip(pa, pb)]
-                dlp += [abs(x.logprob - y.logprob) for x, y in zip(ca.options, cb.options)]
-                dfloor += [abs(x.floor_p - y.floor_p) for x, y in zip(ca.options, cb.options)]
+                dp += [abs(x - y) for x, y in zip(pa, pb, strict=True)]
+                dlp += [abs(x.logprob - y.logprob) for x, y in zip(ca.options, cb.options, strict=True)]
+                dfloor += [abs(x.floor_p - y.floor_p) for x, y in zip(ca.options, cb.options, strict=True)]
                 top1.append(pa.index(max(pa)) == pb.index(max(pb)))
 
     commit = subprocess.run("git rev-parse --short HEAD", shell=True, capture_output=True,

@@ -40,7 +40,7 @@ def requests(pack, docs: list[dict]) -> list[dict]:
 
 def outputs(responses, docs: list[dict]) -> list[dict]:
     out = []
-    for doc, response in zip(docs, responses):
+    for doc, response in zip(docs, responses, strict=True):
         result = response.packs[0]
         out.append({"id": doc["id"],
                     "questions": {q["id"]: [q["p"], q["floor_p"]] for q in result["questions"]},

@@ -131,7 +131,7 @@ def score_questions(engine, questions: Sequence[PackQuestion], texts: Sequence[s
                 out.append(None)
                 continue
             scores = {}
-            for q, scored in zip(questions, result.queries):
+            for q, scored in zip(questions, result.queries, strict=True):
                 option = next(o for o in scored.combinations[0].options if o.text == q.positive)
                 scores[q.id] = (option.p, option.floor_p)
             out.append(scores)
@@ -249,23 +249,23 @@ def fitted_on_record(data: Labelled, n: int, model: str = "") -> FittedOn:
 
 def precision_recall(scores: Sequence[float], labels: Sequence[int], threshold: float
                      ) -> tuple[float, float]:
-    tp = sum(1 for s, y in zip(scores, labels) if s >= threshold and y)
-    fp = sum(1 for s, y in zip(scores, labels) if s >= threshold and not y)
-    fn = sum(1 for s, y in zip(scores, labels) if s < threshold and y)
+    tp = sum(1 for s, y in zip(scores, labels, strict=True) if s >= threshold and y)
+    fp = sum(1 for s, y in zip(scores, labels, strict=True) if s >= threshold and not y)
+    fn = sum(1 for s, y in zip(scores, labels, strict=True) if s < threshold and y)
     precision = tp / (tp + fp) if tp + fp else 1.0     # nothing flagged: no false alarm
     recall = tp / (tp + fn) if tp + fn else 1.0
     return precision, recall
 
 
 def brier(scores: Sequence[float], labels: Sequence[int]) -> float:
-    return sum((s - y) ** 2 for s, y in zip(scores, labels)) / len(scores)
+    return sum((s - y) ** 2 for s, y in zip(scores, labels, strict=True)) / len(scores)
 
 
 def reliability(scores: Sequence[float], labels: Sequence[int], bins: int = ECE_BINS
                 ) -> list[tuple[float, float, int]]:
     """Per non-empty equal-width bin of the score: (mean score, fraction positive, count)."""
     sums = [[0.0, 0.0, 0] for _ in range(bins)]
-    for s, y in zip(scores, labels):
+    for s, y in zip(scores, labels, strict=True):
         b = sums[min(int(s * bins), bins - 1)]
         b[0] += s
         b[1] += y
@@ -284,7 +284,7 @@ def accuracy(cats: Sequence[dict[str, float]], labels: Sequence[set[str]],
     """Top-1 accuracy over the documents that belong to exactly one of ``categories``: the
     category with the highest score is theirs. (accuracy, documents counted)."""
     hits = counted = 0
-    for scores, mine in zip(cats, labels):
+    for scores, mine in zip(cats, labels, strict=True):
         mine = mine & set(categories)
         if len(mine) != 1:
             continue
@@ -299,7 +299,7 @@ def pairs(cats: Sequence[dict[str, float]], labels: Sequence[set[str]],
     """Every (document, category) pair as (score, 0/1)."""
     scores, ys = [], []
     for c in categories:
-        for doc, mine in zip(cats, labels):
+        for doc, mine in zip(cats, labels, strict=True):
             scores.append(doc[c])
             ys.append(int(c in mine))
     return scores, ys
@@ -428,7 +428,7 @@ def run(pack: Pack, data: Labelled, engine, *, method: str = "platt", level: str
         report_dir.mkdir(parents=True, exist_ok=True)
         (report_dir / "report.json").write_text(json.dumps(report, indent=1) + "\n")
         with open(report_dir / "scores.jsonl", "w", encoding="utf-8") as f:
-            for i, (s, y) in enumerate(zip(scored, labels)):
+            for i, (s, y) in enumerate(zip(scored, labels, strict=True)):
                 f.write(json.dumps({"doc": keep[i], "labels": sorted(y), "scores": s}) + "\n")
         reliability_plot(report, report_dir / "reliability.png",
                          title=f"{pack.id}: held-out, {method}")

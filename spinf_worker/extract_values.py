@@ -39,6 +39,7 @@ import math
 import re
 from collections.abc import Callable, Iterable
 from decimal import Decimal
+from itertools import pairwise
 
 __all__ = [
     "AMOUNT",
@@ -140,7 +141,7 @@ def _chars(chars: str) -> _Piece:
 def _seq(*pieces: _Piece) -> _Piece:
     def build(nfa: _Nfa) -> _Fragment:
         fragments = [piece(nfa) for piece in pieces]
-        for (_, exit_), (entry, _) in zip(fragments, fragments[1:]):
+        for (_, exit_), (entry, _) in pairwise(fragments):
             nfa.link(exit_, entry)
         return fragments[0][0], fragments[-1][1]
     return build

@@ -12,6 +12,7 @@ import bisect
 import json
 import math
 from functools import cache
+from itertools import pairwise
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -113,9 +114,9 @@ class Isotonic(_Strict):
     def _check(self) -> Isotonic:
         if len(self.x) != len(self.y):
             raise ValueError(f"x has {len(self.x)} breakpoints and y {len(self.y)}")
-        if any(b < a for a, b in zip(self.x, self.x[1:])):
+        if any(b < a for a, b in pairwise(self.x)):
             raise ValueError("x must be non-decreasing")
-        if any(b < a for a, b in zip(self.y, self.y[1:])):
+        if any(b < a for a, b in pairwise(self.y)):
             raise ValueError("y must be non-decreasing")
         if not all(0.0 <= v <= 1.0 for v in self.y):
             raise ValueError("y must lie in [0, 1]")
@@ -299,7 +300,7 @@ def combine(values: list[float], weights: list[float], how: str) -> float:
     if how == "mean":
         return sum(values) / len(values)
     if how == "weighted":
-        return sum(v * w for v, w in zip(values, weights)) / sum(weights)
+        return sum(v * w for v, w in zip(values, weights, strict=True)) / sum(weights)
     # noisy-or: the chance that at least one question fires, if they fire independently
     return 1.0 - math.prod(1.0 - v for v in values)
 

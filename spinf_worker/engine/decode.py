@@ -140,7 +140,7 @@ class SlotDecoder:
             top = torch.topk(logprobs, min(k, logprobs.shape[0]))
             out.clear()
             before = len(found)
-            for lp, tok in zip(top.values.tolist(), top.indices.tolist()):
+            for lp, tok in zip(top.values.tolist(), top.indices.tolist(), strict=True):
                 self._extend(job, beam, tok, lp, found, out)
             if out or len(found) > before or k >= 4096:
                 return out[: job.beam_width]

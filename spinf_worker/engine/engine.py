@@ -158,7 +158,7 @@ class Engine:
             if isinstance(p, SpinfError):
                 results[i] = p
                 continue
-            for key, q, grid in zip(p.query_set.floor_keys, p.queries, p.query_set.grids):
+            for key, q, grid in zip(p.query_set.floor_keys, p.queries, p.query_set.grids, strict=True):
                 if key is None or key in floors or key in queued:
                     continue
                 if (cached := self.floors.get(key)) is not None:
@@ -185,5 +185,5 @@ class Engine:
             jobs.append(SlotJob(rows + pending.keep_base[i], doc.positions[rows], first,
                                 **settings))
             keys.append((i, b))
-        for (i, b), found in zip(keys, self.decoder.decode(jobs, pending.kept)):
+        for (i, b), found in zip(keys, self.decoder.decode(jobs, pending.kept), strict=True):
             scores[i].found[b] = found

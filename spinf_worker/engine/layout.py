@@ -154,7 +154,7 @@ class BranchBlock:
                 term_token.append(opt[0])
                 term_option.append(k)
                 # a sub-branch holding all its tokens but the last
-                for node, tok in zip(trie.walk(br.prefix + opt[:-1])[len(br.prefix):], opt[1:]):
+                for node, tok in zip(trie.walk(br.prefix + opt[:-1])[len(br.prefix):], opt[1:], strict=True):
                     readout_nodes.append(node)
                     term_readout.append(len(readout_nodes) - 1)
                     term_token.append(tok)

@@ -75,7 +75,7 @@ class Preparer:
             except SpinfError as err:
                 out.append(err)
         ok = [i for i, p in enumerate(out) if not isinstance(p, SpinfError)]
-        for i, root in zip(ok, self._root_ids([out[i].text for i in ok])):
+        for i, root in zip(ok, self._root_ids([out[i].text for i in ok]), strict=True):
             p = out[i]
             p.flat = p.query_set.block.place(root, self.pad_id)
             if p.flat.max_position >= self.context:
@@ -102,7 +102,7 @@ class Preparer:
         enc = self.presenter.encode
         return [Branch(list(enc(c.prefix)), [list(enc(o)) for o in q.options])
                 if q.slot_kind == "?" else Branch(list(enc(c.prefix)), [], _slot_settings(q, c))
-                for q, grid in zip(queries, grids) for c in grid]
+                for q, grid in zip(queries, grids, strict=True) for c in grid]
 
     def _root_ids(self, texts: list[str]) -> list[list[int]]:
         """BOS + ids of each text: those rows() tokenised already, the rest in parallel."""
@@ -110,7 +110,7 @@ class Preparer:
         # pass runs) and evict an entry at any moment
         known = {t: ids for t in texts if (ids := self._roots.pop(t, None)) is not None}
         missing = [t for t in texts if t not in known]
-        known.update(zip(missing, self.presenter.root_ids_batch(missing)))
+        known.update(zip(missing, self.presenter.root_ids_batch(missing), strict=True))
         return [known[t] for t in texts]
 
     def _grid(self, query: Query, index: int) -> list[Combination]:

@@ -22,7 +22,7 @@ def build_response(p: Prepared, scores: DocScores, floors: dict[tuple, DocScores
     # Built as plain data and validated once: a bulk job answers thousands of options a
     # second, and one validation of the whole response costs ~40% less than a model per option.
     query_scores, b, decoded = [], 0, 0
-    for q, grid, fkey in zip(p.queries, p.query_set.grids, p.query_set.floor_keys):
+    for q, grid, fkey in zip(p.queries, p.query_set.grids, p.query_set.floor_keys, strict=True):
         combos = []
         for ci, combo in enumerate(grid):
             if fkey is None:       # an extraction slot
@@ -64,7 +64,7 @@ def _pack_results(packs: list[tuple[Pack, list[PackQuestion]]], scored: list[dic
     out, it = [], iter(scored)
     for named, chosen in packs:
         questions = []
-        for question, score in zip(chosen, it):
+        for question, score in zip(chosen, it, strict=False):   # `it` runs on to the next pack
             positive = next(o for o in score["combinations"][0]["options"]
                             if o["text"] == question.positive)
             questions.append({"id": question.id, "category": question.category,

@@ -119,7 +119,7 @@ class ModelRunner:
             starts.append(start)
             start += doc.length
         keep, keep_base, kept_rows = [], {}, 0
-        for i, (doc, at) in enumerate(zip(docs, starts)):
+        for i, (doc, at) in enumerate(zip(docs, starts, strict=True)):
             if doc.extract:
                 keep_base[i] = kept_rows
                 keep.append(torch.arange(at, at + doc.tokens))
@@ -139,7 +139,7 @@ class ModelRunner:
             pos = torch.cat([d.positions for d in docs])
             window = self.model.cfg.sliding_window
             plan = AttentionPlan([doc_span(d, s, window, self.device)
-                                  for d, s in zip(docs, starts)])
+                                  for d, s in zip(docs, starts, strict=True)])
         if keep:
             plan.keep_rows = self._upload(torch.cat(keep))
         hidden = self.model(ids, pos, plan)
@@ -155,7 +155,7 @@ class ModelRunner:
         indexing, no host sync."""
         rows, readout, token, base = [], [], [], 0
         first_at: dict[int, tuple[int, int]] = {}   # readout index -> (doc, branch)
-        for i, (doc, start) in enumerate(zip(docs, starts)):
+        for i, (doc, start) in enumerate(zip(docs, starts, strict=True)):
             rows.append(start + doc.readout_rows)
             for b, (r, *_) in doc.extract.items():
                 first_at[base + r] = (i, b)

@@ -63,4 +63,4 @@ class PassScheduler:
         scores = self.runner.finish(pending)
         if pending.first and self.after_pass is not None:
             self.after_pass(pending, scores)
-        return list(zip(tags, scores))
+        return list(zip(tags, scores, strict=True))

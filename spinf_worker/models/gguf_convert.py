@@ -223,9 +223,9 @@ def build_tokenizer(tokens: list[str], token_types: list[int], unk_id: int) -> T
     # Control tokens (<bos>, <start_of_turn>, ...) are special; user-defined ones ("\n\n",
     # "<table>", ...) must still be matched whole in raw text, like llama.cpp does.
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                  for t, kind in zip(tokens, token_types) if kind == _CONTROL])
+                                  for t, kind in zip(tokens, token_types, strict=True) if kind == _CONTROL])
     tokenizer.add_tokens([AddedToken(t, special=False, normalized=False)
-                          for t, kind in zip(tokens, token_types)
+                          for t, kind in zip(tokens, token_types, strict=True)
                           if kind == _USER_DEFINED and t in vocab])
     return tokenizer
 

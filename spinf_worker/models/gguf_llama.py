@@ -70,9 +70,9 @@ def build_bpe_tokenizer(tokens: list[str], token_types: list[int], merges: list[
     tokenizer.pre_tokenizer = _pre_tokenizer(pre)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                  for t, kind in zip(tokens, token_types) if kind == _CONTROL])
+                                  for t, kind in zip(tokens, token_types, strict=True) if kind == _CONTROL])
     tokenizer.add_tokens([AddedToken(t, special=False, normalized=False)
-                          for t, kind in zip(tokens, token_types) if kind == _USER_DEFINED])
+                          for t, kind in zip(tokens, token_types, strict=True) if kind == _USER_DEFINED])
     return tokenizer
 
 

@@ -344,7 +344,7 @@ def _weights_digest(files: list[Path], root: Path) -> str:
             tmp.replace(memo_path)
     if len(files) == 1:
         return shas[0]
-    return hashlib.sha256("".join(f"{f.name}:{s}\n" for f, s in zip(files, shas)).encode()).hexdigest()
+    return hashlib.sha256("".join(f"{f.name}:{s}\n" for f, s in zip(files, shas, strict=True)).encode()).hexdigest()
 
 
 # --- Hub route ---------------------------------------------------------------------------------

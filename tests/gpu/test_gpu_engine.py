@@ -99,12 +99,12 @@ def test_flex_tree_attention_equals_cpu_tree_attention(window):
     k, v = torch.randn(2, inputs.shape[1], 2, 64).unbind(0)
     starts = [sum(d.length for d in docs[:i]) for i in range(len(docs))]
     cpu_plan = AttentionPlan([doc_span(d, s, window, torch.device("cpu"))
-                              for d, s in zip(docs, starts)])
+                              for d, s in zip(docs, starts, strict=True)])
     want = packed_tree_attention(q[:rows], k[:rows], v[:rows], cpu_plan, sliding=True,
                                  scale=0.125)
     plan = build_flex_plan(TreeTokens.of_pass(inputs.cuda()), window)
     got = flex_tree_attention(q.cuda(), k.cuda(), v.cuda(), plan, sliding=True, scale=0.125)
-    real = torch.cat([torch.arange(s, s + d.tokens) for d, s in zip(docs, starts)])
+    real = torch.cat([torch.arange(s, s + d.tokens) for d, s in zip(docs, starts, strict=True)])
     assert rel_err(got.cpu()[real], want[real]) < 1e-2
 
 
@@ -134,17 +134,17 @@ def test_gpu_pass_close_to_cpu_fp32_and_invariant(scheme):
     cpu = _runner("cpu", torch.float32, int8=scheme == "int8").run(docs)
     gpu_runner = _runner("cuda", torch.bfloat16, fp8=scheme == "fp8", int8=scheme == "int8")
     gpu = gpu_runner.run(docs)
-    worst = max(float((a - b).abs().max()) for dc, dg in zip(cpu, gpu)
-                for a, b in zip(dc.logprobs, dg.logprobs))
+    worst = max(float((a - b).abs().max()) for dc, dg in zip(cpu, gpu, strict=True)
+                for a, b in zip(dc.logprobs, dg.logprobs, strict=True))
     assert worst < (0.4 if scheme == "fp8" else 0.15), worst
     # alone vs packed among the others at several offsets: bit-identical
     for target in (0, 5, 11):
         alone = gpu_runner.run([docs[target]])[0]
-        for a, b in zip(alone.logprobs, gpu[target].logprobs):
+        for a, b in zip(alone.logprobs, gpu[target].logprobs, strict=True):
             assert torch.equal(a, b), (scheme, target)
     shuffled = docs[::-1]
     again = gpu_runner.run(shuffled)[len(docs) - 1 - 5]
-    assert all(torch.equal(a, b) for a, b in zip(again.logprobs, gpu[5].logprobs))
+    assert all(torch.equal(a, b) for a, b in zip(again.logprobs, gpu[5].logprobs, strict=True))
 
 
 @pytest.mark.parametrize("scheme", ["bf16", "fp8"])

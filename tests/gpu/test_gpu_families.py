@@ -90,7 +90,7 @@ def test_gpu_family_close_to_cpu_fp32_and_invariant(family, scheme):
     assert (gpu_runner.graphs is not None) == fused
     gpu = gpu_runner.run(docs)
     worst = max(float(np.abs(dc.option_logprobs - dg.option_logprobs).max())
-                for dc, dg in zip(cpu, gpu))
+                for dc, dg in zip(cpu, gpu, strict=True))
     print(f"{family} {scheme}: max |Δlogprob| vs the CPU in fp32 {worst:.4f}")
     assert worst < (0.4 if scheme == "fp8" else 0.15), worst
     for target in (0, 5):
@@ -105,7 +105,7 @@ def test_gpu_gemma4_global_head_dim_512():
     gpu_runner = _runner("gemma4", "cuda", torch.bfloat16, global_head_dim=512)
     gpu = gpu_runner.run(docs)
     worst = max(float(np.abs(dc.option_logprobs - dg.option_logprobs).max())
-                for dc, dg in zip(cpu, gpu))
+                for dc, dg in zip(cpu, gpu, strict=True))
     assert worst < 0.15, worst
     alone = gpu_runner.run([docs[1]])[0]
     assert np.array_equal(alone.option_logprobs, gpu[1].option_logprobs)

@@ -143,5 +143,5 @@ def test_fused_forward_close_to_module_forward(scheme):
     fused_scores = runner.run(docs)[0]
     plain = _runner("cuda", BF16, fp8=scheme == "fp8", fuse=False)   # the same weights
     plain_scores = plain.run(docs)[0]
-    for a, b in zip(fused_scores.logprobs, plain_scores.logprobs):
+    for a, b in zip(fused_scores.logprobs, plain_scores.logprobs, strict=True):
         assert float((a - b).abs().max()) < 0.1
