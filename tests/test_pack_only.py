@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from spinf_worker.errors import InvalidRequestError
+from spinf_worker.openai_compat import score_request_from_chat, score_to_chat_completion
 from spinf_worker.protocol import ScoreRequest
-from spinf_worker.queue.batches import score_request_from_chat, score_to_chat_completion
 
 TEXT = "I was charged twice for September and I want my money back now, or I leave."
 

@@ -14,8 +14,8 @@ from fastapi.responses import JSONResponse
 
 from spinf_worker.errors import InvalidRequestError, ModelNotFoundError
 from spinf_worker.model_names import served_names
+from spinf_worker.openai_compat import score_request_from_chat, score_to_chat_completion
 from spinf_worker.protocol import ScoreRequest, ScoreResponse
-from spinf_worker.queue.batches import score_request_from_chat, score_to_chat_completion
 from spinf_worker.queue.producer import Submission
 from spinf_worker.queue.results import JobResult
 
