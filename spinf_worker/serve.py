@@ -80,7 +80,7 @@ def state_lock(state_dir: Path) -> Iterator[None]:
 
 def load_or_create_secret(state_dir: Path) -> tuple[str, Path, bool]:
     """The webhook signing secret kept in the state dir: (secret, path, created now)."""
-    from .queue.callbacks import new_secret, secret_bytes
+    from .webhooks import new_secret, secret_bytes
 
     path = state_dir / SECRET_FILE
     secret = new_secret()

@@ -2,7 +2,7 @@
 extract the main text with trafilatura.
 
 Links come from the feed, i.e. from whoever writes it, so a page is fetched under the same
-rules as webhook callbacks (queue/callbacks.py's TargetGuard): public addresses only unless
+rules as webhook callbacks (webhooks.py's TargetGuard): public addresses only unless
 allowed (``fetch_allow``), the connection pinned to the checked address, and every redirect
 checked again.
 """
@@ -14,7 +14,7 @@ import asyncio
 import httpx
 import structlog
 
-from ..queue.callbacks import CallbackRefused, TargetGuard
+from ..webhooks import CallbackRefused, TargetGuard
 
 log = structlog.get_logger("spinf.ingest")
 
@@ -27,7 +27,7 @@ USER_AGENT = "spinf-serve-ingest"
 class PageFetcher:
     def __init__(self, allow: tuple[str, ...] = ()):
         self.guard = TargetGuard(allow)
-        # no keep-alive: each request goes to a pinned IP (see callbacks.py)
+        # no keep-alive: each request goes to a pinned IP (see queue/callbacks.py)
         self.client = httpx.AsyncClient(
             timeout=TIMEOUT_S, follow_redirects=False, trust_env=False,
             limits=httpx.Limits(max_keepalive_connections=0),

@@ -6,7 +6,7 @@ restart never writes an item twice:
   crash, a recorded line found whole at its offset counts as written, and a torn last line is
   cut off before writing again.
 - Redis stream: the XADD and the mark are one transaction.
-- Webhook: signed and sent exactly as the service's callbacks (queue/callbacks.py), with a
+- Webhook: signed and sent exactly as the service's callbacks (webhooks.py), with a
   ``webhook-id`` that is the same on every attempt: a receiver that stores the ids it has
   processed drops the repeat of a delivery that crashed before it was marked.
 """
@@ -25,8 +25,8 @@ from pathlib import Path
 import httpx
 import structlog
 
-from ..queue.callbacks import USER_AGENT, CallbackRefused, TargetGuard, backoff_s, classify, sign
 from ..queue.settings import ServiceSettings
+from ..webhooks import USER_AGENT, CallbackRefused, TargetGuard, backoff_s, classify, sign
 from .config import ConfigError
 from .state import State, now_ms
 

@@ -13,7 +13,7 @@ import standardwebhooks
 
 from spinf_worker.ingest.config import ConfigError
 from spinf_worker.ingest.pages import PageFetcher
-from spinf_worker.queue.callbacks import new_secret
+from spinf_worker.webhooks import new_secret
 from tests.service.live import InProcessWorker
 
 from .helpers import article, consuming, make_config, read_lines, wait_until

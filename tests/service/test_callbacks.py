@@ -21,8 +21,9 @@ import pytest
 import pytest_asyncio
 from redis.asyncio import Redis
 
-from spinf_worker.queue.callbacks import (
-    CallbackDispatcher,
+from spinf_worker.queue.callbacks import CallbackDispatcher
+from spinf_worker.queue.keys import DISPATCHERS
+from spinf_worker.webhooks import (
     CallbackRefused,
     TargetGuard,
     backoff_s,
@@ -31,7 +32,6 @@ from spinf_worker.queue.callbacks import (
     sign,
     verify,
 )
-from spinf_worker.queue.keys import DISPATCHERS
 
 SECRET = new_secret()
 

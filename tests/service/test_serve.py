@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from spinf_worker.queue.callbacks import new_secret, verify
+from spinf_worker.webhooks import new_secret, verify
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 180      # torch import and the model load on a busy 2-core machine
