@@ -17,17 +17,35 @@ from collections.abc import Callable
 
 
 class EngineThread:
+    """Started by its first ``run``, not when created: importing this module (``spinf-serve
+    api`` does, through serve.py) must not start a thread that will never score."""
+
     def __init__(self, name: str = "spinf-engine"):
+        self.name = name
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        self._starting = threading.Lock()
+
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
 
     def run(self, fn: Callable, *args) -> asyncio.Future:
         """``fn(*args)`` on the engine thread, after the calls queued before it."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
+        self._start()
         self._jobs.put((fn, args, loop, future))
         return future
+
+    def _start(self) -> None:
+        if self._thread is not None:
+            return
+        with self._starting:     # event loops on two threads may call run() at once
+            if self._thread is None:
+                thread = threading.Thread(target=self._serve, name=self.name, daemon=True)
+                thread.start()
+                self._thread = thread
 
     def _serve(self) -> None:
         while True:
@@ -48,4 +66,5 @@ def _settle(future: asyncio.Future, value, error) -> None:
             future.set_result(value)
 
 
+# The process's one engine thread: every Worker and the model load go through it.
 ENGINE_THREAD = EngineThread()

@@ -132,11 +132,16 @@ def receiver():
 
 
 def test_api_tier_imports_no_torch():
-    code = ("import sys\n"
+    """Nor does the queue tier at import, and no engine thread starts before a worker runs."""
+    code = ("import sys, threading\n"
             "from spinf_worker.queue.settings import ServiceSettings\n"
             "from spinf_worker.serve import _api_server\n"
+            "import spinf_worker.queue.worker, spinf_worker.queue.callbacks\n"
+            "import spinf_worker.ingest.consumer, spinf_worker.openai_compat\n"
             "_api_server(ServiceSettings(redis_url='redis://127.0.0.1:1'), '127.0.0.1', 0)\n"
-            "assert 'torch' not in sys.modules, 'the API tier imported torch'\n")
+            "assert 'torch' not in sys.modules, 'the API tier imported torch'\n"
+            "assert not any(t.name == 'spinf-engine' for t in threading.enumerate()), \\\n"
+            "    'an engine thread started at import'\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
