@@ -8,13 +8,11 @@ reclaims entries of dead workers with XAUTOCLAIM.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
 import math
 import os
-import signal
 import socket
 import time
 import uuid
@@ -552,48 +550,3 @@ class Worker:
             for consumer in await self.redis.xinfo_consumers(stream, GROUP):
                 if consumer["pending"] == 0 and consumer["idle"] > PRUNE_CONSUMER_IDLE_MS:
                     await self.redis.xgroup_delconsumer(stream, GROUP, consumer["name"])
-
-
-# ---- command line ----------------------------------------------------------------------
-
-
-async def serve(engine, settings: ServiceSettings, name: str | None = None) -> None:
-    """Run one worker until SIGTERM or SIGINT, then stop gracefully."""
-    from .redis_client import connect
-
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    redis = connect(settings.redis_url, client_name=f"spinf-worker-{os.getpid()}")
-    try:
-        await Worker(engine, redis, Keys(settings.prefix), settings, name=name).run(stop)
-    finally:
-        await redis.aclose()
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m spinf_worker.queue.worker",
-                                     description="Score jobs from the Redis work streams.")
-    parser.add_argument("--redis", help="Redis URL (default: $SPINF_REDIS_URL)")
-    parser.add_argument("--prefix", help="key prefix (default: $SPINF_PREFIX or spinf)")
-    parser.add_argument("--model", help="model name, directory or .gguf (default: the packaged "
-                                        "Gemma 3 270M)")
-    parser.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    parser.add_argument("--name", help="consumer name; a restarted worker with the same name "
-                                       "picks up its own pending entries first")
-    args = parser.parse_args(argv)
-    overrides = {k: v for k, v in {"redis_url": args.redis, "prefix": args.prefix}.items() if v}
-    settings = ServiceSettings(**overrides)
-    if not settings.redis_url:
-        parser.error("give --redis or set SPINF_REDIS_URL")
-
-    from ..serve import WorkerSpec, load_engine
-
-    engine = load_engine(WorkerSpec(model=args.model, device=args.device), settings)
-    asyncio.run(serve(engine, settings, name=args.name))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

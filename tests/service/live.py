@@ -4,8 +4,8 @@
   port, in a thread; ``.url`` / ``.v1``.
 - ``InProcessWorker(engine, settings)``: a queue Worker on an already loaded engine, in a
   thread with its own event loop (no model load: fast).
-- ``subprocess_worker(settings, model)``: ``python -m spinf_worker.queue.worker`` as a real
-  process, the way it is deployed.
+- ``subprocess_worker(settings, model)``: ``spinf-serve worker`` as a real process, the way
+  it is deployed.
 
 Fixtures: ``api_server`` (a LiveServer on the ``settings`` fixture) and ``tiny_worker`` (an
 InProcessWorker on ``tiny_engine``). To use one, name it in the test module:
@@ -163,7 +163,7 @@ def subprocess_worker(settings: ServiceSettings, model: str, *, device: str = "c
     """A worker process; waits until it registers, stops it with SIGTERM (graceful)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     process = subprocess.Popen(
-        [sys.executable, "-m", "spinf_worker.queue.worker", "--redis", settings.redis_url,
+        [sys.executable, "-m", "spinf_worker.cli", "worker", "--redis", settings.redis_url,
          "--prefix", settings.prefix, "--model", model, "--device", device, "--name", name],
         cwd=ROOT, env=env)
     try:

@@ -227,7 +227,7 @@ async def test_killed_worker_entries_are_reclaimed(redis, redis_url, keys, setti
     def start_worker(name: str) -> subprocess.Popen:
         log = open(tmp_path / f"{name}.log", "w")   # noqa: SIM115 - closed with the process
         return subprocess.Popen(
-            [sys.executable, "-m", "spinf_worker.queue.worker", "--redis", redis_url,
+            [sys.executable, "-m", "spinf_worker.cli", "worker", "--redis", redis_url,
              "--prefix", keys.prefix, "--model", str(tiny_dir), "--device", "cpu",
              "--name", name], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
 
