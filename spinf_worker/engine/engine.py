@@ -16,8 +16,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .. import __version__
-from ..errors import ModelNotFoundError, SpinfError
-from ..model_names import served_names
+from ..errors import SpinfError
 from ..models.build import build_model
 from ..models.loader import Checkpoint, load_checkpoint
 from ..packs import Pack, official_packs
@@ -83,7 +82,7 @@ class Engine:
         self.preparer = Preparer(self.presenter, self.pad_id, self.packs,
                                  context=self.config.max_position_embeddings,
                                  max_combinations=self.settings.max_combinations,
-                                 check_model=self._check_model)
+                                 model=checkpoint.name)
         self.floors = FloorCache(self.settings.floor_cache_size)
         self.fingerprint = self._fingerprint()
 
@@ -105,12 +104,6 @@ class Engine:
                  f"threads={torch.get_num_threads()}", f"fused={fused}",
                  device_class, self.presenter.mode]
         return "fp_" + hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
-
-    def _check_model(self, name: str | None) -> None:
-        if name is not None and name not in served_names(self.model_name):
-            raise ModelNotFoundError(
-                f"model {name!r} is not served here; this engine serves {self.model_name!r}",
-                param="model")
 
     # ---- public API -------------------------------------------------------------------
 

@@ -8,11 +8,12 @@ the queries' JSON without ids) is expanded and laid out once (``QuerySet``) and 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..errors import ContextLengthError, InvalidRequestError, SpinfError
+from ..errors import ContextLengthError, InvalidRequestError, ModelNotFoundError, SpinfError
 from ..extract_values import grammar_for
+from ..model_names import served_names
 from ..packs import Pack, PackQuestion, find_pack
 from ..protocol import Query, ScoreRequest, query_layout_key
 from ..templates import Combination, expand_grid
@@ -46,10 +47,10 @@ class Prepared:
 
 class Preparer:
     def __init__(self, presenter: Presenter, pad_id: int, packs: dict[str, Pack], *,
-                 context: int, max_combinations: int, check_model: Callable[[str | None], None]):
+                 model: str, context: int, max_combinations: int):
+        """``model``: the served model's name (a request may name it, or one of its aliases)."""
         self.presenter, self.pad_id, self.packs = presenter, pad_id, packs
-        self.context, self.max_combinations = context, max_combinations
-        self.check_model = check_model
+        self.model, self.context, self.max_combinations = model, context, max_combinations
         self._roots: OrderedDict[str, list[int]] = OrderedDict()   # tokenised by rows()
         self._query_sets: OrderedDict[tuple[str, ...], QuerySet] = OrderedDict()
         # per (pack, version, chosen questions): the packs are fixed, so this stays small
@@ -86,7 +87,10 @@ class Preparer:
 
     def parse(self, raw: dict | ScoreRequest) -> Prepared:
         request = ScoreRequest.parse(raw)
-        self.check_model(request.model)
+        if request.model is not None and request.model not in served_names(self.model):
+            raise ModelNotFoundError(
+                f"model {request.model!r} is not served here; this engine serves {self.model!r}",
+                param="model")
         packs = [self._pack_questions(ref, i) for i, ref in enumerate(request.packs)]
         queries, key = list(request.scoring.queries), request.scoring.layout_key()
         for named, chosen in packs:

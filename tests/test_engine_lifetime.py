@@ -1,0 +1,24 @@
+"""An engine is freed as soon as the last reference goes: no reference cycle keeps a model's
+weights alive until the cyclic collector happens to run (on a GPU that is a whole model's
+memory held twice while the next engine loads)."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+from spinf_worker.engine import Engine
+
+
+def test_an_engine_is_freed_without_the_cyclic_collector(tiny_dir):
+    gc.collect()
+    gc.disable()
+    try:
+        engine = Engine.load(str(tiny_dir), device="cpu")
+        engine.score({"text": "A short note.", "scoring": {"queries": [
+            {"id": "q", "template": "\n\nIs it short?\nAnswer:{?}", "options": [" yes", " no"]}]}})
+        model, weight = weakref.ref(engine.model), weakref.ref(engine.model.embed_tokens.weight)
+        del engine
+        assert model() is None and weight() is None
+    finally:
+        gc.enable()
