@@ -7,6 +7,7 @@ the queries' JSON without ids) is expanded and laid out once (``QuerySet``) and 
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -128,7 +129,10 @@ class Preparer:
         (``key``: protocol.query_layout_key; a query's id changes none of them)."""
         found = self._query_sets.get(key)
         if found is not None:
-            self._query_sets.move_to_end(key)
+            # rows() runs on the queue's parse thread while a pass prepares on the engine's:
+            # the entry may be evicted between the two calls (then it is simply rebuilt later)
+            with contextlib.suppress(KeyError):
+                self._query_sets.move_to_end(key)
             return found
         grids = [self._grid(q, i) for i, q in enumerate(queries)]
         mode = self.presenter.mode
