@@ -1,14 +1,43 @@
-"""Shared fixtures: the real default model, and a tiny random Gemma 3 written by transformers."""
+"""Shared fixtures: the real default model, and a tiny random Gemma 3 written by transformers
+with a small Gemma-shaped tokenizer built here (so the tiny models never load the real one).
+
+Tests that use the real default model are marked ``slow`` (``-m "not slow"`` leaves them out).
+"""
 
 from __future__ import annotations
 
-import shutil
+import json
 from pathlib import Path
 
 import pytest
 import torch
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+# The bound of every client timeout and every wait in the tests: generous, so that a loaded
+# machine makes the suite slower, never red. No test may depend on how fast the machine is.
+WAIT_S = 120.0
+
+# Fixtures that load the real default model (google/gemma-3-270m from the packaged GGUF).
+REAL_MODEL_FIXTURES = frozenset({"default_checkpoint", "default_engine", "default_oracle",
+                                 "default_cache", "default_ckpt", "gguf_file",
+                                 "transformers_gguf"})
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if REAL_MODEL_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
+def shared_data(name: str) -> Path:
+    """A file of the data directory beside the repository (../shared/data: news articles, an
+    AG News sample). A test that needs it fails when it is absent; it never skips."""
+    path = DATA / name
+    if not path.is_file():
+        pytest.fail(f"{path} is absent: this test needs the shared data directory "
+                    f"{DATA} beside the repository", pytrace=False)
+    return path
 
 
 @pytest.fixture(scope="session")
@@ -35,20 +64,93 @@ def default_oracle(default_checkpoint):
     return model.eval()
 
 
+# The tiny tokenizer: Gemma's layout (control tokens first, then the 256 byte pieces for byte
+# fallback, then the pieces) and Gemma's construction (gguf_convert.build_tokenizer, as for the
+# packaged model), with pieces trained here on a little English. Digits are single pieces and
+# every printable ASCII character is one, as in Gemma; anything else falls back to bytes.
+TINY_CONTROL = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+TINY_PAD, TINY_EOS, TINY_BOS, TINY_UNK = 0, 1, 2, 3
+TINY_CORPUS = """\
+The central bank raised its benchmark rate on Tuesday, citing inflation in services and a tight
+labour market. Shares of regional lenders fell while the currency touched a two-month high, and
+investors asked what comes next. Markets moved on the news as prices rose and oil, gold and
+copper stocks were up or down.
+The customer was charged twice for September and asked for a refund of the second charge.
+I was charged twice, please refund me. Is the customer asking for a refund? Answer: yes or no.
+Invoice number 4411: amount charged 12.50 dollars, paid on the first of the month.
+The home team won the match by three points; the players and the coach thanked their supporters.
+Scientists at the university published a study about the climate, the ocean and the weather.
+The government announced a new policy for the election; the minister said the vote would be close.
+Topic (business, sports, science or politics): Which month? Who acted? Does the article mention
+rates? Summary: the company reported higher sales and profit this year, and its shares rose.
+"""
+
+
+def tiny_tokenizer():
+    """A ``tokenizers`` BPE built like the packaged model's, with a vocabulary of ~750."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+
+    from spinf_worker.models.gguf_convert import build_tokenizer
+
+    trainer_tok = Tokenizer(models.BPE())
+    trainer_tok.normalizer = normalizers.Replace(" ", "\u2581")
+    trainer_tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split("\n", "isolated"), pre_tokenizers.Punctuation("isolated"),
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="never")])
+    alphabet = [chr(c) for c in range(0x21, 0x7F)] + ["\u2581", "\n", "\t"]
+    trainer = trainers.BpeTrainer(vocab_size=1024, initial_alphabet=alphabet,
+                                  limit_alphabet=len(alphabet), show_progress=False)
+    trainer_tok.train_from_iterator([TINY_CORPUS], trainer)
+    pieces = [p for p, _ in sorted(trainer_tok.get_vocab().items(), key=lambda kv: kv[1])]
+    tokens = TINY_CONTROL + [f"<0x{b:02X}>" for b in range(256)] + pieces
+    types = [3] * len(TINY_CONTROL) + [6] * 256 + [1] * len(pieces)   # control, byte, normal
+    return build_tokenizer(tokens, types, unk_id=TINY_UNK)
+
+
+def write_tiny_tokenizer(path: Path) -> Path:
+    """tokenizer.json and tokenizer_config.json as a converted GGUF has them (a BOS
+    post-processor that the loader drops, no chat template)."""
+    from tokenizers import processors
+
+    tokenizer = tiny_tokenizer()
+    bos = TINY_CONTROL[TINY_BOS]
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
+        special_tokens=[(bos, TINY_BOS)])
+    tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": bos, "eos_token": TINY_CONTROL[TINY_EOS],
+        "pad_token": TINY_CONTROL[TINY_PAD], "unk_token": TINY_CONTROL[TINY_UNK],
+        "add_bos_token": True, "add_eos_token": False, "model_max_length": 4096}, indent=2))
+    return path
+
+
+def tiny_vocab_size(tokenizer_dir: Path) -> int:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).get_vocab_size()
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_dir(tmp_path_factory) -> Path:
+    return write_tiny_tokenizer(tmp_path_factory.mktemp("tiny-tokenizer"))
+
+
 def write_tiny_gemma3(path: Path, tokenizer_dir: Path, *, sliding_window: int = 16,
                       seed: int = 0) -> Path:
-    """A random 4-layer Gemma 3 (real vocabulary, so the real tokenizer works) saved by
-    transformers, with non-trivial norm weights so a norm bug cannot hide behind zeros."""
+    """A random 4-layer Gemma 3 on the tiny tokenizer's vocabulary, saved by transformers,
+    with non-trivial norm weights so a norm bug cannot hide behind zeros."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     torch.manual_seed(seed)
     cfg = Gemma3TextConfig(
-        vocab_size=262144, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
-        sliding_window=sliding_window, max_position_embeddings=4096,
+        vocab_size=tiny_vocab_size(tokenizer_dir), hidden_size=32, intermediate_size=64,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        query_pre_attn_scalar=16, sliding_window=sliding_window, max_position_embeddings=4096,
         layer_types=["sliding_attention", "sliding_attention", "full_attention",
                      "sliding_attention"],
-        bos_token_id=2, eos_token_id=1, pad_token_id=0)
+        bos_token_id=TINY_BOS, eos_token_id=TINY_EOS, pad_token_id=TINY_PAD)
     model = Gemma3ForCausalLM(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -56,14 +158,13 @@ def write_tiny_gemma3(path: Path, tokenizer_dir: Path, *, sliding_window: int = 
                 p.normal_(0.0, 0.3)
     model.save_pretrained(path)
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        if (tokenizer_dir / name).exists():
-            shutil.copy(tokenizer_dir / name, path / name)
+        (path / name).write_bytes((tokenizer_dir / name).read_bytes())
     return path
 
 
 @pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory, default_checkpoint) -> Path:
-    return write_tiny_gemma3(tmp_path_factory.mktemp("tiny-gemma3"), default_checkpoint.path)
+def tiny_dir(tmp_path_factory, tiny_tokenizer_dir) -> Path:
+    return write_tiny_gemma3(tmp_path_factory.mktemp("tiny-gemma3"), tiny_tokenizer_dir)
 
 
 @pytest.fixture(scope="session")

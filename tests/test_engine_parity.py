@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from .conftest import DATA, oracle_logprob
+from .conftest import oracle_logprob, shared_data
 
 TOL = 1e-4
 
@@ -39,7 +39,7 @@ def check_against_oracle(engine, oracle, content: str, queries: list[dict]) -> f
     enc = engine.presenter.encode
     bos = engine.checkpoint.bos_token_id
     worst = 0.0
-    for query, result in zip(queries, response.queries):
+    for query, result in zip(queries, response.queries, strict=True):
         for combo in result.combinations:
             prefix = query["template"].split("{?}")[0]
             for name, value in combo.values.items():
@@ -49,12 +49,12 @@ def check_against_oracle(engine, oracle, content: str, queries: list[dict]) -> f
                 for root, sink in (([bos, *enc(content)], oracle_lps), ([bos], floor_lps)):
                     ctx = root + list(enc(prefix))
                     sink.append(oracle_logprob(oracle, ctx + list(enc(option.text)), len(ctx)))
-            for option, want in zip(combo.options, oracle_lps):
+            for option, want in zip(combo.options, oracle_lps, strict=True):
                 worst = max(worst, abs(option.logprob - want))
             # p and floor_p are softmaxes of the same logprobs; residual the mass outside
             z = sum(math.exp(v) for v in oracle_lps)
             fz = sum(math.exp(v) for v in floor_lps)
-            for option, want, fwant in zip(combo.options, oracle_lps, floor_lps):
+            for option, want, fwant in zip(combo.options, oracle_lps, floor_lps, strict=True):
                 assert option.p == pytest.approx(math.exp(want) / z, abs=TOL)
                 assert option.floor_p == pytest.approx(math.exp(fwant) / fz, abs=TOL)
             assert combo.residual == pytest.approx(1 - z, abs=TOL)
@@ -94,9 +94,8 @@ def test_default_model_parity(default_engine, default_oracle):
 
 @pytest.mark.slow
 def test_default_model_content_longer_than_window(default_engine, default_oracle):
-    if not (DATA / "news_articles.jsonl").exists():
-        pytest.skip("../shared/data is absent")
-    articles = [json.loads(line) for line in (DATA / "news_articles.jsonl").open()]
+    articles = [json.loads(line)
+                for line in shared_data("news_articles.jsonl").read_text().splitlines()]
     text = next(a["text"] for a in articles
                 if len(default_engine.presenter.encode(a["text"])) > 700)
     ids = default_engine.presenter.encode(text)[:700]

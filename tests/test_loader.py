@@ -11,14 +11,13 @@ import gguf
 import numpy as np
 import pytest
 import torch
+import transformers
 from safetensors.torch import load_file, save_file
 
 from spinf_worker.errors import ModelNotFoundError
 from spinf_worker.models import loader
 from spinf_worker.models.gguf_convert import build_tokenizer
 from spinf_worker.models.loader import DEFAULT_MODEL, Checkpoint, load_checkpoint
-
-transformers = pytest.importorskip("transformers")
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -211,6 +210,28 @@ def test_tiny_tokenizer_merges_and_byte_fallback():
     # the GGUF spells the double-space piece with real spaces; it must still be reachable
     assert tok.encode("ab  b").tokens == ["ab", "▁▁", "b"]
     assert tok.encode("<start_of_turn>").ids == [4]
+
+
+def test_tiny_dir_tokenizer_is_gemma_shaped(tiny_dir, tmp_path):
+    """What the tests on the tiny models rely on in conftest's tiny tokenizer: Gemma's special
+    ids, no BOS of its own, control tokens matched whole, single digits, and byte fallback
+    that decodes back to any text."""
+    ckpt = load_checkpoint(str(tiny_dir), cache_dir=tmp_path / "cache")
+    tok = ckpt.tokenizer
+    assert (ckpt.bos_token_id, ckpt.eos_token_id, ckpt.config["pad_token_id"]) == (2, 1, 0)
+    assert [tok.token_to_id(t) for t in ("<pad>", "<eos>", "<bos>", "<unk>")] == [0, 1, 2, 3]
+    assert ckpt.config["vocab_size"] == tok.get_vocab_size()
+    assert ckpt.chat_template is None                      # like the packaged model
+    ids = tok.encode("Hello world", add_special_tokens=True).ids
+    assert ids == tok.encode("Hello world", add_special_tokens=False).ids
+    assert ckpt.bos_token_id not in ids
+    assert tok.encode("<start_of_turn>").ids == [tok.token_to_id("<start_of_turn>")]
+    assert tok.encode("in 2024").tokens[-4:] == ["2", "0", "2", "4"]
+    for text in TEXTS:
+        encoded = tok.encode(text, add_special_tokens=False)
+        assert 3 not in encoded.ids, text                  # nothing is <unk>
+        assert tok.decode(encoded.ids, skip_special_tokens=False) == text
+    assert tok.encode("é").tokens == ["<0xC3>", "<0xA9>"]
 
 
 def test_local_hf_directory(tmp_path):
