@@ -61,7 +61,8 @@ def test_runner_raw_tensors_equal(tiny_engine):
     for before in (1, 5, 20):
         others = [doc(rng.randint(1, 300)).flatten(0) for _ in range(20)]
         packed = tiny_engine.runner.run(others[:before] + [target] + others[before:])[before]
-        assert all(torch.equal(a, b) for a, b in zip(alone.logprobs, packed.logprobs))
+        assert all(torch.equal(a, b)
+                   for a, b in zip(alone.logprobs, packed.logprobs, strict=True))
 
 
 @pytest.mark.slow
@@ -87,4 +88,5 @@ def test_scheduler_returns_each_document_once_pass_by_pass(tiny_engine):
     assert sorted(tag for tag, _ in returned) == list(range(len(docs)))
     for tag, scores in returned:
         alone = tiny_engine.runner.run([docs[tag]])[0]
-        assert all(torch.equal(a, b) for a, b in zip(alone.logprobs, scores.logprobs))
+        assert all(torch.equal(a, b)
+                   for a, b in zip(alone.logprobs, scores.logprobs, strict=True))

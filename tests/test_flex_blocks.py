@@ -70,7 +70,7 @@ def test_each_readout_sees_exactly_its_one_question_prompt(seed):
     seen = _visible(t, None)
     ids = torch.from_numpy(pass_rows(docs, t.doc.shape[0], 0))[0].long()
     start = 0
-    for tree, d in zip(trees, docs):
+    for tree, d in zip(trees, docs, strict=True):
         readouts, blk = d.readout_rows.tolist(), d.block
         for summand in range(len(blk.term_option)):
             k, readout = blk.term_option[summand], blk.term_readout[summand]

@@ -115,7 +115,7 @@ def test_pack_scores_equal_plain_queries(tiny_engine):
     assert [q.id for q in with_pack.queries] == ["mine"]
     result = with_pack.packs[0]
     assert (result["id"], result["version"]) == (pack.id, pack.version)
-    for question, plain_q in zip(result["questions"], plain.queries):
+    for question, plain_q in zip(result["questions"], plain.queries, strict=True):
         positive = next(o for o in plain_q.combinations[0].options if o.text == " yes")
         assert question["p"] == pytest.approx(positive.p, abs=1e-6)
         assert question["floor_p"] == positive.floor_p    # the same cached floor

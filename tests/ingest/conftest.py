@@ -12,6 +12,7 @@ import pytest_asyncio
 from spinf_worker.queue.redis_client import connect
 from tests.service.conftest import keys, prefix, redis_url, settings  # noqa: F401 (fixtures)
 
+from ..conftest import WAIT_S
 from .helpers import QUERIES, FeedServer
 
 
@@ -32,6 +33,6 @@ def queries_file(tmp_path) -> Path:
 
 @pytest_asyncio.fixture
 async def redis(redis_url):  # noqa: F811
-    client = connect(redis_url)
+    client = connect(redis_url, socket_timeout=WAIT_S)
     yield client
     await client.aclose()

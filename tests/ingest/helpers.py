@@ -13,6 +13,8 @@ from pathlib import Path
 from spinf_worker.ingest import config as ingest_config
 from spinf_worker.ingest.consumer import Consumer
 
+from ..conftest import WAIT_S
+
 QUERIES = [{"id": "markets", "template": "\n\nIs this about markets?\nAnswer:{?}",
             "options": [" yes", " no"]}]
 
@@ -87,10 +89,10 @@ async def consuming(config, service, *, once: bool = False):
         yield consumer, task
     finally:
         stop.set()
-        await asyncio.wait_for(task, 30)
+        await asyncio.wait_for(task, WAIT_S)
 
 
-async def wait_until(condition, timeout: float = 30.0, what: str = "condition"):
+async def wait_until(condition, timeout: float = WAIT_S, what: str = "condition"):
     deadline = asyncio.get_running_loop().time() + timeout
     while True:
         value = condition()

@@ -9,6 +9,7 @@ from structlog.testing import capture_logs
 from spinf_worker.ingest.sources import FeedSource
 from tests.service.live import InProcessWorker
 
+from ..conftest import WAIT_S
 from .helpers import article, consuming, make_config, read_lines, wait_until
 
 
@@ -95,7 +96,7 @@ async def test_a_failing_feed_backs_off_exponentially(redis, settings, queries_f
     config = make_config(queries_file, sinks=["jsonl:x"], interval_s=10,
                          feeds=[{"url": feed_server.url("/down.xml")}])
     state = State(redis, IngestKeys(Keys(settings.prefix), "t"))
-    async with httpx.AsyncClient() as client:
+    async with httpx.AsyncClient(timeout=WAIT_S) as client:
         source = FeedSource(config.sources[0], state, IngestMetrics(), client)
         delays = []
         for _ in range(3):

@@ -17,6 +17,7 @@ from spinf_worker.ingest.state import IngestKeys, LeaseError, State
 from spinf_worker.queue.keys import Keys
 from tests.service.live import InProcessWorker
 
+from ..conftest import WAIT_S
 from .helpers import read_lines, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,7 +51,7 @@ async def test_killed_consumer_resumes_without_losing_or_repeating_items(
     first = _ingest(settings, *args, log=log)
     try:
         with InProcessWorker(tiny_engine, settings):
-            await wait_until(lambda: len(read_lines(out)) == 3, 60, "the first items")
+            await wait_until(lambda: len(read_lines(out)) == 3, what="the first items")
         # no worker now: new items are claimed and submitted, and wait for their results
         _append(wire, range(3, 6))
 
@@ -58,9 +59,9 @@ async def test_killed_consumer_resumes_without_losing_or_repeating_items(
             records = [json.loads(r) for r in (await redis.hgetall(pending)).values()]
             return len(records) == 3 and all(r.get("job") for r in records)
 
-        await wait_until(submitted, 30, "the new items to be submitted")
+        await wait_until(submitted, what="the new items to be submitted")
         first.kill()
-        assert first.wait(10) == -9
+        assert first.wait(WAIT_S) == -9
     finally:
         if first.poll() is None:
             first.kill()
@@ -68,7 +69,7 @@ async def test_killed_consumer_resumes_without_losing_or_repeating_items(
     _append(wire, [6])
     with InProcessWorker(tiny_engine, settings):
         again = _ingest(settings, *args, "--once", log=log)
-        code = await asyncio.to_thread(again.wait, 120)
+        code = await asyncio.to_thread(again.wait, WAIT_S)
     assert code == 0, log.read_text()[-3000:]
     ids = [line["item_id"] for line in read_lines(out)]
     assert sorted(ids) == [f"wire-{n}" for n in range(7)], ids

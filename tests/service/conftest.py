@@ -11,6 +11,8 @@ import redis
 from spinf_worker.queue.keys import Keys
 from spinf_worker.queue.settings import ServiceSettings
 
+from ..conftest import WAIT_S
+
 REDIS_URL = os.environ.get("SPINF_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
 
@@ -40,7 +42,10 @@ def keys(prefix) -> Keys:
 
 @pytest.fixture
 def settings(redis_url, prefix) -> ServiceSettings:
-    """Fast timings for tests; each test may copy and adjust (model_copy(update=...))."""
+    """Fast timings for tests; each test may copy and adjust (model_copy(update=...)).
+
+    What only a slow machine would trip stays generous: a worker counts as live for WAIT_S
+    after its last heartbeat, and /v1/score waits for its result half the clients' timeout."""
     return ServiceSettings(redis_url=redis_url, prefix=prefix, max_wait_ms=20,
-                           claim_idle_ms=1500, heartbeat_s=0.5, worker_ttl_s=3.0,
-                           sync_timeout_s=60.0, callback_backoff_s=0.2)
+                           claim_idle_ms=1500, heartbeat_s=0.5, worker_ttl_s=WAIT_S,
+                           sync_timeout_s=WAIT_S / 2, callback_backoff_s=0.2)

@@ -35,11 +35,13 @@ from api.app import create_app
 from spinf_worker.queue.keys import Keys
 from spinf_worker.queue.settings import ServiceSettings
 
+from ..conftest import WAIT_S
+
 ROOT = Path(__file__).resolve().parents[2]
-START_TIMEOUT_S = 30.0
+START_TIMEOUT_S = WAIT_S
 
 
-def wait_for(condition: Callable[[], object], timeout: float = 30.0, interval: float = 0.05,
+def wait_for(condition: Callable[[], object], timeout: float = WAIT_S, interval: float = 0.05,
              what: str = "condition"):
     """Poll until ``condition()`` is truthy; returns its value."""
     deadline = time.monotonic() + timeout
@@ -86,7 +88,7 @@ class LiveServer:
 
     def stop(self) -> None:
         self._server.should_exit = True
-        self._thread.join(15)
+        self._thread.join(WAIT_S)
         self._socket.close()
 
     def __enter__(self) -> LiveServer:
@@ -127,7 +129,7 @@ class InProcessWorker:
 
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
-        redis = connect(self.settings.redis_url, client_name=self.name)
+        redis = connect(self.settings.redis_url, client_name=self.name, socket_timeout=WAIT_S)
         try:
             worker = Worker(self.engine, redis, Keys(self.settings.prefix), self.settings,
                             name=self.name)
@@ -146,7 +148,7 @@ class InProcessWorker:
     def stop(self) -> None:
         if self._loop is not None and self._stop is not None and self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(60)
+        self._thread.join(WAIT_S)
         if self._error is not None:
             raise self._error
 
@@ -168,14 +170,14 @@ def subprocess_worker(settings: ServiceSettings, model: str, *, device: str = "c
         cwd=ROOT, env=env)
     try:
         wait_for(lambda: _registered(settings, name) or process.poll() is not None,
-                 120, interval=0.2, what="the worker process to register")
+                 WAIT_S, interval=0.2, what="the worker process to register")
         assert process.poll() is None, f"worker exited with {process.returncode}"
         yield process
     finally:
         if process.poll() is None:
             process.send_signal(signal.SIGTERM)
             try:
-                process.wait(30)
+                process.wait(WAIT_S)
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()

@@ -15,6 +15,7 @@ from api.models import Batch, ChatCompletion, Job, JobAccepted, ModelList
 from spinf_worker.protocol import ErrorResponse, ScoreResponse
 from spinf_worker.queue.keys import GROUP, Keys
 
+from ..conftest import WAIT_S
 from . import live
 from .live import ROOT, InProcessWorker, LiveServer, wait_for
 
@@ -68,7 +69,7 @@ def test_api_imports_no_torch():
     code = ("import sys, api.app, api.routes\n"
             "api.app.create_app\n"
             "assert 'torch' not in sys.modules, 'the API tier imported torch'\n")
-    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=WAIT_S)
 
 
 @pytest.mark.slow
@@ -81,7 +82,7 @@ def test_spec_example_through_http_and_the_openai_sdk(default_engine, settings):
     expected = default_engine.score(request)  # before the worker shares the engine
     settings = settings.model_copy(update={"api_keys": ["sk-test"]})
     with LiveServer(settings) as server, InProcessWorker(default_engine, settings):
-        response = httpx.post(f"{server.v1}/score", json=request, timeout=120,
+        response = httpx.post(f"{server.v1}/score", json=request, timeout=WAIT_S,
                               headers={"Authorization": "Bearer sk-test"})
         assert response.status_code == 200, response.text
         body = response.json()
@@ -91,7 +92,7 @@ def test_spec_example_through_http_and_the_openai_sdk(default_engine, settings):
         assert body["system_fingerprint"] == default_engine.fingerprint
         assert body["usage"] == expected.usage.model_dump()
 
-        client = OpenAI(base_url=server.v1, api_key="sk-test", max_retries=0, timeout=120)
+        client = OpenAI(base_url=server.v1, api_key="sk-test", max_retries=0, timeout=WAIT_S)
         completion = client.chat.completions.create(
             model=DEFAULT_MODEL, messages=SPEC_MESSAGES, extra_body={"scoring": SPEC_SCORING})
         scoring = completion.model_extra["scoring"]
@@ -114,15 +115,16 @@ def test_bad_input_is_answered_4xx_and_never_queued(tiny_engine, settings, tmp_p
     settings = settings.model_copy(update={"api_keys": ["key-a"], "max_body_bytes": 4096,
                                            "api_keys_file": str(keys_file)})
     with LiveServer(settings) as server, InProcessWorker(tiny_engine, settings):
-        client = httpx.Client(base_url=server.url, timeout=60,
+        client = httpx.Client(base_url=server.url, timeout=WAIT_S,
                               headers={"Authorization": "Bearer key-a"})
         score = f"{server.v1}/score"
 
-        assert_openai_error(httpx.post(score, json=REFUND), 401, "invalid_api_key")
-        assert_openai_error(httpx.post(score, json=REFUND,
+        assert_openai_error(httpx.post(score, json=REFUND, timeout=WAIT_S), 401,
+                            "invalid_api_key")
+        assert_openai_error(httpx.post(score, json=REFUND, timeout=WAIT_S,
                                        headers={"Authorization": "Bearer key-b"}),
                             401, "invalid_api_key")
-        assert_openai_error(httpx.get(f"{server.v1}/models",
+        assert_openai_error(httpx.get(f"{server.v1}/models", timeout=WAIT_S,
                                       headers={"Authorization": "Basic a2V5LWE="}), 401)
         assert_openai_error(client.post(score, content=b'{"text": "x", '), 400, "invalid_json")
         assert_openai_error(client.post(score, content=b""), 400, "invalid_json")
@@ -162,10 +164,10 @@ def test_bad_input_is_answered_4xx_and_never_queued(tiny_engine, settings, tmp_p
 
         assert entries_added(settings) == 0
         # the operations routes stay open; a good key works, from the settings or the file
-        assert httpx.get(f"{server.url}/health").status_code == 200
-        assert httpx.get(f"{server.url}/metrics").status_code == 200
+        assert httpx.get(f"{server.url}/health", timeout=WAIT_S).status_code == 200
+        assert httpx.get(f"{server.url}/metrics", timeout=WAIT_S).status_code == 200
         for key in ("key-a", "key-from-file"):
-            ok = httpx.post(score, json=REFUND, timeout=60,
+            ok = httpx.post(score, json=REFUND, timeout=WAIT_S,
                             headers={"Authorization": f"Bearer {key}"})
             assert ok.status_code == 200, ok.text
         assert entries_added(settings) == 2
@@ -175,7 +177,7 @@ def test_sync_timeout_answers_202_then_a_worker_finishes_the_job(tiny_engine, se
     expected = tiny_engine.score(REFUND).model_dump()
     settings = settings.model_copy(update={"sync_timeout_s": 0.3})
     with LiveServer(settings) as server:
-        client = httpx.Client(base_url=server.v1, timeout=30)
+        client = httpx.Client(base_url=server.v1, timeout=WAIT_S)
         response = client.post("/score", json=REFUND, headers={"Idempotency-Key": "abc-1"})
         assert response.status_code == 202, response.text
         accepted = JobAccepted.model_validate(response.json())
@@ -196,7 +198,7 @@ def test_sync_timeout_answers_202_then_a_worker_finishes_the_job(tiny_engine, se
             for job_id in (accepted.id, queued.json()["id"]):
                 job = wait_for(lambda job_id=job_id: (
                     lambda j: j if j["status"] == "succeeded" else None)(
-                        client.get(f"/jobs/{job_id}").json()), 60, what="the job to finish")
+                        client.get(f"/jobs/{job_id}").json()), what="the job to finish")
                 Job.model_validate(job)
                 assert job["status_code"] == 200 and job["error"] is None
                 assert job["response"]["queries"] == expected["queries"]
@@ -206,9 +208,10 @@ def test_sync_timeout_answers_202_then_a_worker_finishes_the_job(tiny_engine, se
 def test_backlog_over_the_limit_is_429_with_retry_after(settings):
     settings = settings.model_copy(update={"max_backlog": 0})
     with LiveServer(settings) as server:
-        first = httpx.post(f"{server.v1}/score", json=REFUND, headers={"X-Sync-Timeout": "0"})
+        first = httpx.post(f"{server.v1}/score", json=REFUND, headers={"X-Sync-Timeout": "0"},
+                           timeout=WAIT_S)
         assert first.status_code == 202
-        second = httpx.post(f"{server.v1}/score", json=REFUND)
+        second = httpx.post(f"{server.v1}/score", json=REFUND, timeout=WAIT_S)
         assert_openai_error(second, 429, "queue_full")
         assert int(second.headers["retry-after"]) > 0
         assert entries_added(settings) == 1
@@ -220,17 +223,17 @@ def test_backlog_over_the_limit_is_429_with_retry_after(settings):
                 client = redis_sync.Redis.from_url(settings.redis_url)
                 client.xgroup_create(Keys(settings.prefix).interactive, GROUP, id="0")
                 client.close()
-            metrics = httpx.get(f"{server.url}/metrics").text
+            metrics = httpx.get(f"{server.url}/metrics", timeout=WAIT_S).text
             assert 'spinf_queue_depth{stream="interactive"} 1.0' in metrics
             assert 'spinf_queue_pending{stream="interactive"} 0.0' in metrics
             assert 'spinf_queue_depth{stream="bulk"} 0.0' in metrics
             lag = float(metrics.split('spinf_queue_lag_seconds{stream="interactive"} ')[1]
                         .split()[0])
-            assert 0.05 <= lag < 60
+            assert 0.05 <= lag < WAIT_S
 
 
 def test_ready_models_and_metrics(tiny_engine, tiny_dir, api_server, settings):
-    client = httpx.Client(base_url=api_server.url, timeout=30)
+    client = httpx.Client(base_url=api_server.url, timeout=WAIT_S)
     assert client.get("/health").json() == {"status": "ok"}
     not_ready = client.get("/ready")
     assert_openai_error(not_ready, 503, "no_live_worker")
@@ -281,7 +284,7 @@ def test_ready_models_and_metrics(tiny_engine, tiny_dir, api_server, settings):
 
 
 def test_openapi_documents_the_shapes(api_server):
-    schema = httpx.get(f"{api_server.url}/openapi.json").json()
+    schema = httpx.get(f"{api_server.url}/openapi.json", timeout=WAIT_S).json()
     components = schema["components"]["schemas"]
     for name in ("ScoreRequest", "ScoreResponse", "ChatCompletion", "ChatCompletionRequest",
                  "JobRequest", "Job", "Batch", "BatchList", "FileObject", "ErrorResponse"):
@@ -317,18 +320,20 @@ def test_unexpected_errors_are_500_in_the_openai_shape(settings):
         raise RuntimeError("secret internals")
 
     with server:
-        response = httpx.get(f"{server.url}/boom", headers={"X-Request-Id": "r-1"})
+        response = httpx.get(f"{server.url}/boom", headers={"X-Request-Id": "r-1"},
+                             timeout=WAIT_S)
         error = assert_openai_error(response, 500, "internal_error")
         assert "secret" not in error["message"] and "r-1" in error["message"]
         assert response.headers["x-request-id"] == "r-1"
         # an unsafe request id is replaced, not echoed
-        odd = httpx.get(f"{server.url}/health", headers={"X-Request-Id": "a b\tc"})
+        odd = httpx.get(f"{server.url}/health", headers={"X-Request-Id": "a b\tc"},
+                        timeout=WAIT_S)
         assert odd.headers["x-request-id"].startswith("req_")
 
 
 def test_job_body_round_trips_through_json(settings, api_server):
     """The request handed to the worker is the validated one, with job-only fields removed."""
-    response = httpx.post(f"{api_server.v1}/jobs",
+    response = httpx.post(f"{api_server.v1}/jobs", timeout=WAIT_S,
                           json={**REFUND, "temperature": 0.2, "callback": "https://example.com/h"})
     assert response.status_code == 202
     client = redis_sync.Redis.from_url(settings.redis_url, decode_responses=True)

@@ -16,6 +16,7 @@ from spinf_worker.queue.producer import Producer
 from spinf_worker.queue.redis_client import connect
 from spinf_worker.queue.results import JobResult
 
+from ..conftest import WAIT_S
 from .live import InProcessWorker, LiveServer, jsonl, wait_for
 
 QUERY = {"queries": [{"id": "good", "template": "\nGood news?{?}", "options": [" yes", " no"]}]}
@@ -35,7 +36,8 @@ def upload(client: httpx.Client, content: bytes) -> dict:
     return FileObject.model_validate(response.json()).model_dump()
 
 
-def batch_in(client: httpx.Client, batch_id: str, *statuses: str, timeout: float = 120) -> dict:
+def batch_in(client: httpx.Client, batch_id: str, *statuses: str,
+             timeout: float = WAIT_S) -> dict:
     def check():
         batch = client.get(f"/batches/{batch_id}").json()
         return batch if batch["status"] in statuses else None
@@ -67,7 +69,7 @@ def test_batch_of_200_documents_matches_the_engine_alone(tiny_engine, settings):
     content = jsonl(rows[:100]) + b"\n".join(invalid) + b"\n\n" + jsonl(rows[100:])
 
     with LiveServer(settings) as server:
-        client = httpx.Client(base_url=server.v1, timeout=60)
+        client = httpx.Client(base_url=server.v1, timeout=WAIT_S)
         input_file = upload(client, content)
         assert input_file["bytes"] == len(content) and input_file["purpose"] == "batch"
         assert client.get(f"/files/{input_file['id']}").json() == input_file
@@ -82,9 +84,9 @@ def test_batch_of_200_documents_matches_the_engine_alone(tiny_engine, settings):
         assert batch.status == "validating" and batch.metadata == {"run": "test"}
         # no worker yet: every valid line waits in the bulk stream, nothing is lost
         wait_for(lambda: client.get(f"/batches/{batch.id}").json()["request_counts"]["total"]
-                 == DOCUMENTS + len(invalid), 60, what="the batch to be enqueued")
+                 == DOCUMENTS + len(invalid), what="the batch to be enqueued")
         assert f'spinf_queue_depth{{stream="bulk"}} {DOCUMENTS}.0' in \
-            httpx.get(f"{server.url}/metrics").text
+            httpx.get(f"{server.url}/metrics", timeout=WAIT_S).text
 
         with InProcessWorker(tiny_engine, settings):
             done = batch_in(client, batch.id, "completed", "failed")
@@ -136,7 +138,7 @@ def test_chat_completions_batch_answers_in_the_chat_shape(tiny_engine, settings)
             {"custom_id": "chat-2", "method": "POST", "url": "/v1/chat/completions",
              "body": {"messages": messages}}]
     with LiveServer(settings) as server, InProcessWorker(tiny_engine, settings):
-        client = httpx.Client(base_url=server.v1, timeout=60)
+        client = httpx.Client(base_url=server.v1, timeout=WAIT_S)
         input_file = upload(client, jsonl(rows))
         batch = client.post("/batches", json={"input_file_id": input_file["id"],
                                               "endpoint": "/v1/chat/completions"}).json()
@@ -156,7 +158,7 @@ def test_chat_completions_batch_answers_in_the_chat_shape(tiny_engine, settings)
 def test_cancel_gives_unanswered_lines_an_error_and_ignores_late_results(tiny_engine, settings):
     rows = [score_line(f"doc-{i}", TEXTS[i]) for i in range(30)]
     with LiveServer(settings) as server:
-        client = httpx.Client(base_url=server.v1, timeout=60)
+        client = httpx.Client(base_url=server.v1, timeout=WAIT_S)
         assert client.post("/batches/batch_missing/cancel").status_code == 404
         input_file = upload(client, jsonl(rows))
         batch = client.post("/batches", json={"input_file_id": input_file["id"],
@@ -178,8 +180,9 @@ def test_cancel_gives_unanswered_lines_an_error_and_ignores_late_results(tiny_en
         # Entries already queued are still scored: their jobs hold the results, the batch
         # does not change.
         with InProcessWorker(tiny_engine, settings):
-            wait_for(lambda: queue_empty(httpx.get(f"{server.url}/metrics").text), 60, 0.1,
-                     "the bulk queue to drain")
+            wait_for(lambda: queue_empty(httpx.get(f"{server.url}/metrics",
+                                                   timeout=WAIT_S).text),
+                     WAIT_S, 0.1, "the bulk queue to drain")
         after = client.get(f"/batches/{batch['id']}").json()
         assert after["request_counts"] == done["request_counts"]
         assert after["status"] == "cancelled"
@@ -188,7 +191,7 @@ def test_cancel_gives_unanswered_lines_an_error_and_ignores_late_results(tiny_en
 
 @pytest_asyncio.fixture
 async def redis(redis_url):
-    client = connect(redis_url)
+    client = connect(redis_url, socket_timeout=WAIT_S)
     yield client
     await client.aclose()
 
@@ -250,7 +253,7 @@ async def test_racing_and_repeated_results_count_once_and_finalize_once(redis, k
 def test_uploads_and_batch_requests_are_checked(settings):
     settings = settings.model_copy(update={"max_file_bytes": 2000})
     with LiveServer(settings) as server:
-        client = httpx.Client(base_url=server.v1, timeout=30)
+        client = httpx.Client(base_url=server.v1, timeout=WAIT_S)
 
         def post_file(content: bytes, purpose: str = "batch") -> httpx.Response:
             return client.post("/files", data={"purpose": purpose},

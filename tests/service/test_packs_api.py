@@ -10,6 +10,7 @@ import pytest
 
 from spinf_worker.pack_sources import load_sources, pin_sources
 
+from ..conftest import WAIT_S
 from ..test_pack_sources import PACK, commit
 from .live import InProcessWorker, LiveServer
 
@@ -39,7 +40,7 @@ def test_git_pack_scores_through_the_api_equal_plain_queries(tmp_path, monkeypat
     engine = Engine(tiny_engine.checkpoint, device="cpu", packs=load_sources(settings.packs))
     text = "I was charged twice for September and I want my money back now."
     with LiveServer(settings) as server, InProcessWorker(engine, settings):
-        client = httpx.Client(base_url=server.v1, timeout=60)
+        client = httpx.Client(base_url=server.v1, timeout=WAIT_S)
         listed = {p["id"]: p for p in client.get("/packs").json()["data"]}
         assert listed["acme/service-pack"]["source"]["commit"] == sha
         assert "spinf/support-triage" in listed
@@ -56,7 +57,7 @@ def test_git_pack_scores_through_the_api_equal_plain_queries(tmp_path, monkeypat
         result = body["packs"][0]
         assert (result["id"], result["version"]) == ("acme/service-pack", "1.0.0")
         by_id = {q["id"]: q for q in plain["queries"]}
-        for question, spec in zip(result["questions"], TWO["questions"]):
+        for question, spec in zip(result["questions"], TWO["questions"], strict=True):
             option = next(o for o in by_id[spec["id"]]["combinations"][0]["options"]
                           if o["text"] == spec["positive"])
             assert question["p"] == pytest.approx(option["p"], abs=1e-6)

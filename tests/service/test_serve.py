@@ -20,9 +20,11 @@ import pytest
 
 from spinf_worker.webhooks import new_secret, verify
 
+from ..conftest import WAIT_S
+
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 180      # torch import and the model load on a busy 2-core machine
-STOP_TIMEOUT_S = 60
+STOP_TIMEOUT_S = WAIT_S
 
 REQUEST = {"text": "I was charged twice for September. Please refund one.",
            "scoring": {"queries": [{"id": "refund", "template": "\n\nRefund?{?}",
@@ -44,6 +46,11 @@ class Service:
                if k not in ("SPINF_REDIS_URL", "SPINF_WEBHOOK_SECRET")}
         env["SPINF_CALLBACK_ALLOW"] = '["127.0.0.1"]'
         env["SPINF_CALLBACK_BACKOFF_S"] = "0.2"
+        # generous where only a slow machine would trip: the worker stays live between
+        # heartbeats, /v1/score waits for its result, a callback for its receiver
+        env["SPINF_WORKER_TTL_S"] = str(WAIT_S)
+        env["SPINF_SYNC_TIMEOUT_S"] = str(WAIT_S / 2)
+        env["SPINF_CALLBACK_TIMEOUT_S"] = str(WAIT_S / 2)
         with open(self.log_path, "w") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "spinf_worker.cli", "serve", "--model", str(model),
@@ -68,7 +75,7 @@ class Service:
             if self.process.poll() is not None:
                 pytest.fail(f"serve exited with {self.process.returncode}:\n{self.log()}")
             try:
-                response = httpx.get(self.base + path, timeout=2)
+                response = httpx.get(self.base + path, timeout=WAIT_S)
                 if response.status_code == 200:
                     return response
             except httpx.TransportError:
@@ -143,30 +150,30 @@ def test_api_tier_imports_no_torch():
             "assert not any(t.name == 'spinf-engine' for t in threading.enumerate()), \\\n"
             "    'an engine thread started at import'\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=WAIT_S)
     assert proc.returncode == 0, proc.stderr
 
 
 def test_serve_with_private_redis_survives_a_restart(tmp_path, tiny_dir, receiver):
-    pytest.importorskip("api.app", reason="the API tier (api/app.py) is not there yet")
     state = tmp_path / "state"
     first = Service(tmp_path, tiny_dir, state, "first")
     try:
         ready = first.wait_for("/ready").json()
         assert ready["workers"] == 1
 
-        scored = httpx.post(first.base + "/v1/score", json=REQUEST, timeout=120)
+        scored = httpx.post(first.base + "/v1/score", json=REQUEST, timeout=WAIT_S)
         assert scored.status_code == 200, scored.text
         options = scored.json()["queries"][0]["combinations"][0]["options"]
         assert [o["text"] for o in options] == [" yes", " no"]
 
         callback = f"http://127.0.0.1:{receiver.server_address[1]}/hook"
         accepted = httpx.post(first.base + "/v1/jobs", json={**REQUEST, "callback": callback},
-                              timeout=30)
+                              timeout=WAIT_S)
         assert accepted.status_code == 202, accepted.text
         job_id = accepted.json()["id"]
-        deadline = time.monotonic() + 60
-        while not receiver.got or httpx.get(f"{first.base}/v1/jobs/{job_id}").json().get(
+        deadline = time.monotonic() + WAIT_S
+        while not receiver.got or httpx.get(f"{first.base}/v1/jobs/{job_id}",
+                                            timeout=WAIT_S).json().get(
                 "callback_status") != "delivered":
             assert time.monotonic() < deadline, first.log()
             time.sleep(0.2)
@@ -175,16 +182,16 @@ def test_serve_with_private_redis_survives_a_restart(tmp_path, tiny_dir, receive
         second = subprocess.run(
             [sys.executable, "-m", "spinf_worker.cli", "serve", "--state-dir", str(state),
              "--port", str(_free_port())],
-            cwd=ROOT, capture_output=True, text=True, timeout=120,
+            cwd=ROOT, capture_output=True, text=True, timeout=WAIT_S,
             env={k: v for k, v in os.environ.items() if k != "SPINF_REDIS_URL"})
         assert second.returncode == 2 and "another spinf-serve" in second.stderr
 
         # a job queued just before the stop is finished before it, or after the restart
-        late = httpx.post(first.base + "/v1/jobs", json=REQUEST, timeout=30)
+        late = httpx.post(first.base + "/v1/jobs", json=REQUEST, timeout=WAIT_S)
         assert late.status_code == 202, late.text
         redis_pid = first.events("redis-server started")[0]["pid"]
         assert first.stop(signal.SIGINT) == 0, first.log()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + WAIT_S
         while _alive(redis_pid):
             assert time.monotonic() < deadline, "redis-server outlived serve"
             time.sleep(0.1)
@@ -204,14 +211,14 @@ def test_serve_with_private_redis_survives_a_restart(tmp_path, tiny_dir, receive
     again = Service(tmp_path, tiny_dir, state, "second")
     try:
         again.wait_for("/health")
-        job = httpx.get(f"{again.base}/v1/jobs/{job_id}", timeout=10).json()
+        job = httpx.get(f"{again.base}/v1/jobs/{job_id}", timeout=WAIT_S).json()
         assert job["status"] == "succeeded" and job["callback_status"] == "delivered"
         assert job["response"]["queries"][0]["combinations"][0]["options"][0]["logprob"] == \
             event["data"]["response"]["queries"][0]["combinations"][0]["options"][0]["logprob"]
         again.wait_for("/ready")
-        deadline = time.monotonic() + 60
-        while (status := httpx.get(f"{again.base}/v1/jobs/{late.json()['id']}").json()[
-                "status"]) != "succeeded":
+        deadline = time.monotonic() + WAIT_S
+        while (status := httpx.get(f"{again.base}/v1/jobs/{late.json()['id']}",
+                                   timeout=WAIT_S).json()["status"]) != "succeeded":
             assert status in ("queued", "running") and time.monotonic() < deadline, again.log()
             time.sleep(0.2)
         assert again.stop(signal.SIGTERM) == 0, again.log()
@@ -227,7 +234,7 @@ def test_killed_parent_leaves_no_redis_server(tmp_path):
             "redis = EmbeddedRedis(Path(sys.argv[1]))\n"
             "redis.start()\n"
             "print(redis.process.pid, file=sys.stderr, flush=True)\n"
-            "time.sleep(120)\n")
+            "time.sleep(3600)\n")
     parent = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "redis")], cwd=ROOT,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
@@ -235,7 +242,7 @@ def test_killed_parent_leaves_no_redis_server(tmp_path):
         assert _alive(redis_pid)
         parent.kill()
         parent.wait()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + WAIT_S
         while _alive(redis_pid):
             assert time.monotonic() < deadline, "redis-server outlived its parent"
             time.sleep(0.05)
@@ -257,7 +264,7 @@ def _tier(args: list[str], log_path: Path, **env) -> subprocess.Popen:
 def test_api_and_dispatcher_commands(tmp_path, redis_url, prefix):
     missing = subprocess.run([sys.executable, "-m", "spinf_worker.cli", "dispatcher",
                               "--redis", redis_url], cwd=ROOT, capture_output=True, text=True,
-                             timeout=60, env={k: v for k, v in os.environ.items()
+                             timeout=WAIT_S, env={k: v for k, v in os.environ.items()
                                               if k != "SPINF_WEBHOOK_SECRET"})
     assert missing.returncode == 2 and "SPINF_WEBHOOK_SECRET" in missing.stderr
 
@@ -267,24 +274,25 @@ def test_api_and_dispatcher_commands(tmp_path, redis_url, prefix):
     dispatcher = _tier(["dispatcher", "--prefix", prefix], tmp_path / "dispatcher.log",
                        SPINF_REDIS_URL=redis_url, SPINF_WEBHOOK_SECRET=new_secret())
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + WAIT_S
         while True:
             assert api.poll() is None, (tmp_path / "api.log").read_text()
             with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                if httpx.get(f"http://127.0.0.1:{port}/health",
+                             timeout=WAIT_S).status_code == 200:
                     break
             assert time.monotonic() < deadline, (tmp_path / "api.log").read_text()
             time.sleep(0.3)
-        ready = httpx.get(f"http://127.0.0.1:{port}/ready", timeout=5)
+        ready = httpx.get(f"http://127.0.0.1:{port}/ready", timeout=WAIT_S)
         assert ready.status_code == 503                      # no worker on this prefix
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + WAIT_S
         while "dispatcher started" not in (tmp_path / "dispatcher.log").read_text():
             assert dispatcher.poll() is None and time.monotonic() < deadline, \
                 (tmp_path / "dispatcher.log").read_text()
             time.sleep(0.2)
         for proc in (api, dispatcher):
             proc.send_signal(signal.SIGTERM)
-        assert api.wait(30) == 0 and dispatcher.wait(30) == 0
+        assert api.wait(WAIT_S) == 0 and dispatcher.wait(WAIT_S) == 0
         assert "dispatcher stopped" in (tmp_path / "dispatcher.log").read_text()
     finally:
         for proc in (api, dispatcher):

@@ -22,6 +22,8 @@ from spinf_worker.queue.redis_client import connect
 from spinf_worker.queue.replies import ReplyListener
 from spinf_worker.queue.worker import Worker
 
+from ..conftest import WAIT_S
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -33,7 +35,7 @@ def body(i: int, **extra) -> dict:
 
 @pytest_asyncio.fixture
 async def redis(redis_url):
-    client = connect(redis_url)
+    client = connect(redis_url, socket_timeout=WAIT_S)
     yield client
     await client.aclose()
 
@@ -46,10 +48,10 @@ async def running(worker: Worker):
         yield stop
     finally:
         stop.set()
-        await asyncio.wait_for(task, 60)
+        await asyncio.wait_for(task, WAIT_S)
 
 
-async def results_of(redis, keys, jobs: list[str], timeout: float = 60) -> list[dict]:
+async def results_of(redis, keys, jobs: list[str], timeout: float = WAIT_S) -> list[dict]:
     deadline = time.monotonic() + timeout
     while True:
         raw = await redis.mget([keys.result(j) for j in jobs])
@@ -82,7 +84,7 @@ async def test_submit_is_scored_like_the_engine_alone(redis, keys, settings, tin
             job_id, created = await producer.submit(
                 Submission(request, reply_to=listener.instance_id, custom_id="c1"))
             listener.expect(job_id)
-            result = await listener.wait(job_id, timeout=60)
+            result = await listener.wait(job_id, timeout=WAIT_S)
     finally:
         await listener.stop()
     assert created and job_id.startswith("job_")
@@ -172,7 +174,7 @@ async def test_poison_entry_is_dead_lettered(redis, keys, settings, tiny_engine)
     settings = settings.model_copy(update={"claim_idle_ms": 300, "max_deliveries": 2})
     entry_id = await redis.xadd(keys.interactive, {"job": "job_poison", "payload": "{not json"})
     async with running(Worker(tiny_engine, redis, keys, settings)):
-        (result,) = await results_of(redis, keys, ["job_poison"], timeout=30)
+        (result,) = await results_of(redis, keys, ["job_poison"])
     assert result["status_code"] == 500 and result["error"]["code"] == "dead_letter"
     ((_, dead),) = await redis.xrange(keys.dead)
     assert dead["job"] == "job_poison" and dead["entry"] == entry_id
@@ -194,12 +196,15 @@ async def test_graceful_stop_finishes_the_pass_and_hands_back_the_rest(
     stop = asyncio.Event()
     task = asyncio.create_task(worker.run(stop))
     running_job = None
+    deadline = time.monotonic() + WAIT_S
     while running_job is None:   # stop while a pass is in flight
         statuses = [await redis.hget(keys.job(j), "status") for j in jobs]
-        running_job = next((j for j, s in zip(jobs, statuses) if s == "running"), None)
+        running_job = next((j for j, s in zip(jobs, statuses, strict=True) if s == "running"),
+                           None)
+        assert time.monotonic() < deadline, f"no pass seen in flight: {statuses}"
         await asyncio.sleep(0.002)
     stop.set()
-    await asyncio.wait_for(task, 60)
+    await asyncio.wait_for(task, WAIT_S)
 
     assert (await producer.get_result(running_job)).status_code == 200
     done = [j for j in jobs if await producer.get_result(j) is not None]
@@ -237,7 +242,7 @@ async def test_killed_worker_entries_are_reclaimed(redis, redis_url, keys, setti
     survivor = None
     try:
         # kill the first worker once it has answered something and holds more
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + WAIT_S
         while True:
             assert doomed.poll() is None, (tmp_path / "doomed.log").read_text()
             held = await redis.hexists(keys.workers, "doomed") and await redis.xpending_range(
@@ -253,7 +258,7 @@ async def test_killed_worker_entries_are_reclaimed(redis, redis_url, keys, setti
         assert await redis.xlen(keys.interactive) > 0   # work left that nobody holds yet
         survivor = start_worker("survivor")
 
-        results = await results_of(redis, keys, jobs, timeout=180)
+        results = await results_of(redis, keys, jobs, timeout=2 * WAIT_S)
         assert all(r["status_code"] == 200 for r in results)
         assert {(await producer.get_job(j))["status"] for j in jobs} == {"succeeded"}
         assert await pending(redis, keys) == 0 and await stream_lengths(redis, keys) == 0
@@ -261,7 +266,7 @@ async def test_killed_worker_entries_are_reclaimed(redis, redis_url, keys, setti
         assert await redis.hexists(keys.workers, "survivor")
 
         survivor.send_signal(signal.SIGTERM)   # graceful: exits 0 and signs off
-        assert survivor.wait(60) == 0, (tmp_path / "survivor.log").read_text()
+        assert survivor.wait(WAIT_S) == 0, (tmp_path / "survivor.log").read_text()
         assert not await redis.hexists(keys.workers, "survivor")
         assert "reclaimed entries" in (tmp_path / "survivor.log").read_text()
     finally:
@@ -278,7 +283,7 @@ async def test_reply_listener_wakes_on_notice_and_reads_the_result_key(redis, ke
     try:
         # stored, never notified (the notice was missed): found at once
         await redis.set(keys.result("job_a"), json.dumps({"status_code": 200, "body": {}}))
-        assert (await listener.wait("job_a", timeout=5)).status_code == 200
+        assert (await listener.wait("job_a", timeout=WAIT_S)).status_code == 200
 
         async def finish_later():
             await asyncio.sleep(0.3)
@@ -286,10 +291,11 @@ async def test_reply_listener_wakes_on_notice_and_reads_the_result_key(redis, ke
             await redis.xadd(listener.stream, {"job": "job_b"})
 
         listener.expect("job_b")
-        started = time.monotonic()
+        notice = listener._waiting["job_b"]
         later = asyncio.create_task(finish_later())
-        assert (await listener.wait("job_b", timeout=30)).status_code == 408
-        assert time.monotonic() - started < 10     # woken by the notice, not the timeout
+        assert (await listener.wait("job_b", timeout=WAIT_S)).status_code == 408
+        # woken by the notice, not the timeout: at the timeout the future is still unset
+        assert notice.done() and not notice.cancelled()
         await later
         assert await listener.wait("job_never", timeout=0.2) is None
     finally:
