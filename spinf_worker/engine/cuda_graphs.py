@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .runner import cuda_pass_plan
+from .pass_plan import cuda_pass_plan
 
 
 class PassGraph:

@@ -11,6 +11,7 @@ import torch
 
 from ..kernels.attention import AttentionPlan, DocSpan
 from .layout import FlatDoc
+from .pass_plan import cuda_pass_plan
 
 READOUT_CHUNK = 1024  # LM-head rows at a time (a multiple of READOUT_TILE)
 PASS_BUCKET = 4096    # CUDA passes are padded to a multiple of this
@@ -199,16 +200,6 @@ class ModelRunner:
             np.add.at(mass, block.option_branch, np.exp(lp.astype(np.float64)))
             out.append(DocScores(lp, block.option_start, 1.0 - mass))
         return out
-
-
-def cuda_pass_plan(model: torch.nn.Module, inputs: torch.Tensor,
-                   real_rows: int | None = None) -> AttentionPlan:
-    """How a pass's [4, rows] device rows (``pass_rows``) attend on CUDA: the block masks of
-    its tree. ``real_rows``: compute only those (None: every row, padding too)."""
-    from ..kernels.flex_tree import TreeTokens, build_flex_plan
-
-    flex = build_flex_plan(TreeTokens.of_pass(inputs), model.cfg.sliding_window)
-    return AttentionPlan([], flex=flex, rows=real_rows or inputs.shape[1])
 
 
 def doc_span(doc: FlatDoc, start: int, window: int, dev: torch.device) -> DocSpan:

@@ -81,7 +81,5 @@ def build_model(checkpoint: Checkpoint, device: str | None = None, scheme: str =
         if scheme == "fp8":
             model.to_fp8()
         elif scheme == "int8":
-            from ..quant.int8 import quantize_linears
-
-            quantize_linears(model)
+            model.to_int8()
     return BuiltModel(model.eval(), config, where, scheme, dtype)

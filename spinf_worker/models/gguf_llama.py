@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers
 from tokenizers.models import BPE
 
-from .gguf_convert import f32, shape_config, write_hf_files
+from .gguf_common import f32, shape_config, write_hf_files
 from .layers import rope_inv_freq
 
 ARCHITECTURES = ("llama", "qwen3")

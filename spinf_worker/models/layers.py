@@ -10,6 +10,7 @@ from torch import nn
 
 from ..kernels.matmul import linear
 from ..quant.fp8 import quantize_weight
+from ..quant.int8 import int8_linear, quantize_weight_int8
 from ..tiles import READOUT_TILE
 
 
@@ -50,8 +51,6 @@ class Linear(nn.Module):
 
     def to_int8(self) -> None:
         """int8 weights with per-output-channel scales (weight-only), computed once at load."""
-        from ..quant.int8 import quantize_weight_int8
-
         w8, scale = quantize_weight_int8(self.weight.data)
         self.weight = nn.Parameter(w8, requires_grad=False)
         self.weight_scale = scale
@@ -59,8 +58,6 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor, x_scale: torch.Tensor | None = None) -> torch.Tensor:
         """``x_scale``: ``x`` is already fp8, quantised per row with these scales."""
         if self.weight.dtype == torch.int8:
-            from ..quant.int8 import int8_linear
-
             y = int8_linear(x, self.weight, self.weight_scale)
         else:
             y = linear(x, self.weight, self.weight_scale, x_scale=x_scale)
@@ -143,8 +140,8 @@ def rope_cos_sin_from(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: to
 
 
 class PackedLM(nn.Module):
-    """What every stack shares: the LM head on the readout rows only, fp8 at load time, HF
-    weights by name. A subclass sets ``cfg``, ``embed_tokens`` and ``lm_head`` (None: tied).
+    """What every stack shares: the LM head on the readout rows only, fp8 / int8 at load time,
+    HF weights by name. A subclass sets ``cfg``, ``embed_tokens`` and ``lm_head`` (None: tied).
 
     ``fusable``: its weights and shapes suit the fused CUDA forward (models/fused_stack.py);
     ``use_fused`` is set by the runner that chooses it, and ``forward`` then runs it on CUDA
@@ -175,6 +172,13 @@ class PackedLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear) and module is not self.lm_head:
                 module.to_fp8()
+
+    def to_int8(self) -> None:
+        """int8 weight-only for every linear layer of the body; the embeddings, the LM head
+        (or the tied embedding) and the norms stay in the engine's dtype."""
+        for module in self.modules():
+            if isinstance(module, Linear) and module is not self.lm_head:
+                module.to_int8()
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor],
                         optional: tuple[str, ...] = ()) -> None:

@@ -29,14 +29,3 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *,
     """``x @ (weight * scale[:, None]).T`` for an int8 ``weight``, batch-invariant."""
     y = linear(x, weight.to(x.dtype), tile=tile)
     return (y.float() * scale).to(x.dtype)
-
-
-def quantize_linears(model: torch.nn.Module) -> None:
-    """int8 weights for every linear layer of a stack's body; the embeddings, the LM head
-    (``model.lm_head``, or the tied embedding) and the norms stay in the engine's dtype."""
-    from ..models.layers import Linear
-
-    head = getattr(model, "lm_head", None)
-    for module in model.modules():
-        if isinstance(module, Linear) and module is not head:
-            module.to_int8()

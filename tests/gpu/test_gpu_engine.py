@@ -20,7 +20,6 @@ if torch.cuda.is_available():
     from spinf_worker.models.build import init_random
     from spinf_worker.models.gemma3 import Gemma3Config, Gemma3Model
     from spinf_worker.quant.fp8 import quantize_rows, quantize_weight
-    from spinf_worker.quant.int8 import quantize_linears
 
 CFG = dict(vocab_size=4096, hidden_size=256, intermediate_size=1024, num_layers=6, num_heads=4,
            num_kv_heads=2, head_dim=64, sliding_window=64, query_pre_attn_scalar=64,
@@ -123,7 +122,7 @@ def _runner(device: str, dtype: torch.dtype, fp8: bool = False, fuse: bool = Tru
     if fp8:
         model.to_fp8()
     if int8:
-        quantize_linears(model)
+        model.to_int8()
     return ModelRunner(model.eval(), torch.device(device), dtype, 0, fuse=fuse,
                        cuda_graphs=cuda_graphs)
 

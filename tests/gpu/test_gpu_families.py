@@ -21,7 +21,6 @@ if torch.cuda.is_available():
     from spinf_worker.models.layers import RMSNorm
     from spinf_worker.models.llama import LlamaConfig, LlamaModel
     from spinf_worker.models.qwen3 import Qwen3Config, Qwen3Model
-    from spinf_worker.quant.int8 import quantize_linears
 
     from .test_gpu_engine import _random_docs
 
@@ -74,7 +73,7 @@ def _runner(family: str, device: str, dtype: torch.dtype, scheme: str = "bf16",
                 m.weight.mul_(0.25)
     model = model.to(device=device, dtype=dtype)
     if scheme == "int8":
-        quantize_linears(model)
+        model.to_int8()
     if scheme == "fp8" and device == "cuda":   # the CPU reference stays in fp32
         model.to_fp8()
     return ModelRunner(model.eval(), torch.device(device), dtype, 0)
