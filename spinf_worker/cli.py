@@ -56,6 +56,44 @@ def _read_lines(path: str) -> Iterator[str]:
                 yield line
 
 
+# ---- extras: each command's third-party imports are lazy; a missing one names its extra -------
+
+EXTRA_MODULES = {   # the extra that installs each module a command imports (pyproject.toml)
+    "api": ("fastapi", "uvicorn", "redis", "httpx", "pydantic_settings", "prometheus_client",
+            "structlog", "platformdirs"),
+    "server": ("torch", "numpy", "tokenizers", "safetensors", "gguf", "huggingface_hub",
+               "jinja2", "tqdm", "yaml", "feedparser", "trafilatura"),
+    "calibrate": ("sklearn", "matplotlib"),
+}
+COMMAND_EXTRAS = {"serve": ("server",), "worker": ("server",), "ingest": ("server",),
+                  "score": ("server",), "calibrate": ("server", "calibrate"),
+                  "api": ("api",), "dispatcher": ("api",)}
+
+
+def _extra_of(module: str) -> str | None:
+    return next((extra for extra, modules in EXTRA_MODULES.items() if module in modules), None)
+
+
+def missing_extra(command: str) -> tuple[str, str] | None:
+    """(extra, module) for the first module ``command`` needs that is not installed."""
+    import importlib.util
+
+    for extra in COMMAND_EXTRAS.get(command, ()):
+        for module in EXTRA_MODULES[extra]:
+            try:
+                found = importlib.util.find_spec(module) is not None
+            except ImportError:
+                found = False
+            if not found:
+                return extra, module
+    return None
+
+
+def _needs_extra_line(command: str, extra: str, module: str) -> str:
+    return (f"spinf-serve {command}: needs the [{extra}] extra: pip install "
+            f"'spinf-serve[{extra}]' (no module named {module!r})")
+
+
 def _error_line(custom_id, err: SpinfError) -> dict:
     return {"custom_id": custom_id, **err.to_openai()}
 
@@ -448,10 +486,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    missing = missing_extra(args.command)
+    if missing:
+        print(_needs_extra_line(args.command, *missing), file=sys.stderr)
+        return 2
     try:
         return args.func(args)
     except SpinfError as err:
         print(f"spinf-serve: {err.message}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as err:   # a lazy import of an extra's package, not installed
+        extra = _extra_of(err.name or "")
+        if extra is None:
+            raise
+        print(_needs_extra_line(args.command, extra, err.name), file=sys.stderr)
         return 2
     except KeyboardInterrupt:       # before the service installed its own signal handling
         return 130
