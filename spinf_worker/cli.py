@@ -149,7 +149,7 @@ def _score_chunk(engine, lines: list[str], scoring: dict | None, out) -> int:
             ids.append(None)
     results = engine.score_batch(bodies)
     failed = 0
-    for custom_id, slot in zip(ids, slots):
+    for custom_id, slot in zip(ids, slots, strict=True):
         result = slot if isinstance(slot, SpinfError) else results[slot]
         if isinstance(result, SpinfError):
             failed += 1

@@ -371,7 +371,7 @@ async def run_tiers(settings: ServiceSettings, tiers: Tiers) -> None:
         if server is not None:
             server.should_exit = True
         results = await asyncio.gather(*tasks.values(), return_exceptions=True)
-        for name, result in zip(tasks, results):
+        for name, result in zip(tasks, results, strict=True):
             if isinstance(result, BaseException) and not isinstance(result,
                                                                     asyncio.CancelledError):
                 log.error("tier failed", tier=name, error=repr(result))

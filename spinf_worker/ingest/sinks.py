@@ -132,7 +132,7 @@ class JsonlSink(Sink):
         with open(self.path, "ab") as f:
             pos = f.seek(0, os.SEEK_END)
             intents = {}
-            for result, line in zip(results, lines):
+            for result, line in zip(results, lines, strict=True):
                 intents[result.key] = _dumps({"pos": pos, "item_id": result.line["item_id"]})
                 pos += len(line)
             intent_key = self.state.keys.intent(self.id)
@@ -191,7 +191,7 @@ class WebhookSink(Sink):
     async def _write(self, results: list[Result]) -> None:
         outcomes = await asyncio.gather(*(self._deliver(r) for r in results),
                                         return_exceptions=True)
-        delivered = [r.key for r, o in zip(results, outcomes) if o is None]
+        delivered = [r.key for r, o in zip(results, outcomes, strict=True) if o is None]
         if delivered:
             await self._mark(delivered)
         errors = [o for o in outcomes if o is not None]

@@ -171,7 +171,7 @@ class State:
         if not keys:
             return set()
         scores = await self.redis.zmscore(self.keys.sunk(sink_id), keys)
-        return {key for key, score in zip(keys, scores) if score is not None}
+        return {key for key, score in zip(keys, scores, strict=True) if score is not None}
 
     async def done(self, keys: list[str]) -> None:
         if keys:

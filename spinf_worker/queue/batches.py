@@ -449,7 +449,7 @@ async def _enqueue_chunk(redis, keys: Keys, producer, batch_id: str, endpoint: s
                                          custom_id=custom_id))
               for _, custom_id, body in valid[at:at + SUBMITS_AT_ONCE]],
             return_exceptions=True)
-    for (number, custom_id, _), outcome in zip(valid, submitted):
+    for (number, custom_id, _), outcome in zip(valid, submitted, strict=True):
         if isinstance(outcome, BaseException):
             err = LineError("enqueue_failed", f"could not queue the request: {outcome}")
             await _record_line(redis, keys, batch_id, custom_id,

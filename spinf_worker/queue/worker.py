@@ -269,7 +269,7 @@ class Worker:
                 for entry in entries:
                     pipe.get(self.keys.result(entry.job))
                 stored = await pipe.execute()
-            done_before = {e.id: r for e, r in zip(entries, stored) if r is not None}
+            done_before = {e.id: r for e, r in zip(entries, stored, strict=True) if r is not None}
         at = now_ms()
         answered: list[tuple[Entry, JobResult, str | None]] = []
         dead: list[Entry] = []
@@ -300,7 +300,7 @@ class Worker:
             for entry in entries:
                 pipe.xpending_range(entry.stream, GROUP, entry.id, entry.id, 1)
             replies = await pipe.execute()
-        for entry, pending in zip(entries, replies):
+        for entry, pending in zip(entries, replies, strict=True):
             if pending:
                 entry.deliveries = int(pending[0]["times_delivered"])
 
@@ -334,7 +334,7 @@ class Worker:
             outcomes = await self._score(live)
             busy_s = time.perf_counter() - started
             answered = []
-            for entry, outcome in zip(live, outcomes):
+            for entry, outcome in zip(live, outcomes, strict=True):
                 if isinstance(outcome, ScoreResponse):
                     answered.append((entry, JobResult.ok(outcome), "succeeded"))
                 elif isinstance(outcome, SpinfError):
@@ -473,7 +473,7 @@ class Worker:
                 pipe.hget(self.keys.job(entry.job), "last_error")
             last_errors = await pipe.execute()
         async with self.redis.pipeline(transaction=True) as pipe:
-            for entry, last_error in zip(entries, last_errors):
+            for entry, last_error in zip(entries, last_errors, strict=True):
                 pipe.xadd(self.keys.dead, {
                     "job": entry.job, "stream": entry.stream, "entry": entry.id,
                     "deliveries": entry.deliveries,
