@@ -7,12 +7,15 @@ Tests that use the real default model are marked ``slow`` (``-m "not slow"`` lea
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+# SPINF_SHARED_DATA: the data directory when the checkout is not beside it
+DATA = Path(os.environ.get("SPINF_SHARED_DATA", DATA))
 
 # The bound of every client timeout and every wait in the tests: generous, so that a loaded
 # machine makes the suite slower, never red. No test may depend on how fast the machine is.
