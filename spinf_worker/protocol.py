@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Annotated, Any, Literal
 
@@ -20,9 +21,9 @@ from pydantic import (
     PrivateAttr,
     StrictFloat,
     StrictInt,
+    StrictStr,
     Tag,
     ValidationError,
-    field_validator,
     model_serializer,
     model_validator,
 )
@@ -31,18 +32,18 @@ from pydantic_core import PydanticCustomError
 from spinf_worker import templates
 from spinf_worker.errors import InvalidRequestError, SpinfError
 
-DEFAULT_MAX_COMBINATIONS = 4096  # grid cap at parse time; the engine may apply a stricter one
-MAX_QUERIES = 1024
-MAX_QUERY_ID_LENGTH = 128
+MAX_QUERIES = 10_000
+MAX_ID_LENGTH = 128
 
-# Extraction queries ({*}, {n}, {$}): decoding limits, (default, lowest, highest).
-MAX_TOKENS = (32, 1, 256)      # tokens decoded for one answer
-BEAM_WIDTH = (4, 1, 16)        # answers searched side by side; candidates defaults to it
-# Generated {*} slots (``generate``).
-GENERATE_MAX_TOKENS = (64, 1, 512)
-GENERATE_TEMPERATURE = (0.0, 0.0, 2.0)
-GENERATE_MAX_STOPS = 4
-MAX_SEED = 2**63 - 1
+# Extraction slots ({*}, {n}, {$}), the hosted API's limits: (default, lowest, highest).
+MAX_TOKENS = (16, 1, 64)       # tokens decoded for one searched answer
+TOP_K = (5, 1, 20)             # answers returned
+GENERATE_MAX_TOKENS = 100      # a generated slot's max_tokens
+GENERATE_TEMPERATURE = (0.0, 2.0)
+GENERATE_TOP_K = (1, 100)
+GENERATE_N = (1, 6)
+MAX_SEED = 2**31 - 1
+SLOT_RESULT_KINDS = {"?": "score", "*": "text", "n": "number", "$": "currency"}
 
 # Our validators raise PydanticCustomError carrying the InvalidRequestError under this context
 # key; `parse` takes message, code and (relative) param from it. Pydantic substitutes context
@@ -110,7 +111,7 @@ Content = Annotated[
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")  # OpenAI messages carry fields we do not use
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant"] = "user"
     content: Content
 
     def text(self, *, param: str = "messages") -> str:
@@ -128,63 +129,74 @@ class Message(BaseModel):
         return "".join(pieces)
 
 
-def _check_range(value: int | float, limits: tuple, *, name: str, where: str) -> None:
-    _default, low, high = limits
+def _check_range(value: int | float, low: int | float, high: int | float, *, name: str) -> None:
     if not (low <= value <= high):  # NaN fails too
-        raise _invalid(f"{name} {where}must be between {low} and {high}, got {value}",
-                       param=name, code="value_out_of_range")
+        raise _invalid(f"{name} must be between {low} and {high}, got {value}", param=name,
+                       code="invalid_field")
 
 
-class GenerateSpec(BaseModel):
-    """A generated ``{*}`` slot: free text up to a stop string or ``max_tokens``, instead of a
-    span searched with a beam. ``temperature`` 0 is greedy; above 0 sampling uses ``seed``."""
+class Calibration(BaseModel):
+    """A caller's correction of an extraction's top answer:
+    p_calibrated = sigmoid(a * logit(p) + b)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    max_tokens: StrictInt = GENERATE_MAX_TOKENS[0]
-    stop: list[str] = Field(default_factory=list)
-    temperature: StrictFloat = GENERATE_TEMPERATURE[0]
-    seed: StrictInt | None = None
+    a: StrictFloat | StrictInt = 1.0
+    b: StrictFloat | StrictInt = 0.0
+
+
+class GenerateSpec(BaseModel):
+    """A ``{*}`` slot written freely instead of searched: ``temperature`` 0 is greedy; above
+    0 each token is sampled from the ``top_k`` most likely inside the ``top_p`` nucleus,
+    reproducibly from ``seed``; ``n`` sequences. ``generate: true`` is all the defaults."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    temperature: StrictFloat | StrictInt = 0.0
+    top_p: StrictFloat | StrictInt = 1.0
+    top_k: StrictInt | None = None
+    seed: StrictInt = 0
+    n: StrictInt = 1
 
     @model_validator(mode="after")
     def _check(self) -> GenerateSpec:
-        _check_range(self.max_tokens, GENERATE_MAX_TOKENS, name="max_tokens", where="")
-        _check_range(self.temperature, GENERATE_TEMPERATURE, name="temperature", where="")
-        if len(self.stop) > GENERATE_MAX_STOPS:
-            raise _invalid(f"stop has {len(self.stop)} strings; at most {GENERATE_MAX_STOPS} "
-                           "are allowed", param="stop", code="value_out_of_range")
-        for index, stop in enumerate(self.stop):
-            if stop == "":
-                raise _invalid(f"stop string {index} is empty", param=f"stop.{index}")
-        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
-            raise _invalid(f"seed must be between 0 and {MAX_SEED}, got {self.seed}",
-                           param="seed", code="value_out_of_range")
+        _check_range(self.temperature, *GENERATE_TEMPERATURE, name="temperature")
+        if not 0 < self.top_p <= 1:
+            raise _invalid(f"top_p must be in (0, 1], got {self.top_p}", param="top_p",
+                           code="invalid_field")
+        if self.top_k is not None:
+            _check_range(self.top_k, *GENERATE_TOP_K, name="top_k")
+        _check_range(self.seed, 0, MAX_SEED, name="seed")
+        _check_range(self.n, *GENERATE_N, name="n")
         return self
 
 
-_EXTRACTION_FIELDS = ("max_tokens", "beam_width", "candidates", "generate")
-_SEARCH_FIELDS = ("max_tokens", "beam_width", "candidates")  # not with ``generate``
+_EXTRACTION_FIELDS = ("max_tokens", "top_k", "calibration", "generate")
 
 
 class Query(BaseModel):
-    """One question. Its template is checked at parse time, so a bad template fails the
-    request before any work is queued.
+    """One question. Its template and combinations are checked at parse time, so a bad query
+    fails the request before any work is queued.
 
-    ``{?}`` queries need ``options``. Extraction queries (``{*}``, ``{n}``, ``{$}``) must not
-    have them; they take ``max_tokens``, ``beam_width`` and ``candidates`` (set to their
-    defaults after parsing), and ``{*}`` alone may instead ask for ``generate``, in which
-    case those three stay None."""
+    ``{?}`` queries need ``options`` (their duplicates are judged by ``Scoring``, which knows
+    ``case_insensitive``). Extraction queries (``{*}``, ``{n}``, ``{$}``) have none; they
+    take ``max_tokens`` (set to its default after parsing), ``top_k`` and ``calibration``,
+    and ``{*}`` alone may be ``generate``d instead (no ``top_k`` or ``calibration`` then)."""
 
     model_config = ConfigDict(extra="forbid")  # a misspelt field must not be silently dropped
 
-    id: str = Field(min_length=1, max_length=MAX_QUERY_ID_LENGTH)
+    id: str = Field(min_length=1, max_length=MAX_ID_LENGTH)
     template: str
     options: list[str] | None = None
-    values: dict[str, list[str]] = Field(default_factory=dict)
+    combinations: list[dict[str, str]] | Literal["all"] | None = None
+    values: dict[str, list[str]] | None = None
+    empty_floor: bool | None = None   # None: the scoring block's
+    # a named group (a pack's "<id>@<version>"): laid out after the ungrouped queries
+    group: str | None = Field(default=None, max_length=MAX_ID_LENGTH)
     max_tokens: StrictInt | None = None
-    beam_width: StrictInt | None = None
-    candidates: StrictInt | None = None
-    generate: GenerateSpec | None = None
+    top_k: StrictInt | None = None
+    calibration: Calibration | None = None
+    generate: bool | GenerateSpec | None = None
 
     _parsed: templates.Template | None = PrivateAttr(default=None)
 
@@ -199,24 +211,37 @@ class Query(BaseModel):
         """``"?"``, ``"*"``, ``"n"`` or ``"$"``."""
         return self.parsed_template.slot.kind
 
+    @property
+    def kind(self) -> str:
+        """The result's ``kind``: score, text, number or currency."""
+        return SLOT_RESULT_KINDS[self.slot_kind]
+
+    @property
+    def generation(self) -> GenerateSpec | None:
+        """The generation settings of a generated slot (``generate: true``: the defaults)."""
+        if self.generate is None or self.generate is False:
+            return None
+        return GenerateSpec() if self.generate is True else self.generate
+
+    def combinations_list(self) -> list[templates.Combination]:
+        return templates.expand(self.parsed_template, self.combinations, self.values)
+
     @model_validator(mode="after")
     def _check(self) -> Query:
         try:
             parsed = templates.parse_template(self.template, param="template")
             slot = templates.check_template(parsed, param="template")
+            templates.check_combinations(parsed, self.combinations, self.values, param="")
         except InvalidRequestError as error:
+            if error.param and error.param.startswith("."):
+                error.param = error.param[1:]
             raise _carry(error) from None
         if slot.kind == templates.SCORED:
-            self._forbid(_EXTRACTION_FIELDS, "the scored slot {?}", "extraction slots "
-                         "({*}, {n}, {$})")
+            self._forbid(_EXTRACTION_FIELDS, "the scored slot {?}",
+                         "extraction slots ({*}, {n}, {$})")
             self._check_options()
         else:
             self._check_extraction(slot.kind)
-        try:
-            templates.check_grid(parsed, self.values, max_combinations=DEFAULT_MAX_COMBINATIONS,
-                                 param="values")
-        except InvalidRequestError as error:
-            raise _carry(error) from None
         self._parsed = parsed
         return self
 
@@ -224,122 +249,270 @@ class Query(BaseModel):
         for name in fields:
             if getattr(self, name) is not None:
                 raise _invalid(f"query {self.id!r} has {has}; {name!r} applies only to "
-                               f"{applies_to}", param=name, code="field_not_allowed")
+                               f"{applies_to}", param=name, code="invalid_field")
 
     def _check_options(self) -> None:
         if self.options is None:
             raise _invalid(f"query {self.id!r} has a scored slot {{?}} and needs options",
-                           param="options", code="missing_options")
+                           param="options", code="missing_value")
         if not self.options:
-            raise _invalid(f"options of query {self.id!r} must not be empty", param="options")
-        seen: set[str] = set()
+            raise _invalid(f"query {self.id!r} needs at least one option", param="options",
+                           code="too_many_options")
         for index, option in enumerate(self.options):
             if option == "":
                 raise _invalid(f"option {index} of query {self.id!r} is empty",
                                param=f"options.{index}")
-            if option in seen:
-                raise _invalid(f"duplicate option {option!r} in query {self.id!r}",
-                               param=f"options.{index}", code="duplicate_option")
-            seen.add(option)
 
     def _check_extraction(self, kind: str) -> None:
         slot = f"the extraction slot {{{kind}}}"
         self._forbid(("options",), slot, "the scored slot {?}")
-        if self.generate is not None:
+        generation = self.generation
+        if generation is not None:
             if kind != "*":
-                self._forbid(("generate",), slot, "the span slot {*}")
-            self._forbid(_SEARCH_FIELDS, "a generated slot ('generate')", "searched "
-                         "extraction slots; set generate.max_tokens for a generated slot")
-            return
-        where = f"of query {self.id!r} "
+                self._forbid(("generate",), slot, "the text slot {*}")
+            self._forbid(("top_k", "calibration"), "a generated slot",
+                         "searched slots: a generated answer has no probability")
+        if self.generate is False:
+            self.generate = None
+        where = f" of query {self.id!r}"
+        high = GENERATE_MAX_TOKENS if generation is not None else MAX_TOKENS[2]
         if self.max_tokens is None:
             self.max_tokens = MAX_TOKENS[0]
-        _check_range(self.max_tokens, MAX_TOKENS, name="max_tokens", where=where)
-        if self.beam_width is None:
-            self.beam_width = BEAM_WIDTH[0]
-        _check_range(self.beam_width, BEAM_WIDTH, name="beam_width", where=where)
-        if self.candidates is None:
-            self.candidates = self.beam_width
-        if not 1 <= self.candidates <= self.beam_width:
-            raise _invalid(f"candidates {where}must be between 1 and beam_width "
-                           f"({self.beam_width}), got {self.candidates}", param="candidates",
-                           code="value_out_of_range")
+        if not 1 <= self.max_tokens <= high:
+            raise _invalid(f"max_tokens{where} must be between 1 and {high} "
+                           f"({GENERATE_MAX_TOKENS} for a generated slot), got "
+                           f"{self.max_tokens}", param="max_tokens", code="invalid_field")
+        if self.top_k is not None:
+            _check_range(self.top_k, *TOP_K[1:], name="top_k")
+
+    @property
+    def answers_kept(self) -> int:
+        """How many answers a searched slot returns (``top_k``, default 5)."""
+        return self.top_k if self.top_k is not None else TOP_K[0]
 
 
-def query_layout_key(queries: list[Query]) -> tuple[str, ...]:
-    return tuple(q.model_dump_json(exclude={"id"}) for q in queries)
+def query_layout_key(queries: list[Query], case_insensitive: bool = False) -> tuple[str, ...]:
+    """Per query its JSON without the id: all its layout depends on."""
+    return (f"case={case_insensitive}",
+            *(q.model_dump_json(exclude={"id"}) for q in queries))
+
+
+class PackRef(BaseModel):
+    """A prompt pack run on the call's inputs (``scoring.packs``): its questions in their own
+    group, the content in the pack's ``context``, its categories and decision in the result."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = Field(min_length=1, max_length=MAX_ID_LENGTH)
+    version: str | None = None
+    context: str | None = None
+    decision: dict[str, Any] | None = None     # mode, threshold, thresholds, critical
+    include_queries: bool | None = None
+
+
+class Limits(BaseModel):
+    """A call's limits (the hosted API's); a request may lower them, never raise them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_content_tokens: int = Field(4096, gt=0)
+    max_query_tokens: int = Field(256, gt=0)
+    max_prompts_per_input: int = Field(10_000, gt=0)
+    max_processed_tokens: int = Field(2_000_000, gt=0)
+    max_extractions_per_input: int = Field(10, ge=0)
+    max_options: int = Field(1000, gt=0)
+    max_option_tokens: int = Field(5, gt=0)
+
+    def capped(self, by: Limits) -> Limits:
+        return Limits(**{k: min(getattr(self, k), getattr(by, k)) for k in Limits.model_fields})
+
+
+DEFAULT_LIMITS = Limits()
 
 
 class Scoring(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     queries: list[Query] = Field(default_factory=list, max_length=MAX_QUERIES)
+    empty_floor: bool = True
+    case_insensitive: bool = True
+    packs: list[PackRef] | None = None
 
     _layout_key: tuple[str, ...] | None = PrivateAttr(default=None)
 
     def layout_key(self) -> tuple[str, ...]:
-        """Per query its JSON without the id: all its layout depends on (computed once; a
-        validated block is shared by the requests that send it, see ``ScoreRequest.parse``)."""
+        """Per query its JSON without the id (computed once; a validated block is shared by
+        the requests that send it, see ``ScoreRequest.parse``)."""
         if self._layout_key is None:
-            self._layout_key = query_layout_key(self.queries)
+            self._layout_key = query_layout_key(self.queries, self.case_insensitive)
         return self._layout_key
 
     @model_validator(mode="after")
-    def _unique_ids(self) -> Scoring:
+    def _check(self) -> Scoring:
         first_index: dict[str, int] = {}
         for index, query in enumerate(self.queries):
             if query.id in first_index:
                 raise _invalid(
-                    f"duplicate query id {query.id!r} (queries {first_index[query.id]} and "
-                    f"{index})", param=f"queries.{index}.id", code="duplicate_query_id")
+                    f"query id {query.id!r} is used twice (queries {first_index[query.id]} "
+                    f"and {index})", param=f"queries.{index}.id", code="duplicate_id")
             first_index[query.id] = index
+            check_options(query, self.case_insensitive, f"queries.{index}")
+        seen: set[str] = set()
+        for index, ref in enumerate(self.packs or []):
+            if ref.id in seen:
+                raise _invalid(f"pack {ref.id!r} is listed twice", param=f"packs.{index}.id",
+                               code="duplicate_id")
+            seen.add(ref.id)
         return self
 
 
-class PackRef(BaseModel):
+def check_options(query: Query, case_insensitive: bool, param: str,
+                  max_options: int = DEFAULT_LIMITS.max_options) -> None:
+    """A scored query's options: at most ``max_options``, none twice (ignoring case and the
+    leading space when the scoring is case-insensitive: both would score the same)."""
+    if query.options is None:
+        return
+    if len(query.options) > max_options:
+        raise _invalid(f"{len(query.options):,} options; the limit is {max_options:,}",
+                       param=f"{param}.options", code="too_many_options")
+    seen: dict[str, int] = {}
+    for index, option in enumerate(query.options):
+        key = option.strip().casefold() if case_insensitive else option
+        if key in seen:
+            same = " ignoring case" if case_insensitive else ""
+            raise _invalid(f"options {seen[key]} and {index} of query {query.id!r} are the "
+                           f"same{same}", param=f"{param}.options.{index}",
+                           code="duplicate_option")
+        seen[key] = index
+
+
+class Input(BaseModel):
+    """One content of a call and what to ask it: the shared queries (all, or ``query_ids``)
+    and its own ``queries``."""
+
     model_config = ConfigDict(extra="forbid")
 
-    id: str = Field(min_length=1)
-    version: str | None = None
-    categories: list[str] | None = None
+    id: str = Field(min_length=1, max_length=MAX_ID_LENGTH)
+    messages: list[Message] = Field(min_length=1)
+    query_ids: list[str] | None = None
+    queries: list[Query] | None = None
+    parameters: dict[str, StrictStr | StrictInt | StrictFloat | bool] | None = None
+
+
+@dataclass(frozen=True)
+class Document:
+    """One input as the engine reads it: its messages and every query asked of it (the
+    shared ones chosen, then its own); a pack's are added by the engine."""
+
+    input_id: str
+    messages: list[Message]
+    queries: list[Query]
+    layout_key: tuple[str, ...]
+    parameters: dict[str, Any] | None
 
 
 class ScoreRequest(BaseModel):
+    """The hosted API's request: one content (``messages``, input "0") or many (``inputs``),
+    the ``scoring`` block shared by all of them. ``text`` is a shorthand for one user
+    message."""
+
     # OpenAI clients send fields such as `user` or `temperature`; they mean nothing here.
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    messages: list[Message] | None = None
-    text: str | None = None  # shorthand for one user message; exactly one of messages/text
-    scoring: Scoring = Field(default_factory=Scoring)   # may be left out when packs are given
-    packs: list[PackRef] = Field(default_factory=list)  # parsed here, judged by the engine
+    messages: list[Message] | None = Field(default=None, min_length=1)
+    inputs: list[Input] | None = Field(default=None, min_length=1)
+    text: str | None = None
+    scoring: Scoring = Field(default_factory=Scoring)
+    endpoint: str | None = Field(default=None, min_length=1, max_length=MAX_ID_LENGTH)
+    limits: Limits | None = None
     custom_id: str | None = None
 
-    @field_validator("messages")
-    @classmethod
-    def _messages_not_empty(cls, messages: list[Message] | None) -> list[Message] | None:
-        if messages is not None and not messages:
-            raise _invalid("messages must not be empty")
-        return messages
+    _documents: list[Document] | None = PrivateAttr(default=None)
 
     @model_validator(mode="after")
-    def _one_content_source(self) -> ScoreRequest:
-        if self.messages is None and self.text is None:
-            raise _invalid("give the content as 'messages' or 'text'", param="messages",
-                           code="missing_content")
-        if self.messages is not None and self.text is not None:
-            raise _invalid("give either 'messages' or 'text', not both", param="text")
-        if not self.scoring.queries and not self.packs:
-            raise _invalid("nothing to score: give at least one query in scoring.queries or "
-                           "a prompt pack in packs", param="scoring.queries",
-                           code="missing_queries")
+    def _check(self) -> ScoreRequest:
+        given = [name for name in ("messages", "inputs", "text") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise _invalid("send exactly one of messages (one content) or inputs (many)"
+                           + (f"; got {' and '.join(given)}" if given else ""),
+                           param="messages", code="invalid_field")
+        self._documents = self._split()
         return self
 
-    def content_messages(self) -> list[Message]:
-        """The content as messages; ``text`` becomes a single user message."""
-        if self.messages is not None:
-            return list(self.messages)
-        return [Message(role="user", content=self.text)]
+    @property
+    def effective_limits(self) -> Limits:
+        return DEFAULT_LIMITS if self.limits is None else self.limits.capped(DEFAULT_LIMITS)
+
+    def documents(self) -> list[Document]:
+        """The call's inputs, each with the queries asked of it."""
+        if self._documents is None:   # built without validation
+            self._documents = self._split()
+        return self._documents
+
+    def _split(self) -> list[Document]:
+        scoring, limits = self.scoring, self.effective_limits
+        shared = {q.id: q for q in scoring.queries}
+        if self.inputs is None:
+            messages = (self.messages if self.messages is not None
+                        else [Message(role="user", content=self.text)])
+            self._check_queries(list(shared.values()), limits, "scoring")
+            return [Document("0", messages, list(shared.values()), scoring.layout_key(), None)]
+        documents, ids = [], set()
+        for i, inp in enumerate(self.inputs):
+            where = f"inputs.{i}"
+            if inp.id in ids:
+                raise _invalid(f"input id {inp.id!r} is used twice", param=f"{where}.id",
+                               code="duplicate_id")
+            ids.add(inp.id)
+            documents.append(self._document(inp, shared, limits, where))
+        return documents
+
+    def _document(self, inp: Input, shared: dict[str, Query], limits: Limits,
+                  where: str) -> Document:
+        scoring = self.scoring
+        if inp.query_ids is None and not inp.queries:
+            chosen, key = list(shared.values()), scoring.layout_key()
+        else:
+            chosen = []
+            for k, qid in enumerate(inp.query_ids if inp.query_ids is not None else shared):
+                if qid not in shared:
+                    raise _invalid(f"no shared query {qid!r}", param=f"{where}.query_ids.{k}",
+                                   code="unknown_query_id")
+                chosen.append(shared[qid])
+            taken = {q.id for q in chosen}
+            for k, q in enumerate(inp.queries or []):
+                if q.id in taken:
+                    raise _invalid(f"query id {q.id!r} is used twice for this input",
+                                   param=f"{where}.queries.{k}.id", code="duplicate_id")
+                check_options(q, scoring.case_insensitive, f"{where}.queries.{k}",
+                              limits.max_options)
+                taken.add(q.id)
+                chosen.append(q)
+            key = query_layout_key(chosen, scoring.case_insensitive)
+        self._check_queries(chosen, limits, where)
+        return Document(inp.id, inp.messages, chosen, key, inp.parameters)
+
+    def _check_queries(self, queries: list[Query], limits: Limits, where: str) -> None:
+        if not queries and not self.scoring.packs:
+            raise _invalid("nothing to score: give at least one query in scoring.queries "
+                           "or a prompt pack in scoring.packs", param=where,
+                           code="empty_queries")
+        prompts = extractions = 0
+        for q in queries:
+            n = templates.check_combinations(q.parsed_template, q.combinations, q.values,
+                                             param="")
+            prompts += n
+            if q.slot_kind != templates.SCORED:
+                extractions += n
+        if extractions > limits.max_extractions_per_input:
+            raise _invalid(f"{extractions} extraction slots (queries x combinations) for one "
+                           f"input; at most {limits.max_extractions_per_input}", param=where,
+                           code="too_many_extractions")
+        if prompts > limits.max_prompts_per_input:
+            raise _invalid(f"{prompts:,} prompts for one input; at most "
+                           f"{limits.max_prompts_per_input:,}", param=where,
+                           code="too_many_prompts")
 
     @classmethod
     def parse(cls, data: dict | ScoreRequest) -> ScoreRequest:
@@ -387,7 +560,7 @@ def _to_invalid_request(error: ValidationError) -> InvalidRequestError:
         path.append(carried.param)
     param = ".".join(path) or None
     message = carried.message if carried is not None else _describe(first, param)
-    code = carried.code if carried is not None else None
+    code = (carried.code if carried is not None else None) or "invalid_field"
     if len(problems) > 1:
         message += f" (and {len(problems) - 1} more problem{'s' if len(problems) > 2 else ''})"
     return InvalidRequestError(message, param=param, code=code)
@@ -406,79 +579,141 @@ def _describe(problem: dict, param: str | None) -> str:
 
 class OptionScore(BaseModel):
     text: str
-    logprob: float  # summed over the option's tokens
-    p: float  # softmax over the given options
-    floor_p: float  # p for the same question with empty content
+    logprob: float        # summed over the option's tokens (and its spellings)
+    p: float              # normalised over the query's options
+    floor_p: float | None  # p of the same question on empty content (None: no floor asked)
 
 
-class AmountValue(BaseModel):
-    """The value of a ``{$}`` candidate; ``currency`` is an ISO 4217 style code or None."""
-
-    amount: float
-    currency: str | None
-
-    @model_serializer(mode="wrap")
-    def _keep_currency(self, handler) -> dict:
-        data = handler(self)
-        data["currency"] = self.currency  # null, not missing, even with exclude_none
-        return data
-
-
-class Candidate(BaseModel):
-    """One answer of an extraction slot, most likely first in ``candidates``."""
-
-    text: str  # the decoded text, without the stop string
-    logprob: float  # summed over the answer's tokens
-    p: float  # exp(logprob): the model's probability of this answer (not renormalised)
-    value: float | int | AmountValue | None = None  # {n}: the number, {$}: the amount
-
-    @model_serializer(mode="wrap")
-    def _drop_missing_value(self, handler) -> dict:
-        data = handler(self)
-        if self.value is None:
-            data.pop("value", None)  # spans have no value
-        return data
-
-
-class CombinationScore(BaseModel):
-    """A scored combination has ``options`` and ``residual``; an extraction combination has
-    ``candidates`` (and ``options == []``). Fields that are None are left out of every dump,
-    so scored results keep exactly the keys they always had."""
-
+class ScoredCombination(BaseModel):
     values: dict[str, str]
-    options: list[OptionScore] = Field(default_factory=list)
-    residual: float | None = None  # 1 - sum(exp(logprob)): mass outside the options
-    candidates: list[Candidate] | None = None
+    options: list[OptionScore]
+    residual: float                  # the next-token mass outside every option
+    floor_residual: float | None     # the same on empty content
+
+
+class Answer(BaseModel):
+    """One answer of an extraction slot: a searched one has ``p`` (``value`` for numbers and
+    ``currency`` for amounts); a generated one has ``finish`` ("stop" | "length")."""
+
+    text: str
+    p: float | None = None
+    value: float | None = None
+    currency: str | None = None
+    finish: Literal["stop", "length"] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler) -> dict:
+        return {k: v for k, v in handler(self).items() if v is not None or k == "text"}
+
+
+class ExtractedCombination(BaseModel):
+    values: dict[str, str]
+    answers: list[Answer]
+    mass: float | None = None          # the probability on every answer found
+    p_negative: float | None = None    # numbers: the top value's magnitude, share negative
+    p_calibrated: float | None = None  # the top answer's p through the query's calibration
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler) -> dict:
+        return {k: v for k, v in handler(self).items()
+                if v is not None or k in ("values", "answers")}
+
+
+class ScoredQuery(BaseModel):
+    id: str
+    combinations: list[ScoredCombination]
+
+
+class ExtractedQuery(BaseModel):
+    id: str
+    kind: Literal["text", "number", "currency"]
+    generate: bool | None = None
+    combinations: list[ExtractedCombination]
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler) -> dict:
         data = handler(self)
-        for name in ("residual", "candidates"):
-            if getattr(self, name) is None:
-                data.pop(name, None)
+        if self.generate is None:
+            data.pop("generate", None)
         return data
 
 
-class QueryScore(BaseModel):
+QueryResult = Annotated[
+    Annotated[ScoredQuery, Tag("scored")] | Annotated[ExtractedQuery, Tag("extracted")],
+    Discriminator(lambda v: "extracted" if (v.get("kind") if isinstance(v, dict)
+                                            else getattr(v, "kind", None)) else "scored"),
+]
+
+
+class PackResult(BaseModel):
     id: str
-    combinations: list[CombinationScore]
+    version: str
+    context: str
+    categories: dict[str, dict[str, Any]]   # {score, percentile, flagged}
+    decision: dict[str, Any]                # {unsafe, mode, ...}
+
+
+class InputResult(BaseModel):
+    input_id: str
+    queries: list[QueryResult]
+    packs: list[PackResult] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler) -> dict:
+        data = handler(self)
+        if self.packs is None:
+            data.pop("packs", None)
+        return data
 
 
 class Usage(BaseModel):
+    """Token counts (a server of one's own bills nothing: ``billed_tokens`` is 0)."""
+
+    model_config = ConfigDict(extra="allow")
+
     prompt_tokens: int
-    scored_tokens: int
+    completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: dict[str, Any]
+    inputs: int
+    content: dict[str, Any]
+    scoring: dict[str, Any]
+    processed_tokens: int
+    billed_tokens: int = 0
+
+
+class Timing(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    wall_ms: int = 0
+    queue_ms: int = 0
+    compile_ms: int = 0
+    score_ms: int = 0
+    gpu_busy_ms: int = 0
 
 
 class ScoreResponse(BaseModel):
-    id: str
+    id: str                       # "scr_" + a ULID
     object: Literal["score"] = "score"
     created: int
-    model: str
-    system_fingerprint: str
+    model: str                    # as the request named it
+    endpoint: str | None = None
+    system_fingerprint: str       # "fp_" + 10 hex: equal fingerprints, comparable scores
+    results: list[InputResult]
+    warnings: list[dict[str, Any]] = Field(default_factory=list)
     usage: Usage
-    queries: list[QueryScore]
-    packs: list[dict] = Field(default_factory=list)
+    timing: Timing = Field(default_factory=Timing)
+
+    # what the queue's statistics read (rows a pass holds); not part of the reply
+    _rows: int = PrivateAttr(default=0)
+    _padded_rows: int = PrivateAttr(default=0)
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler) -> dict:
+        data = handler(self)
+        if self.endpoint is None:
+            data.pop("endpoint", None)
+        return data
 
 
 class ErrorBody(BaseModel):

@@ -1,12 +1,14 @@
-"""The query template language, parsed into parts and expanded into a grid of prompts.
+"""The query template language (the hosted API's rules), parsed into parts and expanded into
+one prompt per combination.
 
 A template is text appended after the presented content:
 
 - ``{?}`` is the scored slot: options are scored as continuations of the text before it.
-- ``{name}`` is a placeholder (``name`` an identifier) filled from the query's ``values``.
-- ``{*}``, ``{n}`` and ``{$}`` are extraction slots (span, number, money amount): the answer
-  is decoded after the text before the slot. The literal text right after an extraction slot
-  is its stop string (``'A: "{*}"'`` stops at ``'"'``); no placeholder may follow the slot.
+- ``{name}`` (letters, digits, ``_``; at most five) is a placeholder filled from the query's
+  ``combinations``: a list of {name: value}, or ``"all"`` with ``values`` (every mix).
+- ``{*}``, ``{n}`` and ``{$}`` are extraction slots (text, number, money amount): the answer
+  is decoded after the text before the slot. ``{?}``, ``{n}`` and ``{$}`` end the template;
+  the literal text after ``{*}`` (no newline) is where its answer ends (``'A: "{*}"'``).
 - ``{{`` and ``}}`` stand for literal braces. Any other brace is an error.
 
 A template has exactly one slot. Because ``{n}`` is a slot, no placeholder can be called ``n``.
@@ -15,6 +17,7 @@ A template has exactly one slot. Because ``{n}`` is a slot, no placeholder can b
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 from itertools import product
@@ -24,6 +27,7 @@ from spinf_worker.errors import InvalidRequestError
 SCORED = "?"
 EXTRACTION_KINDS = ("*", "n", "$")
 SLOT_KINDS = (SCORED, *EXTRACTION_KINDS)
+_NAME = re.compile(r"[A-Za-z0-9_]+")
 SLOT_NAMES = {SCORED: "scored slot", "*": "span slot", "n": "number slot", "$": "amount slot"}
 
 
@@ -136,12 +140,12 @@ def _closing_brace(source: str, start: int) -> int | None:
 def _field(inner: str, *, offset: int, param: str) -> Placeholder | Slot:
     if inner in SLOT_KINDS:
         return Slot(inner)
-    if inner.isidentifier():
+    if _NAME.fullmatch(inner):
         return Placeholder(inner)
     problem = "empty '{}'" if inner == "" else f"invalid placeholder '{{{inner}}}'"
     raise _template_error(
-        f"{problem} at offset {offset}; use {{?}}, {{*}}, {{n}}, {{$}}, {{name}} with an "
-        "identifier name, or '{{' and '}}' for literal braces", param)
+        f"{problem} at offset {offset}; use {{?}}, {{*}}, {{n}}, {{$}}, {{name}} with a name of "
+        "letters, digits and _, or '{{' and '}}' for literal braces", param)
 
 
 def _template_error(message: str, param: str) -> InvalidRequestError:
@@ -165,31 +169,35 @@ def _one_slot(template: Template, param: str) -> Slot:
         code="invalid_template")
 
 
+MAX_PLACEHOLDERS = 5
+MAX_ALL_COMBINATIONS = 1000   # a grid asked as "all"
+MAX_VALUE_CHARS = 256
+
+
 @lru_cache(maxsize=16384)
 def check_template(template: Template, *, param: str = "template") -> Slot:
     """Check the rules every query template follows and return its one slot (cached like
     ``parse_template``; errors are raised each time).
 
-    - exactly one slot (``{?}``, ``{*}``, ``{n}`` or ``{$}``);
-    - ``{?}``: no placeholder used only after the slot (text after the scored slot is ignored,
-      so such a placeholder would only repeat the same question);
-    - extraction slots: no placeholder after the slot (the text after it is the literal stop
-      string, the same for every combination).
+    - exactly one slot (``{?}``, ``{*}``, ``{n}`` or ``{$}``) and at most five placeholders;
+    - ``{?}``, ``{n}`` and ``{$}`` end the template;
+    - ``{*}`` may be followed by literal text without a newline: where the answer ends (a
+      closing quote).
     """
     slot = _one_slot(template, param)
-    after = _placeholders_after_slot(template)
-    if slot.kind == SCORED:
-        before = set(_placeholders_before_slot(template))
-        for name in after:
-            if name not in before:
-                raise InvalidRequestError(
-                    f"placeholder {{{name}}} appears only after {{?}}; text after the scored "
-                    "slot is ignored", param=param, code="invalid_template")
-    elif after:
+    if len(template.placeholders) > MAX_PLACEHOLDERS:
         raise InvalidRequestError(
-            f"placeholder {{{after[0]}}} appears after the extraction slot {{{slot.kind}}}; "
-            "the text after an extraction slot is its stop string and must be literal",
+            f"template has {len(template.placeholders)} placeholders; at most "
+            f"{MAX_PLACEHOLDERS} are allowed", param=param, code="invalid_template")
+    after = template.parts[_slot_index(template) + 1:]
+    if slot.kind != "*" and after:
+        raise InvalidRequestError(
+            f"the {SLOT_NAMES[slot.kind]} {{{slot.kind}}} must end the template",
             param=param, code="invalid_template")
+    if after and (len(after) > 1 or not isinstance(after[0], Literal) or "\n" in after[0].text):
+        raise InvalidRequestError(
+            "the text after {*} is where the answer ends: literal text without placeholders "
+            "or newlines", param=param, code="invalid_template")
     return slot
 
 
@@ -200,73 +208,81 @@ def check_scored_template(template: Template, *, param: str = "template") -> Non
                                   code="invalid_template")
 
 
-def check_grid(template: Template, values: dict[str, list[str]], *, max_combinations: int,
-               param: str = "values") -> int:
-    """Check ``values`` against the template's placeholders and return the grid size.
-
-    The size is computed from the list lengths, so an oversized grid fails without being built.
-    """
+def check_combinations(template: Template, combinations: list[dict[str, str]] | str | None,
+                       values: dict[str, list[str]] | None, *, param: str) -> int:
+    """Check a query's ``combinations`` (a list of {name: value}, or ``"all"`` with
+    ``values``) against the template's placeholders; returns how many there are. The size of
+    "all" is computed from the list lengths, so an oversized grid fails unbuilt."""
     names = template.placeholders
-    for key in values:
-        if key not in names:
+    if combinations == "all":
+        if not values:
+            raise InvalidRequestError('"all" needs `values`: {name: [value, ...]}',
+                                      param=f"{param}.values", code="missing_value")
+        _same_names(set(values), names, f"{param}.values")
+        for name in names:
+            if not values[name]:
+                raise InvalidRequestError(f"values.{name} is empty",
+                                          param=f"{param}.values.{name}", code="missing_value")
+            for index, value in enumerate(values[name]):
+                _check_value(value, f"{param}.values.{name}.{index}")
+        size = math.prod(len(values[name]) for name in names)
+        if size > MAX_ALL_COMBINATIONS:
             raise InvalidRequestError(
-                f"values has {key!r} but the template has no placeholder {{{key}}}",
-                param=f"{param}.{key}", code="unknown_placeholder")
-    for name in names:
-        choices = values.get(name)
-        if not choices:
-            raise InvalidRequestError(f"placeholder {{{name}}} has no values",
-                                      param=f"{param}.{name}", code="missing_values")
-        seen: set[str] = set()
-        for index, choice in enumerate(choices):
-            if not isinstance(choice, str):
-                raise InvalidRequestError(f"values for {{{name}}} must be strings",
-                                          param=f"{param}.{name}.{index}")
-            if choice in seen:
-                raise InvalidRequestError(
-                    f"duplicate value {choice!r} for placeholder {{{name}}}",
-                    param=f"{param}.{name}.{index}", code="duplicate_value")
-            seen.add(choice)
-    size = math.prod(len(values[name]) for name in names)
-    if size > max_combinations:
-        raise InvalidRequestError(
-            f"values expand to {size} combinations; at most {max_combinations} are allowed",
-            param=param, code="grid_too_large")
-    return size
+                f'"all" gives {size:,} combinations; the limit is {MAX_ALL_COMBINATIONS:,}',
+                param=f"{param}.combinations", code="too_many_combinations")
+        return size
+    if combinations is None:
+        if names:
+            raise InvalidRequestError(
+                f"the template has placeholders {sorted(names)}: send `combinations`",
+                param=f"{param}.combinations", code="missing_value")
+        return 1
+    if not combinations:
+        raise InvalidRequestError("`combinations` is empty", param=f"{param}.combinations",
+                                  code="missing_value")
+    for index, combination in enumerate(combinations):
+        where = f"{param}.combinations.{index}"
+        _same_names(set(combination), names, where)
+        for name, value in combination.items():
+            _check_value(value, f"{where}.{name}")
+    return len(combinations)
 
 
-def expand_grid(template: Template, values: dict[str, list[str]], *, max_combinations: int,
-                param: str = "values", template_param: str = "template") -> list[Combination]:
-    """Every combination of placeholder values, with the text before the slot and, for an
-    extraction slot, the stop string after it.
+def _same_names(got: set[str], names: tuple[str, ...], param: str) -> None:
+    if got - set(names):
+        raise InvalidRequestError(f"{sorted(got - set(names))} not in the template",
+                                  param=param, code="unknown_placeholder")
+    if set(names) - got:
+        raise InvalidRequestError(f"no value for {sorted(set(names) - got)}", param=param,
+                                  code="missing_value")
 
-    Enforces ``check_template`` and the values rules (``check_grid``) first. Text after
-    ``{?}`` is ignored; the literal text after an extraction slot is ``Combination.stop``.
-    The grid is the cartesian product in order of first appearance: the first placeholder
-    varies slowest.
-    """
-    slot = check_template(template, param=template_param)
-    check_grid(template, values, max_combinations=max_combinations, param=param)
+
+def _check_value(value: str, param: str) -> None:
+    if len(value) > MAX_VALUE_CHARS:
+        raise InvalidRequestError(f"a value is over {MAX_VALUE_CHARS} characters",
+                                  param=param, code="invalid_field")
+
+
+def expand(template: Template, combinations: list[dict[str, str]] | str | None,
+           values: dict[str, list[str]] | None, *, param: str = "") -> list[Combination]:
+    """The prompts of a query: per combination, the text before the slot and, for ``{*}``,
+    the stop string after it. ``"all"`` is the cartesian product of ``values`` in order of
+    first appearance (the first placeholder varies slowest)."""
+    slot = check_template(template, param=f"{param}.template" if param else "template")
+    check_combinations(template, combinations, values, param=param)
     names = template.placeholders
+    if combinations == "all":
+        chosen = [dict(zip(names, picked, strict=True))
+                  for picked in product(*(values[name] for name in names))]
+    else:
+        chosen = combinations or [{}]
     before = _parts_before_slot(template)
     stop = _stop_string(template) if slot.kind in EXTRACTION_KINDS else None
-    combinations = []
-    for chosen in product(*(values[name] for name in names)):
-        filled = dict(zip(names, chosen, strict=True))
-        prefix = "".join(
-            filled[part.name] if isinstance(part, Placeholder) else part.text for part in before)
-        combinations.append(Combination(values=filled, prefix=prefix, stop=stop))
-    return combinations
-
-
-def scored_prefix_combinations(template_source: str, values: dict[str, list[str]], *,
-                               max_combinations: int, param: str = "values",
-                               template_param: str = "template") -> list[Combination]:
-    """Parse a scored query's template and expand it (see ``expand_grid``)."""
-    template = parse_template(template_source, param=template_param)
-    check_scored_template(template, param=template_param)
-    return expand_grid(template, values, max_combinations=max_combinations, param=param,
-                       template_param=template_param)
+    return [Combination(values={name: filled[name] for name in names},
+                        prefix="".join(filled[part.name] if isinstance(part, Placeholder)
+                                       else part.text for part in before),
+                        stop=stop)
+            for filled in chosen]
 
 
 def _slot_index(template: Template) -> int:
@@ -278,17 +294,8 @@ def _parts_before_slot(template: Template) -> list[Literal | Placeholder]:
     return list(template.parts[:_slot_index(template)])
 
 
-def _placeholders_before_slot(template: Template) -> list[str]:
-    return [part.name for part in _parts_before_slot(template) if isinstance(part, Placeholder)]
-
-
-def _placeholders_after_slot(template: Template) -> list[str]:
-    after = template.parts[_slot_index(template) + 1:]
-    return list(dict.fromkeys(part.name for part in after if isinstance(part, Placeholder)))
-
-
 def _stop_string(template: Template) -> str | None:
-    """The literal text right after the slot, up to the next placeholder, slot or the end."""
+    """The literal text right after the slot (None when the slot ends the template)."""
     after = template.parts[_slot_index(template) + 1:]
     if after and isinstance(after[0], Literal):
         return after[0].text

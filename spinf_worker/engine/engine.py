@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -19,7 +20,7 @@ from .. import __version__
 from ..errors import SpinfError
 from ..models.build import build_model
 from ..models.loader import Checkpoint, load_checkpoint
-from ..packs import Pack, official_packs
+from ..packs import official_packs
 from ..protocol import ScoreRequest, ScoreResponse
 from .decode import SlotDecoder, SlotJob
 from .floors import FloorCache
@@ -58,7 +59,7 @@ def freeze_heap() -> None:
 
 class Engine:
     def __init__(self, checkpoint: Checkpoint, device: str | None = None,
-                 settings: EngineSettings | None = None, packs: dict[str, Pack] | None = None):
+                 settings: EngineSettings | None = None, packs: dict | None = None):
         """``checkpoint.weights = None`` builds random weights with the real shapes; ``packs``:
         the prompt packs requests may name (default: the official ones)."""
         self.checkpoint = checkpoint
@@ -88,7 +89,7 @@ class Engine:
 
     @classmethod
     def load(cls, model: str | None = None, *, device: str | None = None,
-             settings: EngineSettings | None = None, packs: dict[str, Pack] | None = None
+             settings: EngineSettings | None = None, packs: dict | None = None
              ) -> Engine:
         return cls(load_checkpoint(model), device=device, settings=settings, packs=packs)
 
@@ -103,7 +104,7 @@ class Engine:
         parts = [self.checkpoint.weights_digest, self.scheme, __version__, KERNEL_VERSION,
                  f"threads={torch.get_num_threads()}", f"fused={fused}",
                  device_class, self.presenter.mode]
-        return "fp_" + hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+        return "fp_" + hashlib.sha256("|".join(parts).encode()).hexdigest()[:10]
 
     # ---- public API -------------------------------------------------------------------
 
@@ -122,15 +123,22 @@ class Engine:
     def score_batch(self, requests: Sequence[dict | ScoreRequest]
                     ) -> list[ScoreResponse | SpinfError]:
         """Score many requests packed together; a bad request yields its error in place.
-        Passes start while later requests are still being laid out (engine/scheduler.py);
-        missing floor values ride in the same passes as the documents."""
+        Every input of every request is one document; passes start while later requests are
+        still being laid out (engine/scheduler.py); missing floor values ride in the same
+        passes as the documents."""
+        started = time.perf_counter()
         results: list[ScoreResponse | SpinfError | None] = [None] * len(requests)
         scheduler = PassScheduler(self.runner, self.settings.max_pass_tokens, self._decode_slots)
         floors: dict[tuple, DocScores] = {}     # this batch's floor values, cached or scored
         queued: set[tuple] = set()
         floor_root = self.presenter.floor_root_ids()
-        waiting = {}        # request index -> its Prepared, until its scores and floors are in
-        scored: dict[int, DocScores] = {}
+        waiting = {}        # request index -> its PreparedRequest, until every score is in
+        scored: dict[int, dict[int, DocScores]] = {}
+
+        def ready(i: int) -> bool:
+            p = waiting[i]
+            return len(scored.get(i, ())) == len(p.docs) and all(
+                k is None or k in floors for d in p.docs for k in d.query_set.floor_keys)
 
         def settle(done: list) -> None:
             """Store what finished; answer each request whose scores and floors are in."""
@@ -139,11 +147,12 @@ class Engine:
                     floors[key] = doc_scores
                     self.floors.put(key, doc_scores)
                 else:
-                    scored[key] = doc_scores
-            for i in [i for i in scored
-                      if all(k is None or k in floors for k in waiting[i].query_set.floor_keys)]:
-                results[i] = build_response(waiting.pop(i), scored.pop(i), floors,
-                                            model=self.model_name, fingerprint=self.fingerprint)
+                    scored.setdefault(key[0], {})[key[1]] = doc_scores
+            for i in [i for i in scored if ready(i)]:
+                docs = scored.pop(i)
+                results[i] = build_response(waiting.pop(i), [docs[k] for k in sorted(docs)],
+                                            floors, model=self.model_name,
+                                            fingerprint=self.fingerprint, started=started)
 
         prepared = (p for lo in range(0, len(requests), PREPARE_CHUNK)
                     for p in self.preparer.prepare_batch(requests[lo:lo + PREPARE_CHUNK]))
@@ -151,17 +160,20 @@ class Engine:
             if isinstance(p, SpinfError):
                 results[i] = p
                 continue
-            for key, q, grid in zip(p.query_set.floor_keys, p.queries, p.query_set.grids, strict=True):
-                if key is None or key in floors or key in queued:
-                    continue
-                if (cached := self.floors.get(key)) is not None:
-                    floors[key] = cached
-                else:
-                    queued.add(key)
-                    tree = DocTree(list(floor_root), self.preparer.branches([q], [grid]))
-                    settle(scheduler.add(("floor", key), tree.flatten(self.pad_id)))
             waiting[i] = p
-            settle(scheduler.add(("request", i), p.flat))
+            for k, doc in enumerate(p.docs):
+                qs = doc.query_set
+                for key, q, grid in zip(qs.floor_keys, doc.queries, qs.grids, strict=True):
+                    if key is None or key in floors or key in queued:
+                        continue
+                    if (cached := self.floors.get(key)) is not None:
+                        floors[key] = cached
+                    else:
+                        queued.add(key)
+                        tree = DocTree(list(floor_root),
+                                       self.preparer.branches([q], [grid], key[-1]))
+                        settle(scheduler.add(("floor", key), tree.flatten(self.pad_id)))
+                settle(scheduler.add(("doc", (i, k)), doc.flat))
         for done in scheduler.flush():
             settle(done)
         return results

@@ -1,6 +1,7 @@
 """floor_p: the same queries over empty content, scored once and kept.
 
-A floor value depends only on (presentation, template, values, options): it is scored in a
+A floor value depends only on (presentation, template, combinations, options, case
+sensitivity): it is scored in a
 DocTree of its own, one per query, so its bits don't depend on the other queries, and kept
 in an LRU for the life of the engine.
 """
@@ -14,8 +15,9 @@ from ..protocol import Query
 from .runner import DocScores
 
 
-def floor_key(mode: str, query: Query) -> tuple:
-    return (mode, query.template, json.dumps(query.values, sort_keys=True), tuple(query.options))
+def floor_key(mode: str, query: Query, case_insensitive: bool) -> tuple:
+    return (mode, query.template, json.dumps(query.combinations, sort_keys=True),
+            json.dumps(query.values, sort_keys=True), tuple(query.options), case_insensitive)
 
 
 class FloorCache:

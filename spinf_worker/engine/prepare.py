@@ -1,5 +1,6 @@
-"""Requests laid out for the engine: parsed, their packs' questions added, their query lists
-laid out once as branch blocks, their contents presented and tokenised.
+"""Requests laid out for the engine: parsed, split into their inputs, their packs' questions
+added, each input's query list laid out once as a branch block, the contents presented and
+tokenised.
 
 A bulk job asks the same questions of every document, so each distinct query list (keyed by
 the queries' JSON without ids) is expanded and laid out once (``QuerySet``) and reused.
@@ -10,18 +11,18 @@ from __future__ import annotations
 import contextlib
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..errors import ContextLengthError, InvalidRequestError, ModelNotFoundError, SpinfError
-from ..extract_values import grammar_for
 from ..model_names import served_names
-from ..packs import Pack, PackQuestion, find_pack
-from ..protocol import Query, ScoreRequest, query_layout_key
-from ..templates import Combination, expand_grid
+from ..packs import Pack, find_pack
+from ..protocol import Document, Query, ScoreRequest, query_layout_key
+from ..templates import Combination
 from ..tiles import padded_rows
 from .floors import floor_key
 from .layout import Branch, BranchBlock, FlatDoc
 from .presentation import Presenter
+from .slots import slot_settings
 
 QUERY_SET_CACHE = 256   # laid-out query lists kept (bulk jobs repeat one list per document)
 ROOT_CACHE = 4096       # contents tokenised by rows(), kept for the layout that follows
@@ -33,100 +34,206 @@ class QuerySet:
 
     grids: list[list[Combination]]     # per query
     block: BranchBlock                 # one branch per (query, combination)
-    floor_keys: list[tuple | None]     # per query (None for extraction slots)
+    floor_keys: list[tuple | None]     # per query (None: no floor, or an extraction slot)
+    # per scored query asked case-insensitively: where each option's spellings start among
+    # the branch's scored strings (None: the options themselves are scored)
+    spellings: list[list[int] | None]
+    one_token: list[bool]              # per query: every scored string is one token
+    query_tokens: int                  # branch tokens, before prefix sharing (usage)
+    floor_tokens: int                  # the same for the queries with a floor
 
 
 @dataclass
 class Prepared:
-    request: ScoreRequest
-    queries: list[Query]             # the request's, then those its packs add
+    """One input of a request, laid out."""
+
+    input_id: str
+    queries: list[Query]             # the input's, then those its packs add
+    n_own: int                       # queries[:n_own] are the caller's
     query_set: QuerySet
-    packs: list[tuple[Pack, list[PackQuestion]]]
     text: str                        # the presented content
     flat: FlatDoc | None = None      # set once the content is tokenised
 
 
+@dataclass
+class PackRun:
+    """A pack a request runs: the pack, its reference (context, decision overrides), and the
+    ids its queries have in the results."""
+
+    pack: Pack
+    context: str
+    decision: dict | None
+    include_queries: bool
+    query_ids: frozenset[str]
+
+
+@dataclass
+class PreparedRequest:
+    request: ScoreRequest
+    docs: list[Prepared]
+    packs: list[PackRun] = field(default_factory=list)
+
+
 class Preparer:
-    def __init__(self, presenter: Presenter, pad_id: int, packs: dict[str, Pack], *,
+    def __init__(self, presenter: Presenter, pad_id: int, packs: dict, *,
                  model: str, context: int, max_combinations: int):
         """``model``: the served model's name (a request may name it, or one of its aliases)."""
         self.presenter, self.pad_id, self.packs = presenter, pad_id, packs
         self.model, self.context, self.max_combinations = model, context, max_combinations
         self._roots: OrderedDict[str, list[int]] = OrderedDict()   # tokenised by rows()
         self._query_sets: OrderedDict[tuple[str, ...], QuerySet] = OrderedDict()
-        # per (pack, version, chosen questions): the packs are fixed, so this stays small
-        self._pack_queries: dict[tuple, tuple[list[Query], tuple[str, ...]]] = {}
+        self._pack_queries: dict[str, list[Query]] = {}           # by pack group
 
     def rows(self, raw: dict | ScoreRequest) -> int:
-        """Rows the request's document takes in a pass (content plus the query set's prefix
-        tree, padded to the tile). The content's ids are kept for the layout that follows."""
+        """Rows the request's inputs take in passes (content plus the query set's prefix
+        tree, each padded to the tile). The contents' ids are kept for the layout that
+        follows."""
         p = self.parse(raw)
-        root = self.presenter.root_ids_batch([p.text])[0]
-        self._roots[p.text] = root
+        roots = self.presenter.root_ids_batch([d.text for d in p.docs])
+        for doc, root in zip(p.docs, roots, strict=True):
+            self._roots[doc.text] = root
         while len(self._roots) > ROOT_CACHE:
             self._roots.popitem(last=False)
-        return padded_rows(len(root) + len(p.query_set.block.ids))
+        return sum(padded_rows(len(root) + len(d.query_set.block.ids))
+                   for d, root in zip(p.docs, roots, strict=True))
 
-    def prepare_batch(self, raws: Sequence[dict | ScoreRequest]) -> list[Prepared | SpinfError]:
+    def prepare_batch(self, raws: Sequence[dict | ScoreRequest]
+                      ) -> list[PreparedRequest | SpinfError]:
         """Parse and lay out requests, their contents tokenised together (in parallel); a bad
-        request yields its error in place."""
-        out: list[Prepared | SpinfError] = []
+        request yields its error in place (a bad input fails its whole request)."""
+        out: list[PreparedRequest | SpinfError] = []
         for raw in raws:
             try:
                 out.append(self.parse(raw))
             except SpinfError as err:
                 out.append(err)
-        ok = [i for i, p in enumerate(out) if not isinstance(p, SpinfError)]
-        for i, root in zip(ok, self._root_ids([out[i].text for i in ok]), strict=True):
-            p = out[i]
-            p.flat = p.query_set.block.place(root, self.pad_id)
-            if p.flat.max_position >= self.context:
+        docs = [(i, d) for i, p in enumerate(out) if not isinstance(p, SpinfError)
+                for d in p.docs]
+        for (i, doc), root in zip(docs, self._root_ids([d.text for _, d in docs]), strict=True):
+            doc.flat = doc.query_set.block.place(root, self.pad_id)
+            if doc.flat.max_position >= self.context and not isinstance(out[i], SpinfError):
                 out[i] = ContextLengthError(
-                    f"content plus the longest question is {p.flat.max_position + 1} tokens; "
-                    f"the model's context is {self.context} tokens", param="messages")
+                    f"input {doc.input_id!r}: content plus the longest question is "
+                    f"{doc.flat.max_position + 1} tokens; the model's context is "
+                    f"{self.context} tokens", param="inputs")
         return out
 
-    def parse(self, raw: dict | ScoreRequest) -> Prepared:
+    def parse(self, raw: dict | ScoreRequest) -> PreparedRequest:
         request = ScoreRequest.parse(raw)
         if request.model is not None and request.model not in served_names(self.model):
             raise ModelNotFoundError(
                 f"model {request.model!r} is not served here; this engine serves {self.model!r}",
                 param="model")
-        packs = [self._pack_questions(ref, i) for i, ref in enumerate(request.packs)]
-        queries, key = list(request.scoring.queries), request.scoring.layout_key()
-        for named, chosen in packs:
-            pack_queries, pack_key = self._pack_query_list(named, chosen)
-            queries += pack_queries
-            key += pack_key
-        query_set = self._query_set(queries, key)
-        messages = [{"role": m.role, "content": m.text(param=f"messages.{i}.content")}
-                    for i, m in enumerate(request.content_messages())]
-        return Prepared(request, queries, query_set, packs, self.presenter.present(messages))
+        runs = [self._pack_run(ref, i) for i, ref in enumerate(request.scoring.packs or [])]
+        case_insensitive = self._case_insensitive(request, runs)
+        docs = []
+        for i, doc in enumerate(request.documents()):
+            queries, key = list(doc.queries), doc.layout_key
+            if runs:
+                self._check_pack_ids(doc, runs, i)
+                for run in runs:
+                    queries += self._pack_query_list(run.pack)
+                key = query_layout_key(queries, case_insensitive)
+            query_set = self._query_set(queries, key, case_insensitive,
+                                        request.scoring.empty_floor)
+            docs.append(Prepared(doc.input_id, queries, len(doc.queries), query_set,
+                                 self._present(doc, runs, i)))
+        return PreparedRequest(request, docs, runs)
 
-    def branches(self, queries: list[Query], grids: list[list[Combination]]) -> list[Branch]:
+    def _present(self, doc: Document, runs: list[PackRun], index: int) -> str:
+        """The input's content presented, wrapped in its packs' context."""
+        messages = [{"role": m.role, "content": m.text(param=f"inputs.{index}.messages.{k}")}
+                    for k, m in enumerate(doc.messages)]
+        wraps = set()
+        for run in runs:
+            try:
+                wraps.add(run.pack.wrap(run.context, doc.parameters))
+            except InvalidRequestError as err:
+                err.param = err.param or f"inputs.{index}.parameters"
+                raise
+        if len(wraps) > 1:
+            raise InvalidRequestError(
+                "the packs of this call wrap the content in different contexts; send one "
+                "pack per call", param="scoring.packs", code="pack_conflict")
+        if wraps:
+            ((before, after),) = wraps
+            messages[0]["content"] = before + messages[0]["content"]
+            messages[-1]["content"] += after
+        return self.presenter.present(messages)
+
+    def branches(self, queries: list[Query], grids: list[list[Combination]],
+                 case_insensitive: bool = False) -> list[Branch]:
         enc = self.presenter.encode
-        return [Branch(list(enc(c.prefix)), [list(enc(o)) for o in q.options])
-                if q.slot_kind == "?" else Branch(list(enc(c.prefix)), [], _slot_settings(q, c))
-                for q, grid in zip(queries, grids, strict=True) for c in grid]
+        out = []
+        for q, grid in zip(queries, grids, strict=True):
+            scored = self.scored_strings(q, case_insensitive)[0] if q.slot_kind == "?" else None
+            for c in grid:
+                if scored is None:
+                    out.append(Branch(list(enc(c.prefix)), [], slot_settings(q, c)))
+                else:
+                    out.append(Branch(list(enc(c.prefix)), [list(enc(s)) for s in scored]))
+        return out
+
+    def scored_strings(self, q: Query, case_insensitive: bool
+                       ) -> tuple[list[str], list[int] | None]:
+        """The strings a scored query reads out, and where each option's spellings start
+        among them (None: the options as given). Case-insensitive, an option also counts as
+        its lower / Capitalised / UPPER forms with and without a leading space, those the
+        tokenizer keeps as one token (the hosted API's rule)."""
+        if not case_insensitive:
+            return list(q.options), None
+        strings, starts = [], []
+        for option in q.options:
+            starts.append(len(strings))
+            for s in case_spellings(option):
+                if s not in strings and (s == option or len(self.presenter.encode(s)) == 1):
+                    strings.append(s)
+        if len(strings) == len(q.options):
+            return strings, None
+        return strings, starts
+
+    def _case_insensitive(self, request: ScoreRequest, runs: list[PackRun]) -> bool:
+        """The call's setting; with packs, theirs (their calibration was fitted with it)."""
+        if not runs:
+            return request.scoring.case_insensitive
+        settings = {run.pack.case_insensitive for run in runs}
+        if len(settings) > 1 or ("case_insensitive" in request.scoring.model_fields_set
+                                 and request.scoring.case_insensitive not in settings):
+            raise InvalidRequestError(
+                "the packs of this call are scored with another case_insensitive setting",
+                param="scoring.case_insensitive", code="pack_conflict")
+        return settings.pop()
+
+    def _check_pack_ids(self, doc: Document, runs: list[PackRun], index: int) -> None:
+        """A pack's query ids and group belong to it."""
+        own = {q.id for q in doc.queries}
+        groups = {run.pack.group for run in runs}
+        for q in doc.queries:
+            if q.group in groups:
+                raise InvalidRequestError(f"{q.group!r} is the query group of a pack of this "
+                                          "call", param=f"inputs.{index}.queries",
+                                          code="reserved_group")
+        for run in runs:
+            clash = sorted(own & run.query_ids)
+            if clash:
+                raise InvalidRequestError(
+                    f"query id {clash[0]!r} belongs to the {run.pack.id} pack",
+                    param=f"inputs.{index}.queries", code="duplicate_id")
 
     def _root_ids(self, texts: list[str]) -> list[list[int]]:
         """BOS + ids of each text: those rows() tokenised already, the rest in parallel."""
         # pop(t, None): rows() may run on another thread (the queue parses entries while a
         # pass runs) and evict an entry at any moment
         known = {t: ids for t in texts if (ids := self._roots.pop(t, None)) is not None}
-        missing = [t for t in texts if t not in known]
+        missing = list(dict.fromkeys(t for t in texts if t not in known))
         known.update(zip(missing, self.presenter.root_ids_batch(missing), strict=True))
         return [known[t] for t in texts]
 
-    def _grid(self, query: Query, index: int) -> list[Combination]:
-        where = f"scoring.queries.{index}"
-        return expand_grid(query.parsed_template, query.values,
-                           max_combinations=self.max_combinations,
-                           param=f"{where}.values", template_param=f"{where}.template")
-
-    def _query_set(self, queries: list[Query], key: tuple[str, ...]) -> QuerySet:
+    def _query_set(self, queries: list[Query], key: tuple[str, ...], case_insensitive: bool,
+                   empty_floor: bool) -> QuerySet:
         """The queries' grids, branch layout and floor keys, built once per distinct list
         (``key``: protocol.query_layout_key; a query's id changes none of them)."""
+        key = (*key, f"floor={empty_floor}")
         found = self._query_sets.get(key)
         if found is not None:
             # rows() runs on the queue's parse thread while a pass prepares on the engine's:
@@ -134,50 +241,56 @@ class Preparer:
             with contextlib.suppress(KeyError):
                 self._query_sets.move_to_end(key)
             return found
-        grids = [self._grid(q, i) for i, q in enumerate(queries)]
-        mode = self.presenter.mode
-        found = QuerySet(grids, BranchBlock.build(self.branches(queries, grids)),
-                         [floor_key(mode, q) if q.slot_kind == "?" else None for q in queries])
+        grids = [q.combinations_list() for q in queries]
+        branches = self.branches(queries, grids, case_insensitive)
+        floors = [floor_key(self.presenter.mode, q, case_insensitive)
+                  if q.slot_kind == "?" and (q.empty_floor if q.empty_floor is not None
+                                             else empty_floor) else None
+                  for q in queries]
+        sizes, one_token, at = [], [], 0
+        for grid in grids:
+            mine = branches[at:at + len(grid)]
+            at += len(grid)
+            sizes.append(sum(len(b.prefix) + sum(len(o) - 1 for o in b.options) for b in mine))
+            one_token.append(bool(mine[0].options) and all(len(o) == 1 for o in mine[0].options))
+        found = QuerySet(grids, BranchBlock.build(branches), floors,
+                         [self.scored_strings(q, case_insensitive)[1]
+                          if q.slot_kind == "?" else None for q in queries],
+                         one_token, sum(sizes), sum(s for s, f in zip(sizes, floors, strict=True) if f))
         self._query_sets[key] = found
         while len(self._query_sets) > QUERY_SET_CACHE:
             self._query_sets.popitem(last=False)
         return found
 
-    def _pack_query_list(self, named: Pack, chosen: list[PackQuestion]
-                         ) -> tuple[list[Query], tuple[str, ...]]:
-        """A pack's chosen questions as queries, and their layout key (built once)."""
-        key = (named.id, named.version, *(q.id for q in chosen))
-        found = self._pack_queries.get(key)
+    def _pack_run(self, ref, index: int) -> PackRun:
+        where = f"scoring.packs.{index}"
+        pack = find_pack(self.packs, ref.id, ref.version, param=f"{where}.id")
+        pack.check_decision(ref.decision, f"{where}.decision")
+        context = ref.context or next(iter(pack.contexts))
+        if context not in pack.contexts:
+            raise InvalidRequestError(
+                f"{pack.id} has no context {context!r}; contexts: {', '.join(pack.contexts)}",
+                param=f"{where}.context", code="invalid_field")
+        queries = self._pack_query_list(pack)
+        return PackRun(pack, context, ref.decision, bool(ref.include_queries),
+                       frozenset(q.id for q in queries))
+
+    def _pack_query_list(self, pack: Pack) -> list[Query]:
+        """A pack's queries (built once per pack version)."""
+        found = self._pack_queries.get(pack.group)
         if found is None:
-            queries = [Query(id=f"{named.id}#{q.id}", template=q.template, options=q.options)
-                       for q in chosen]
-            found = self._pack_queries[key] = (queries, query_layout_key(queries))
+            found = self._pack_queries[pack.group] = [Query.model_validate(q)
+                                                      for q in pack.queries()]
         return found
 
-    def _pack_questions(self, ref, index: int) -> tuple[Pack, list[PackQuestion]]:
-        """The pack a request names, and its questions (of the categories asked for)."""
-        named = find_pack(self.packs, ref.id, ref.version)
-        if ref.categories is None:
-            return named, list(named.questions)
-        known = {c.id for c in named.categories}
-        for name in ref.categories:
-            if name not in known:
-                raise InvalidRequestError(f"pack {named.id} has no category {name!r}",
-                                          param=f"packs.{index}.categories",
-                                          code="unknown_category")
-        return named, [q for q in named.questions if q.category in ref.categories]
 
-
-def _slot_settings(q: Query, combo: Combination) -> dict:
-    """SlotJob settings of an extraction query (engine/decode.py)."""
-    if q.generate is not None:
-        g = q.generate
-        stops = (*g.stop, combo.stop) if combo.stop else tuple(g.stop)
-        return dict(stops=stops, max_tokens=g.max_tokens, beam_width=1, candidates=1,
-                    sample=(g.temperature, g.seed))
-    settings = dict(stops=(combo.stop, "\n") if combo.stop else ("\n",),
-                    max_tokens=q.max_tokens, beam_width=q.beam_width, candidates=q.candidates)
-    grammar = grammar_for(q.slot_kind)
-    if grammar is not None:
-        settings.update(allowed=grammar.prefix_ok, complete=grammar.complete)
-    return settings
+def case_spellings(option: str) -> list[str]:
+    """The option as given, then its lower / Capitalised / UPPER forms, each with and without
+    a leading space, without repeats."""
+    base = option.strip()
+    out = [option]
+    for form in (base.lower(), base[:1].upper() + base[1:].lower(), base.upper()):
+        for s in (" " + form, form):
+            if s not in out:
+                out.append(s)
+    return out

@@ -1,95 +1,164 @@
-"""DocScores -> ScoreResponse: options with floor_p and residual, extraction candidates, and
-the categories and decision of each pack asked for."""
+"""Scores -> the hosted API's response: per input its queries (options with floor_p, residual
+and floor_residual; extraction answers), its packs' categories and decision; usage, timing
+and warnings."""
 
 from __future__ import annotations
 
 import math
 import time
-import uuid
 
-from ..extract_values import parse_value
-from ..packs import Pack, PackQuestion, category_scores, decide
-from ..protocol import Candidate, Query, ScoreResponse
+from ..ids import new_ulid
+from ..protocol import Query, ScoreResponse
 from ..templates import Combination
-from .prepare import Prepared
+from .prepare import Prepared, PreparedRequest
 from .runner import DocScores
+from .slots import extraction_result
+
+# the mean residual over which a query's one-token options probably do not fit its template
+LOW_OPTION_MASS = 0.9
 
 
-def build_response(p: Prepared, scores: DocScores, floors: dict[tuple, DocScores], *,
-                   model: str, fingerprint: str) -> ScoreResponse:
-    """The response of one prepared request, from its scores and its queries' floor scores
-    (by floor key)."""
+def build_response(p: PreparedRequest, scores: list[DocScores], floors: dict[tuple, DocScores],
+                   *, model: str, fingerprint: str, started: float) -> ScoreResponse:
+    """The response of one prepared request, from its inputs' scores and their queries' floor
+    scores (by floor key)."""
     # Built as plain data and validated once: a bulk job answers thousands of options a
-    # second, and one validation of the whole response costs ~40% less than a model per option.
-    query_scores, b, decoded = [], 0, 0
-    for q, grid, fkey in zip(p.queries, p.query_set.grids, p.query_set.floor_keys, strict=True):
-        combos = []
-        for ci, combo in enumerate(grid):
-            if fkey is None:       # an extraction slot
-                found = scores.found.get(b, [])
-                decoded += sum(len(f.tokens) for f in found)
-                combos.append({"values": combo.values, "candidates": [
-                    Candidate(text=text, logprob=lp, p=math.exp(lp),
-                              value=_value(q.slot_kind, text))
-                    for text, lp in _merge_same_text(found)]})
+    # second, and one validation of the whole response costs less than a model per option.
+    results, warnings = [], []
+    counts = {"queries": 0, "combinations": 0, "options": 0, "prompts": 0, "floor_prompts": 0}
+    extraction = {"slots": 0, "text": 0, "number": 0, "currency": 0}
+    generation = {"slots": 0, "sequences": 0, "max_tokens": 0}
+    content_tokens = query_tokens = floor_tokens = decoded = rows = padded = 0
+    for doc, doc_scores in zip(p.docs, scores, strict=True):
+        queries = _query_results(doc, doc_scores, floors, warnings)
+        result = {"input_id": doc.input_id, "queries": queries[:doc.n_own]}
+        hidden = set()
+        if p.packs:
+            result["packs"] = []
+            by_id = {q["id"]: q for q in queries[doc.n_own:]}
+            for run in p.packs:
+                mine = [by_id[qid] for qid in by_id if qid in run.query_ids]
+                result["packs"].append({"id": run.pack.id, "version": run.pack.version,
+                                        "context": run.context,
+                                        **run.pack.evaluate(mine, run.decision)})
+                if run.include_queries:
+                    result["queries"] += mine
+                else:
+                    hidden |= run.query_ids
+        results.append(result)
+        qs = doc.query_set
+        content_tokens += doc.flat.root - 1
+        query_tokens += qs.query_tokens
+        floor_tokens += qs.floor_tokens
+        rows += doc.flat.tokens
+        padded += doc.flat.length
+        for q, grid, fkey in zip(doc.queries, qs.grids, qs.floor_keys, strict=True):
+            if q.slot_kind == "?":
+                counts["queries"] += 1
+                counts["combinations"] += len(grid)
+                counts["options"] += len(q.options)
+                counts["prompts"] += len(grid)
+                counts["floor_prompts"] += len(grid) if fkey is not None else 0
+            elif q.generation is not None:
+                generation["slots"] += len(grid)
+                generation["sequences"] += len(grid) * q.generation.n
+                generation["max_tokens"] += len(grid) * q.max_tokens
             else:
-                combos.append(_option_scores(q, combo, scores, b, floors[fkey], ci))
-            b += 1
-        query_scores.append({"id": q.id, "combinations": combos})
-    scored = p.query_set.block.n_scored + decoded
-    n_own = len(p.request.scoring.queries)
-    return ScoreResponse.model_validate({
-        "id": f"score-{uuid.uuid4().hex}", "created": int(time.time()),
-        "model": model, "system_fingerprint": fingerprint,
-        "usage": {"prompt_tokens": p.flat.tokens, "scored_tokens": scored,
-                  "total_tokens": p.flat.tokens + scored},
-        "queries": query_scores[:n_own],
-        "packs": _pack_results(p.packs, query_scores[n_own:])})
+                extraction["slots"] += len(grid)
+                extraction[q.kind] += len(grid)
+        decoded += sum(len(f.tokens) for found in doc_scores.found.values() for f in found)
+    prompt_tokens = content_tokens + query_tokens + floor_tokens
+    usage = {
+        "prompt_tokens": prompt_tokens, "completion_tokens": decoded,
+        "total_tokens": prompt_tokens + decoded,
+        "prompt_tokens_details": {"content_tokens": content_tokens,
+                                  "text_tokens": content_tokens,
+                                  "query_tokens": query_tokens, "floor_tokens": floor_tokens},
+        "inputs": len(p.docs),
+        "content": {"tokens": content_tokens, "text_tokens": content_tokens},
+        "scoring": {**counts, "query_tokens": query_tokens, "floor_tokens": floor_tokens},
+        "processed_tokens": rows + decoded,
+        "billed_tokens": 0,
+    }
+    if extraction["slots"]:
+        usage["extraction"] = extraction
+    if generation["slots"]:
+        usage["generation"] = generation
+    if p.packs:
+        usage["packs"] = {"count": len(p.packs)}
+    elapsed_ms = int(round((time.perf_counter() - started) * 1000))
+    response = ScoreResponse.model_validate({
+        "id": "scr_" + new_ulid(), "created": int(time.time()),
+        "model": p.request.model or model, "endpoint": p.request.endpoint,
+        "system_fingerprint": fingerprint, "results": results, "warnings": warnings,
+        "usage": usage, "timing": {"wall_ms": elapsed_ms, "score_ms": elapsed_ms}})
+    response._rows, response._padded_rows = rows, padded
+    return response
 
 
-def _option_scores(q: Query, combo: Combination, scores: DocScores, b: int, floor: DocScores,
-                   floor_b: int) -> dict:
-    """Branch b's options: logprobs, probabilities over the options, floor probabilities
-    (branch floor_b of the floor's DocTree), as a CombinationScore's data."""
-    own, empty = scores.lists, floor.lists
-    at, floor_at = own.branch_start[b], empty.branch_start[floor_b]
-    return {"values": combo.values,
-            "options": [{"text": o, "logprob": own.logprobs[at + k], "p": own.probs[at + k],
-                         "floor_p": empty.probs[floor_at + k]} for k, o in enumerate(q.options)],
-            "residual": own.residual[b]}
-
-
-def _pack_results(packs: list[tuple[Pack, list[PackQuestion]]], scored: list[dict]) -> list[dict]:
-    """Per requested pack: its questions' positive-option scores, categories, decision."""
-    out, it = [], iter(scored)
-    for named, chosen in packs:
-        questions = []
-        for question, score in zip(chosen, it, strict=False):   # `it` runs on to the next pack
-            positive = next(o for o in score["combinations"][0]["options"]
-                            if o["text"] == question.positive)
-            questions.append({"id": question.id, "category": question.category,
-                              "p": positive["p"], "floor_p": positive["floor_p"]})
-        categories = category_scores(named, {q["id"]: (q["p"], q["floor_p"]) for q in questions})
-        out.append({"id": named.id, "version": named.version, "questions": questions,
-                    "categories": categories, "decision": decide(named, categories)})
+def _query_results(doc: Prepared, scores: DocScores, floors: dict[tuple, DocScores],
+                   warnings: list[dict]) -> list[dict]:
+    """Every query of one input (the caller's, then its packs'), in the hosted shape."""
+    out, b = [], 0
+    qs = doc.query_set
+    for q, grid, fkey, starts in zip(doc.queries, qs.grids, qs.floor_keys, qs.spellings,
+                                     strict=True):
+        if q.slot_kind != "?":
+            combos = [extraction_result(q, c.values, scores.found.get(b + k, []))
+                      for k, c in enumerate(grid)]
+            entry = {"id": q.id, "kind": q.kind, "combinations": combos}
+            if q.generation is not None:
+                entry["generate"] = True
+            out.append(entry)
+            b += len(grid)
+            continue
+        floor = floors[fkey] if fkey is not None else None
+        combos = [_option_scores(q, c, scores, b + k, floor, k, starts)
+                  for k, c in enumerate(grid)]
+        b += len(grid)
+        out.append({"id": q.id, "combinations": combos})
+        mean_residual = sum(c["residual"] for c in combos) / len(combos)
+        if mean_residual > LOW_OPTION_MASS and qs.one_token[len(out) - 1]:
+            warnings.append({
+                "code": "low_option_mass", "input_id": doc.input_id, "query_id": q.id,
+                "message": f"the options take {1 - mean_residual:.1%} of the next-token mass "
+                           "on average: the template or the options probably do not fit."})
     return out
 
 
-def _value(kind: str, text: str):
-    try:
-        return parse_value(kind, text)
-    except ValueError:   # e.g. a number too large for a float: the text still stands
-        return None
+def _option_scores(q: Query, combo: Combination, scores: DocScores, b: int,
+                   floor: DocScores | None, floor_b: int, starts: list[int] | None) -> dict:
+    """Branch b's options: logprobs, probabilities over the options, floor probabilities
+    (branch floor_b of the floor's DocTree), as a ScoredCombination's data."""
+    logprobs, probs, residual = _read(scores, b, starts)
+    if floor is not None:
+        _, floor_probs, floor_residual = _read(floor, floor_b, starts)
+    else:
+        floor_probs, floor_residual = [None] * len(q.options), None
+    return {"values": combo.values,
+            "options": [{"text": o, "logprob": logprobs[k], "p": probs[k],
+                         "floor_p": floor_probs[k]} for k, o in enumerate(q.options)],
+            "residual": residual, "floor_residual": floor_residual}
 
 
-def _merge_same_text(found: list) -> list[tuple[str, float]]:
-    """Answers with the same text (other tokenisations, other stop tokens) are one candidate
-    whose probability is their sum; most likely first."""
-    merged: dict[str, float] = {}
-    for f in found:
-        if f.text in merged:   # log(exp(a) + exp(b)) in float64, without overflow
-            a, b = sorted((merged[f.text], f.logprob))
-            merged[f.text] = b + math.log1p(math.exp(a - b))
-        else:
-            merged[f.text] = f.logprob
-    return sorted(merged.items(), key=lambda item: -item[1])
+def _read(scores: DocScores, b: int, starts: list[int] | None
+          ) -> tuple[list[float], list[float], float]:
+    """Branch b's per-option logprobs, probabilities over the options and residual. With
+    spellings (``starts``), an option's logprob sums its spellings' probabilities."""
+    lists = scores.lists
+    at, end = lists.branch_start[b], lists.branch_start[b + 1]
+    if starts is None:   # the runner's own figures, bit for bit
+        return lists.logprobs[at:end], lists.probs[at:end], lists.residual[b]
+    spelled = lists.logprobs[at:end]
+    bounds = [*starts, len(spelled)]
+    logprobs = [_logsumexp(spelled[lo:hi]) for lo, hi in zip(bounds, bounds[1:], strict=False)]
+    top = max(logprobs)
+    weights = [math.exp(lp - top) for lp in logprobs]
+    total = sum(weights)
+    return (logprobs, [w / total for w in weights],
+            max(0.0, 1.0 - math.exp(top) * total))
+
+
+def _logsumexp(values: list[float]) -> float:
+    top = max(values)
+    return top + math.log(sum(math.exp(v - top) for v in values))
