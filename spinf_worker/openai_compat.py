@@ -1,13 +1,35 @@
 """The OpenAI chat-completions face of scoring (torch-free): a chat request carrying a
-``scoring`` block (or ``packs``) becomes a ScoreRequest, and a ScoreResponse goes back in the
-``chat.completion`` shape. Used by POST /v1/chat/completions and by batches on that endpoint."""
+``scoring`` block is a ScoreRequest, and the reply is the score response plus ``choices`` (as
+the hosted API answers it; the OpenAI SDKs read it). Used by POST /v1/chat/completions and by
+batches on that endpoint."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from pydantic import BaseModel
+
 from .errors import InvalidRequestError
-from .protocol import ScoreRequest
+from .protocol import ScoreRequest, ScoreResponse
+
+
+class ChatMessage(BaseModel):
+    role: str = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessage
+    finish_reason: str = "stop"
+    logprobs: None = None
+
+
+class ChatScoreResponse(ScoreResponse):
+    """The reply of /v1/chat/completions: the score response and one choice, the most likely
+    answer of the first query."""
+
+    choices: list[ChatChoice]
 
 
 def score_request_from_chat(body: Any) -> ScoreRequest:
@@ -15,41 +37,31 @@ def score_request_from_chat(body: Any) -> ScoreRequest:
 
     Raises InvalidRequestError for anything that would need text generation."""
     if not isinstance(body, dict):
-        raise InvalidRequestError("the request body must be a JSON object")
-    if body.get("scoring") is None and not body.get("packs"):
+        raise InvalidRequestError("the request body must be a JSON object", code="invalid_field")
+    if body.get("scoring") is None:
         raise InvalidRequestError(
-            "this server scores options instead of generating text: send a 'scoring' block "
-            "or 'packs' (with the OpenAI SDK: extra_body={'scoring': {'queries': [...]}})",
-            param="scoring", code="generation_not_supported")
+            "this server scores and extracts, it does not chat: send a 'scoring' block with "
+            "your questions (with the OpenAI SDK: extra_body={'scoring': {'queries': [...]}})",
+            param="scoring", code="scoring_required")
     if body.get("stream"):
         raise InvalidRequestError("scoring answers in one response; 'stream' must be false",
-                                  param="stream", code="stream_not_supported")
-    if body.get("messages") is None:
-        raise InvalidRequestError("'messages' is required", param="messages",
-                                  code="missing_content")
+                                  param="stream", code="invalid_field")
     return ScoreRequest.parse(body)
 
 
 def score_to_chat_completion(score: dict) -> dict:
-    """A ScoreResponse (as a dict) in the chat.completion shape: the message is the most
-    likely option (or extracted candidate) of the first query's first combination, or the
-    first pack's decision when only packs were asked; ``scoring`` holds the full scores."""
-    if score["queries"]:
-        combination = score["queries"][0]["combinations"][0]
-        answers = combination.get("options") or combination.get("candidates") or []
-        content = max(answers, key=lambda answer: answer["p"])["text"] if answers else ""
-    else:
-        content = score["packs"][0]["decision"]["label"] if score.get("packs") else ""
-    tokens = score.get("usage", {}).get("total_tokens", 0)
-    return {
-        "id": "chatcmpl-" + score["id"].removeprefix("score-"),
-        "object": "chat.completion",
-        "created": score["created"],
-        "model": score["model"],
-        "system_fingerprint": score.get("system_fingerprint"),
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
-                     "finish_reason": "stop", "logprobs": None}],
-        # Everything was read, nothing generated: all tokens count as prompt tokens.
-        "usage": {"prompt_tokens": tokens, "completion_tokens": 0, "total_tokens": tokens},
-        "scoring": score,
-    }
+    """A score response (as a dict) with ``choices``: one message, the most likely option (or
+    answer) of the first input's first query's first combination, or the first pack's
+    decision when only packs were asked."""
+    first = score["results"][0] if score.get("results") else {}
+    content = ""
+    if first.get("queries"):
+        combination = first["queries"][0]["combinations"][0]
+        answers = combination.get("options") or combination.get("answers") or []
+        if answers:
+            content = max(answers, key=lambda answer: answer.get("p") or 0)["text"]
+    elif first.get("packs"):
+        content = "unsafe" if first["packs"][0]["decision"].get("unsafe") else "safe"
+    return {**score,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
+                         "finish_reason": "stop", "logprobs": None}]}

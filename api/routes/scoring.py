@@ -1,8 +1,9 @@
 """Synchronous scoring: POST /v1/score and the OpenAI-compatible POST /v1/chat/completions.
 
 Both validate everything first (nothing is queued for a request answered 4xx), submit one
-interactive job, and wait for its result up to the sync timeout; past it they answer 202 with
-the job to poll."""
+interactive job and answer 200 with its result, as the hosted API does. ``Prefer:
+respond-async`` answers 202 with the job to poll at once; a result not ready within the sync
+timeout is a 503 (the job goes on: its id is in ``X-Job-Id``)."""
 
 from __future__ import annotations
 
@@ -14,20 +15,24 @@ from fastapi.responses import JSONResponse
 
 from spinf_worker.errors import InvalidRequestError, ModelNotFoundError
 from spinf_worker.model_names import served_names
-from spinf_worker.openai_compat import score_request_from_chat, score_to_chat_completion
+from spinf_worker.openai_compat import (
+    ChatScoreResponse,
+    score_request_from_chat,
+    score_to_chat_completion,
+)
 from spinf_worker.protocol import ScoreRequest, ScoreResponse
 from spinf_worker.queue.producer import Submission
 from spinf_worker.queue.results import JobResult
 
 from ..auth import V1_AUTH
-from ..errors import RateLimitError
-from ..models import ChatCompletion, ChatCompletionRequest, JobAccepted, error_responses, json_body
+from ..errors import RateLimitError, ServiceUnavailableError
+from ..models import ChatCompletionRequest, JobAccepted, error_responses, json_body
 from ..services import Services, ServicesDep, read_json
 
 router = APIRouter(prefix="/v1", tags=["scoring"], dependencies=V1_AUTH)
 
 RETRY_AFTER_S = 5  # when the backlog is full: long enough for workers to drain some of it
-_ERRORS = error_responses(400, 401, 404, 413, 429, 500)
+_ERRORS = error_responses(400, 401, 413, 429, 500, 503)
 
 
 async def check_model(services: Services, model: str | None) -> None:
@@ -87,24 +92,36 @@ async def submit_and_wait(services: Services, request: ScoreRequest, *,
     return job_id, await services.listener.wait(job_id, timeout)
 
 
-async def still_running(services: Services, job_id: str) -> JSONResponse:
-    job = await services.producer.get_job(job_id)
-    return accepted(job_id, job["status"] if job else "queued")
-
-
 def failed(result: JobResult, job_id: str) -> JSONResponse:
     return JSONResponse({"error": result.openai_error}, status_code=result.status_code or 500,
                         headers={"X-Job-Id": job_id})
 
 
+def prefers_async(header: str | None) -> bool:
+    """RFC 7240 ``Prefer: respond-async`` (among other preferences)."""
+    return header is not None and any(
+        part.strip().split("=", 1)[0].strip().lower() == "respond-async"
+        for part in header.split(","))
+
+
 async def answer(services, score_request: ScoreRequest, idempotency_key: str | None,
-                 x_sync_timeout: str | None, *, shape) -> JSONResponse:
-    """Queue the request, wait up to the sync timeout, answer in ``shape`` (or 202 / error)."""
-    timeout = sync_timeout(services, x_sync_timeout)
+                 x_sync_timeout: str | None, prefer: str | None, *, shape) -> JSONResponse:
+    """Queue the request and answer its result in ``shape`` (200), its error, or the job
+    (202) when the caller prefers to poll."""
+    respond_async = prefers_async(prefer)
+    timeout = 0.0 if respond_async else sync_timeout(services, x_sync_timeout)
     job_id, result = await submit_and_wait(services, score_request,
                                            idempotency_key=idempotency_key, timeout=timeout)
     if result is None:
-        return await still_running(services, job_id)
+        if respond_async:
+            job = await services.producer.get_job(job_id)
+            return accepted(job_id, job["status"] if job else "queued")
+        raise ServiceUnavailableError(
+            f"the result was not ready within {timeout:g} s; the job goes on: GET "
+            f"/v1/jobs/{job_id} (or send Prefer: respond-async to poll)",
+            code="model_unavailable",
+            headers={"Retry-After": str(RETRY_AFTER_S), "X-Job-Id": job_id,
+                     "Location": f"/v1/jobs/{job_id}"})
     if not result.succeeded:
         return failed(result, job_id)
     return JSONResponse(shape(result.body), headers={"X-Job-Id": job_id})
@@ -112,26 +129,28 @@ async def answer(services, score_request: ScoreRequest, idempotency_key: str | N
 
 IdempotencyKey = Annotated[str | None, Header(alias="Idempotency-Key", max_length=256)]
 SyncTimeout = Annotated[str | None, Header(alias="X-Sync-Timeout")]
+Prefer = Annotated[str | None, Header(alias="Prefer")]
 
 
 @router.post("/score", response_model=ScoreResponse, openapi_extra=json_body(ScoreRequest),
              responses={202: {"model": JobAccepted}, **_ERRORS},
-             summary="Score a document's options now (202 with a job past the sync timeout)")
+             summary="Score and extract: one content (messages) or many (inputs), read once")
 async def score(request: Request, services: ServicesDep,
                 idempotency_key: IdempotencyKey = None,
-                x_sync_timeout: SyncTimeout = None) -> JSONResponse:
+                x_sync_timeout: SyncTimeout = None, prefer: Prefer = None) -> JSONResponse:
     score_request = ScoreRequest.parse(await read_json(request))
-    return await answer(services, score_request, idempotency_key, x_sync_timeout,
+    return await answer(services, score_request, idempotency_key, x_sync_timeout, prefer,
                         shape=lambda body: body)
 
 
-@router.post("/chat/completions", response_model=ChatCompletion,
+@router.post("/chat/completions", response_model=ChatScoreResponse,
              openapi_extra=json_body(ChatCompletionRequest),
              responses={202: {"model": JobAccepted}, **_ERRORS},
-             summary="OpenAI-compatible scoring: send a 'scoring' block (SDK: extra_body)")
+             summary="The same body as /v1/score (SDK: extra_body); the reply adds choices")
 async def chat_completions(request: Request, services: ServicesDep,
                            idempotency_key: IdempotencyKey = None,
-                           x_sync_timeout: SyncTimeout = None) -> JSONResponse:
+                           x_sync_timeout: SyncTimeout = None,
+                           prefer: Prefer = None) -> JSONResponse:
     score_request = score_request_from_chat(await read_json(request))
-    return await answer(services, score_request, idempotency_key, x_sync_timeout,
+    return await answer(services, score_request, idempotency_key, x_sync_timeout, prefer,
                         shape=score_to_chat_completion)

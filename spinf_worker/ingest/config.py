@@ -12,7 +12,8 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ..errors import SpinfError
+from ..errors import InvalidRequestError, SpinfError
+from ..packs import find_pack
 from ..protocol import PackRef, ScoreRequest
 
 FEED_INTERVAL_S = 300.0      # RSS/Atom feeds: polite by default
@@ -110,7 +111,7 @@ class Source:
     kind: str            # feed | jsonl | stream
     target: str          # the URL, file path or stream key
     interval_s: float
-    scoring: dict        # {"scoring": {...}, "packs": [...]}: merged into each request
+    scoring: dict        # {"scoring": {queries, packs}}: merged into each request
 
 
 @dataclass(frozen=True)
@@ -187,20 +188,15 @@ def _scoring(source: SourceConfig, config: IngestConfig, base: Path, where: str,
     if not packs and not queries:
         raise ConfigError(f"{where}: nothing to score with: give a pack or queries "
                           "(for this feed, in the file's defaults, or --pack / --queries)")
-    for ref in packs:
-        pack = known.get(ref.id)
-        if pack is None or ref.version not in (None, pack.version):
-            wanted = ref.id + (f"@{ref.version}" if ref.version else "")
-            raise ConfigError(f"{where}: unknown pack {wanted!r}; loaded: "
-                              f"{sorted(f'{p.id}@{p.version}' for p in known.values())} "
-                              "(--packs SOURCE loads more)")
-        missing = set(ref.categories or ()) - {c.id for c in pack.categories}
-        if missing:
-            raise ConfigError(f"{where}: pack {ref.id} has no category "
-                              f"{', '.join(map(repr, sorted(missing)))}")
-    block: dict = {"packs": [ref.model_dump(exclude_none=True) for ref in packs]}
-    if queries:
-        block["scoring"] = load_queries(base / queries, where)
+    for index, ref in enumerate(packs):
+        try:
+            pack = find_pack(known, ref.id, ref.version, param=f"pack.{index}")
+            pack.check_decision(ref.decision, f"pack.{index}.decision")
+        except InvalidRequestError as err:
+            raise ConfigError(f"{where}: {err.message} (--packs SOURCE loads more)") from None
+    block: dict = {"scoring": load_queries(base / queries, where) if queries else {}}
+    if packs:
+        block["scoring"]["packs"] = [ref.model_dump(exclude_none=True) for ref in packs]
     try:
         ScoreRequest.parse({"text": "probe", **block})
     except SpinfError as err:
