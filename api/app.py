@@ -73,6 +73,7 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.api_keys = load_api_keys(settings)
+    app.state.trusted_token = settings.token
     install_error_handlers(app)
     for router in ROUTERS:
         app.include_router(router)

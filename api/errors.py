@@ -1,5 +1,7 @@
-"""Every error leaves the API in the OpenAI shape ``{"error": {message, type, param, code}}``:
-our typed errors, FastAPI's own 404/405/422, and anything unexpected (never a traceback)."""
+"""Every error leaves the API in the hosted envelope
+``{"error": {"type", "code", "message", "param"}, "request_id"}``: our typed errors, FastAPI's
+own 404/405/422, and anything unexpected (never a traceback). ``request_id`` is the reply's
+X-Request-Id (middleware.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from spinf_worker.errors import InvalidRequestError, SpinfError
+from spinf_worker.errors import InvalidRequestError, SpinfError, error_object
+
+WARMING_UP_RETRY_S = 10     # a model still loading: ask again soon
+UNAVAILABLE_RETRY_S = 60    # no worker could load the model: someone has to act first
 
 
 class ApiError(SpinfError):
@@ -22,32 +27,37 @@ class ApiError(SpinfError):
 
 class NotFoundError(ApiError):
     status = 404
-    type = "invalid_request_error"
     code = "not_found"
 
 
 class AuthenticationError(ApiError):
     status = 401
-    type = "invalid_request_error"
-    code = "invalid_api_key"
+    code = "invalid_token"
 
 
 class RateLimitError(ApiError):
     status = 429
-    type = "rate_limit_error"
-    code = "queue_full"
+    code = "concurrency_limit"
 
 
 class ServiceUnavailableError(ApiError):
     status = 503
-    type = "server_error"
-    code = "not_ready"
+    code = "model_unavailable"
+
+
+class WarmingUpError(ServiceUnavailableError):
+    """The only live workers are still loading their model."""
+
+    code = "warming_up"
+
+    def __init__(self, message: str = "the model is loading; retry shortly", **kwargs):
+        kwargs.setdefault("headers", {"Retry-After": str(WARMING_UP_RETRY_S)})
+        super().__init__(message, **kwargs)
 
 
 class InternalError(ApiError):
     status = 500
-    type = "server_error"
-    code = "internal_error"
+    code = "engine_error"
 
 
 class BodyTooLarge(HTTPException):
@@ -59,43 +69,48 @@ class BodyTooLarge(HTTPException):
                          detail=f"the request body is larger than {limit} bytes")
 
 
-# status -> (type, code) for HTTPExceptions raised by FastAPI, Starlette or us
-_HTTP_ERRORS = {
-    400: ("invalid_request_error", None),
-    401: ("invalid_request_error", "invalid_api_key"),
-    403: ("invalid_request_error", "forbidden"),
-    404: ("invalid_request_error", "not_found"),
-    405: ("invalid_request_error", "method_not_allowed"),
-    413: ("invalid_request_error", "payload_too_large"),
-    415: ("invalid_request_error", "unsupported_media_type"),
+# status -> code for HTTPExceptions raised by FastAPI, Starlette or us
+_HTTP_CODES = {
+    400: "invalid_field",
+    401: "invalid_token",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "body_too_large",
+    415: "unsupported_media_type",
 }
 
 
-def error_body(message: str, type_: str, *, param: str | None = None,
-               code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+def request_id_of(request: Request) -> str | None:
+    """The id RequestContextMiddleware gave this request (None outside it)."""
+    return request.scope.get("state", {}).get("request_id")
 
 
-def error_response(error: SpinfError) -> JSONResponse:
-    return JSONResponse(error.to_openai(), status_code=error.status,
+def envelope(status: int, message: str, request_id: str | None, *, code: str | None = None,
+             param: str | None = None) -> dict:
+    return {"error": error_object(status, message, code=code, param=param),
+            "request_id": request_id}
+
+
+def error_response(error: SpinfError, request_id: str | None) -> JSONResponse:
+    return JSONResponse(error.to_envelope(request_id), status_code=error.status,
                         headers=getattr(error, "headers", None) or None)
 
 
-async def _spinf_error(_request: Request, error: SpinfError) -> JSONResponse:
-    return error_response(error)
+async def _spinf_error(request: Request, error: SpinfError) -> JSONResponse:
+    return error_response(error, request_id_of(request))
 
 
 async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
-    type_, code = _HTTP_ERRORS.get(
-        error.status_code, ("server_error" if error.status_code >= 500 else
-                            "invalid_request_error", None))
+    status = error.status_code
+    code = _HTTP_CODES.get(status, "engine_error" if status >= 500 else None)
     message = error.detail if isinstance(error.detail, str) else str(error.detail)
-    if error.status_code == 404 and message == "Not Found":
+    if status == 404 and message == "Not Found":
         message = f"no route {request.method} {request.url.path}"
-    elif error.status_code == 405:
+    elif status == 405:
         message = f"method {request.method} is not allowed on {request.url.path}"
-    return JSONResponse(error_body(message, type_, code=code), status_code=error.status_code,
-                        headers=getattr(error, "headers", None))
+    return JSONResponse(envelope(status, message, request_id_of(request), code=code),
+                        status_code=status, headers=getattr(error, "headers", None))
 
 
 def validation_error(error: RequestValidationError) -> InvalidRequestError:
@@ -116,12 +131,12 @@ def validation_error(error: RequestValidationError) -> InvalidRequestError:
         message = f"header {param}: {first['msg']}"
     if len(problems) > 1:
         message += f" (and {len(problems) - 1} more)"
-    return InvalidRequestError(message, param=param)
+    return InvalidRequestError(message, param=param, code="invalid_field")
 
 
-async def _request_validation_error(_request: Request,
+async def _request_validation_error(request: Request,
                                     error: RequestValidationError) -> JSONResponse:
-    return error_response(validation_error(error))
+    return error_response(validation_error(error), request_id_of(request))
 
 
 def install_error_handlers(app: FastAPI) -> None:

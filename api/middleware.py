@@ -3,28 +3,37 @@ exceptions): request ids and timing around everything, body size limits inside."
 
 from __future__ import annotations
 
-import re
+import json
+import os
 import time
-import uuid
 from collections.abc import Callable
 
 import structlog
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .errors import BodyTooLarge, InternalError, error_body
+from .errors import BodyTooLarge, InternalError, envelope
 from .metrics import ApiMetrics
 
 log = structlog.get_logger("spinf.api")
 
-REQUEST_ID_HEADER = "x-request-id"
-# A caller's id is echoed into logs and headers: accept only short, plain tokens.
-_SAFE_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+REQUEST_ID_HEADER = b"x-request-id"
+_CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
+
+
+def ulid() -> str:
+    """A ULID: 48 bits of milliseconds then 80 random bits, 26 Crockford base32 characters,
+    so ids sort by time."""
+    value = (int(time.time() * 1000) << 80) | int.from_bytes(os.urandom(10), "big")
+    return "".join(_CROCKFORD[(value >> shift) & 31] for shift in range(125, -1, -5))
 
 
 class RequestContextMiddleware:
-    """X-Request-Id in and out, bound into structlog's context; request duration by route
-    template; any unhandled exception becomes a 500 in the OpenAI shape, with the id."""
+    """A new X-Request-Id on every reply (a caller's own is ignored: ids are the server's),
+    kept in ``scope["state"]["request_id"]`` for the error handlers and bound into structlog's
+    context; the id added to any error envelope a route built without it; request duration
+    by route template; any unhandled exception becomes a 500 ``engine_error`` in the
+    envelope."""
 
     def __init__(self, app: ASGIApp, metrics: ApiMetrics):
         self.app = app
@@ -34,19 +43,35 @@ class RequestContextMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        given = _header(scope, REQUEST_ID_HEADER.encode())
-        request_id = given if given and _SAFE_REQUEST_ID.match(given) else (
-            "req_" + uuid.uuid4().hex)
+        request_id = ulid()
+        scope.setdefault("state", {})["request_id"] = request_id
         status = 500
         started = False
+        held: Message | None = None     # the start of a JSON error reply, until its body
+        body = b""
 
         async def send_with_id(message: Message) -> None:
-            nonlocal status, started
+            nonlocal status, started, held, body
             if message["type"] == "http.response.start":
                 started = True
                 status = message["status"]
-                message["headers"] = [*message.get("headers", []),
-                                      (REQUEST_ID_HEADER.encode(), request_id.encode())]
+                headers = [(k, v) for k, v in message.get("headers", [])
+                           if k.lower() != REQUEST_ID_HEADER]
+                message["headers"] = [*headers, (REQUEST_ID_HEADER, request_id.encode())]
+                if status >= 400 and _is_json(headers):
+                    held = message
+                    return
+            elif message["type"] == "http.response.body" and held is not None:
+                body += message.get("body", b"")
+                if message.get("more_body", False):
+                    return
+                body = _with_request_id(body, request_id)
+                start, held = held, None
+                start["headers"] = [(k, v) for k, v in start["headers"]
+                                    if k.lower() != b"content-length"]
+                start["headers"].append((b"content-length", str(len(body)).encode()))
+                await send(start)
+                message = {"type": "http.response.body", "body": body}
             await send(message)
 
         start = time.perf_counter()
@@ -58,7 +83,7 @@ class RequestContextMiddleware:
                 if started:
                     raise  # the status line is out; the server closes the connection
                 error = InternalError(f"internal server error (request id {request_id})")
-                await JSONResponse(error.to_openai(), status_code=500)(
+                await JSONResponse(error.to_envelope(request_id), status_code=500)(
                     scope, receive, send_with_id)
             finally:
                 route = scope.get("route")
@@ -66,9 +91,27 @@ class RequestContextMiddleware:
                                      status, time.perf_counter() - start)
 
 
+def _is_json(headers: list[tuple[bytes, bytes]]) -> bool:
+    return any(k.lower() == b"content-type" and v.startswith(b"application/json")
+               for k, v in headers)
+
+
+def _with_request_id(body: bytes, request_id: str) -> bytes:
+    """An error envelope built by a route (a failed job's stored error) gets the reply's id."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return body
+    if not isinstance(data, dict) or not isinstance(data.get("error"), dict) \
+            or data.get("request_id") == request_id:
+        return body
+    data["request_id"] = request_id
+    return json.dumps(data).encode()
+
+
 class BodyLimitMiddleware:
-    """413 for a body over the route's limit: at once from Content-Length, or while it is
-    read (chunked uploads) by raising BodyTooLarge from ``receive``."""
+    """413 ``body_too_large`` for a body over the route's limit: at once from Content-Length,
+    or while it is read (chunked uploads) by raising BodyTooLarge from ``receive``."""
 
     def __init__(self, app: ASGIApp, limit_for_path: Callable[[str], int]):
         self.app = app
@@ -82,8 +125,9 @@ class BodyLimitMiddleware:
         declared = _header(scope, b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             error = BodyTooLarge(limit)
-            response = JSONResponse(error_body(error.detail, "invalid_request_error",
-                                               code="payload_too_large"), status_code=413)
+            request_id = scope.get("state", {}).get("request_id")
+            response = JSONResponse(envelope(413, error.detail, request_id,
+                                             code="body_too_large"), status_code=413)
             await response(scope, receive, send)
             return
         received = 0

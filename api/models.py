@@ -118,17 +118,42 @@ class ChatCompletion(BaseModel):
 
 # ---- models ------------------------------------------------------------------------------
 
+ModelStatus = Literal["available", "loading", "error"]
+
+
+class ModelFeatures(BaseModel):
+    media: list[str] = Field(default_factory=list)
+    extraction: bool = True
+    generation: bool = False
+
 
 class ModelObject(BaseModel):
+    """One served model: the hosted API's entry and the OpenAI model object in one."""
+
+    # OpenAI
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "spinf-serve"
+    # the hosted API
+    name: str
+    status: ModelStatus
+    base_model: str
+    aliases: list[str] = Field(default_factory=list, description="other names requests may use")
+    family: str | None = None
+    capabilities: list[str] = Field(default_factory=list)
+    media: list[str] = Field(default_factory=list, description="content kinds besides text")
+    limits: dict[str, int] = Field(default_factory=dict)
+    features: ModelFeatures = Field(default_factory=ModelFeatures)
+    # this server
     fingerprints: list[str] = Field(default_factory=list)
     workers: int = 0
 
 
 class ModelList(BaseModel):
+    """The hosted shape (``models``) and the OpenAI list (``object``, ``data``) together."""
+
+    models: list[ModelObject]
     object: Literal["list"] = "list"
     data: list[ModelObject]
 
@@ -225,6 +250,68 @@ class Ready(BaseModel):
     models: list[str]
 
 
+class Healthz(BaseModel):
+    ok: Literal[True] = True
+
+
+class WorkerBoot(BaseModel):
+    worker: str
+    model: str
+    status: ModelStatus
+    started_ms: int | None = None
+    loaded_ms: int | None = None
+    load_s: float | None = None
+
+
+class Boot(BaseModel):
+    api_started_ms: int
+    loaded_ms: int | None = Field(default=None,
+                                  description="when the first live worker's model loaded")
+    workers: list[WorkerBoot]
+
+
+class Readyz(BaseModel):
+    """200 ``{"ready": true, "boot"}``; 503 ``{"ready": false}`` with one of ``error``,
+    ``degraded``, ``draining`` when there is a reason to give."""
+
+    ready: bool
+    boot: Boot | None = None
+    error: str | None = None
+    degraded: str | None = None
+    draining: bool | None = None
+
+
+class Livez(BaseModel):
+    live: bool
+
+
+class EngineWorker(BaseModel):
+    worker: str
+    model: str
+    family: str | None = None
+    fingerprint: str | None = None
+    device: str | None = None
+    host: str | None = None
+    pid: int | None = None
+    status: ModelStatus
+    passes: int = 0
+
+
+class EngineInfo(BaseModel):
+    version: str
+    models: list[str]
+    fingerprints: list[str]
+    workers: list[EngineWorker]
+
+
+class Info(BaseModel):
+    engine: EngineInfo
+    boot: Boot
+
+
+class Drain(BaseModel):
+    draining: bool
+
 
 # ---- OpenAPI -------------------------------------------------------------------------------
 
@@ -240,6 +327,13 @@ def json_body(model: type[BaseModel]) -> dict:
         "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
 
 
+class ErrorEnvelope(ErrorResponse):
+    """Every error reply: ``{"error": {type, code, message, param}, "request_id"}``; the
+    request id is also the reply's X-Request-Id."""
+
+    request_id: str | None = None
+
+
 def error_responses(*statuses: int) -> dict[int | str, dict]:
-    """``responses=`` entries documenting errors in the OpenAI shape."""
-    return {status: {"model": ErrorResponse} for status in statuses}
+    """``responses=`` entries documenting errors in the envelope."""
+    return {status: {"model": ErrorEnvelope} for status in statuses}

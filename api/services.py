@@ -1,5 +1,6 @@
 """What the routes are given: settings, the Redis client, the producer and the reply listener
-(opened once by the app's lifespan), and a few reads shared by several routes."""
+(opened once by the app's lifespan), and a few reads shared by several routes: the workers
+registered in Redis (and whether their model has loaded), the draining flag."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import json
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal, get_args
 
 import structlog
 from fastapi import Depends, Request
@@ -20,9 +21,13 @@ from spinf_worker.queue.producer import Producer
 from spinf_worker.queue.replies import ReplyListener
 from spinf_worker.queue.settings import ServiceSettings
 
+from .errors import UNAVAILABLE_RETRY_S, ServiceUnavailableError, WarmingUpError
 from .metrics import ApiMetrics
 
 log = structlog.get_logger("spinf.api")
+
+
+WorkerStatus = Literal["loading", "available", "error"]   # as the worker registers it
 
 
 @dataclass(frozen=True)
@@ -32,6 +37,53 @@ class WorkerInfo:
     fingerprint: str | None
     device: str | None
     heartbeat_ms: int
+    # a registration without a status comes from a worker that registers once loaded
+    status: WorkerStatus = "available"
+    error: str | None = None
+    started_ms: int | None = None    # when it began to load its model
+    loaded_ms: int | None = None     # when the model was loaded
+    family: str | None = None
+    host: str | None = None
+    pid: int | None = None
+    passes: int = 0
+
+    @property
+    def available(self) -> bool:
+        return self.status == "available"
+
+    def boot(self) -> dict:
+        load_s = (round((self.loaded_ms - self.started_ms) / 1000, 1)
+                  if self.loaded_ms is not None and self.started_ms is not None else None)
+        return {"worker": self.name, "model": self.model, "status": self.status,
+                "started_ms": self.started_ms, "loaded_ms": self.loaded_ms, "load_s": load_s}
+
+    def engine(self) -> dict:
+        return {"worker": self.name, "model": self.model, "family": self.family,
+                "fingerprint": self.fingerprint, "device": self.device, "host": self.host,
+                "pid": self.pid, "status": self.status, "passes": self.passes}
+
+    @classmethod
+    def from_registration(cls, name: str, raw: str) -> WorkerInfo:
+        info = json.loads(raw)
+        status = info.get("status") or "available"
+        if status not in get_args(WorkerStatus):
+            raise ValueError(f"unknown worker status {status!r}")
+        return cls(name=name, model=str(info["model"]), fingerprint=info.get("fingerprint"),
+                   device=info.get("device"), heartbeat_ms=int(info.get("heartbeat_ms", 0)),
+                   status=status, error=info.get("error"),
+                   started_ms=_int_or_none(info.get("started_ms")),
+                   loaded_ms=_int_or_none(info.get("loaded_ms")), family=info.get("family"),
+                   host=info.get("host"), pid=_int_or_none(info.get("pid")),
+                   passes=int(info.get("passes") or 0))
+
+
+def _int_or_none(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+def draining_key(keys: Keys) -> str:
+    """The flag POST /v0/drain sets: this deployment's instances answer /readyz 503."""
+    return f"{keys.base}:draining"
 
 
 @dataclass
@@ -42,6 +94,7 @@ class Services:
     producer: Producer
     listener: ReplyListener
     metrics: ApiMetrics
+    started_ms: int = field(default_factory=lambda: int(time.time() * 1000))
     background: set[asyncio.Task] = field(default_factory=set)
 
     def spawn(self, work: Coroutine, *, name: str) -> None:
@@ -62,15 +115,34 @@ class Services:
         registered = []
         for name, raw in (await self.redis.hgetall(self.keys.workers)).items():
             try:
-                info = json.loads(raw)
-                registered.append(WorkerInfo(name=name, model=str(info["model"]),
-                                             fingerprint=info.get("fingerprint"),
-                                             device=info.get("device"),
-                                             heartbeat_ms=int(info.get("heartbeat_ms", 0))))
+                registered.append(WorkerInfo.from_registration(name, raw))
             except (ValueError, KeyError, TypeError):
                 continue  # a half-written or foreign entry is no worker
         oldest_ms = (time.time() - self.settings.worker_ttl_s) * 1000
-        return [w for w in registered if w.heartbeat_ms >= oldest_ms], registered
+        return sorted((w for w in registered if w.heartbeat_ms >= oldest_ms),
+                      key=lambda w: w.name), registered
+
+    async def check_serving(self) -> None:
+        """503 when the live workers cannot score yet: ``warming_up`` (Retry-After) while
+        they are all still loading their model, ``model_unavailable`` when none could load
+        it. With no live worker at all a job is queued and waits for one, as before."""
+        live, _registered = await self.workers()
+        if not live or any(w.available for w in live):
+            return
+        if any(w.status == "loading" for w in live):
+            raise WarmingUpError()
+        failed = next(w for w in live if w.status == "error")
+        raise ServiceUnavailableError(f"the model failed to load: {failed.error or 'unknown'}",
+                                      headers={"Retry-After": str(UNAVAILABLE_RETRY_S)})
+
+    async def draining(self) -> bool:
+        return bool(await self.redis.exists(draining_key(self.keys)))
+
+    async def set_draining(self, on: bool) -> None:
+        if on:
+            await self.redis.set(draining_key(self.keys), str(int(time.time() * 1000)))
+        else:
+            await self.redis.delete(draining_key(self.keys))
 
 
 def get_services(request: Request) -> Services:

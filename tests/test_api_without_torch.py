@@ -150,7 +150,7 @@ def test_api_serves_without_server_packages(api_server):
         assert bad.status_code == 400, bad.text
         error = bad.json()["error"]
         assert set(error) >= {"type", "code", "message", "param"}
-        assert error["type"] == "invalid_request_error"
+        assert error["type"] == "invalid_request"
         assert error["code"] == "invalid_template"
         assert error["param"] == "scoring.queries.0.template"
 

@@ -35,7 +35,7 @@ def test_score_file_end_to_end(tmp_path, default_checkpoint):
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r.get("custom_id") for r in rows] == ["a", None, "b", "c", "d"]
     assert "JSON" in rows[1]["error"]["message"]
-    assert rows[3]["error"]["type"] == "invalid_request_error"
+    assert rows[3]["error"]["type"] == "invalid_request"
     assert rows[3]["error"]["param"] == "scoring.queries.0.template"
     assert "2 line(s) failed" in proc.stderr
     assert "doc" in proc.stderr                     # the progress bar

@@ -52,7 +52,7 @@ def test_content_longer_than_context(tiny_engine):
     with pytest.raises(ContextLengthError) as info:
         tiny_engine.score(request(text="word " * (limit + 10)))
     assert str(limit) in info.value.message
-    assert info.value.code == "context_length_exceeded"
+    assert info.value.code == "content_too_long"
 
 
 def test_batch_keeps_good_requests(tiny_engine):

@@ -404,7 +404,7 @@ def test_unknown_model_offline(tmp_path, monkeypatch):
     message = str(raised.value)
     assert "spinf-test/no-such-model" in message and "not available offline" in message
     assert "download" in message and ".gguf" in message and DEFAULT_MODEL in message
-    assert raised.value.to_openai()["error"]["code"] == "model_not_found"
+    assert raised.value.to_openai()["error"]["code"] == "model_not_served"
 
 
 @pytest.mark.parametrize("name", ["/nonexistent/model/dir", "./missing-model", "missing.gguf"])

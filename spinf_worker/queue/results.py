@@ -3,7 +3,9 @@
 
 Stored as JSON, one of two shapes (docs/QUEUE.md):
 ``{"status_code": 200, "body": <ScoreResponse>}`` or
-``{"status_code": 4xx/5xx, "error": {"message", "type", "param", "code"}}``.
+``{"status_code": 4xx/5xx, "error": {"type", "code", "message", "param"}}`` (the inner object
+of the API's error envelope; results stored before it have OpenAI's types, read back as the
+status's hosted type).
 """
 
 from __future__ import annotations
@@ -13,24 +15,30 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from ..errors import SpinfError
+from ..errors import ERROR_TYPES, SpinfError, error_type
 from ..protocol import ScoreResponse
 
 EXPIRED_ERROR = {"message": "deadline passed before the job was scored",
                  "type": "timeout_error", "param": None, "code": "deadline_exceeded"}
+_HOSTED_TYPES = {*ERROR_TYPES.values(), "invalid_request", "api_error"}
 
 
-def normalize_error(error: Any) -> dict:
-    """``{"message", "type", "param", "code"}`` from a stored error, however it was written
-    (the bare error, the ``{"error": {...}}`` envelope, a string)."""
+def normalize_error(error: Any, status: int | None = None) -> dict:
+    """``{"type", "code", "message", "param"}`` from a stored error, however it was written
+    (the bare error, the ``{"error": {...}}`` envelope, a string). Given the HTTP status, a
+    missing type, or one of the OpenAI shape stored before (``invalid_request_error``), is
+    the status's hosted type."""
     error = error or {}
     if isinstance(error, dict) and isinstance(error.get("error"), dict):
         error = error["error"]
     if not isinstance(error, dict):
         error = {"message": str(error)}
-    return {"message": error.get("message") or "the request failed",
-            "type": error.get("type") or "server_error", "param": error.get("param"),
-            "code": error.get("code")}
+    type_ = error.get("type")
+    if status is not None and type_ not in _HOSTED_TYPES:
+        type_ = error_type(status)
+    return {"type": type_ or "api_error", "code": error.get("code"),
+            "message": error.get("message") or "the request failed",
+            "param": error.get("param")}
 
 
 class JobResult(BaseModel):
@@ -73,8 +81,9 @@ class JobResult(BaseModel):
 
     @property
     def openai_error(self) -> dict | None:
-        """The error in the OpenAI shape (always all four fields); None when it succeeded."""
-        return None if self.succeeded else normalize_error(self.error)
+        """The error as the envelope's inner object ``{"type", "code", "message", "param"}``
+        (always all four; OpenAI readers take the same keys); None when it succeeded."""
+        return None if self.succeeded else normalize_error(self.error, self.status_code)
 
     @property
     def error_code(self) -> str | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -11,8 +12,9 @@ import httpx
 import pytest
 import redis as redis_sync
 
-from api.models import Batch, ChatCompletion, Job, JobAccepted, ModelList
-from spinf_worker.protocol import ErrorResponse, ScoreResponse
+from api.models import Batch, ChatCompletion, ErrorEnvelope, Job, JobAccepted, ModelList
+from spinf_worker.errors import error_type
+from spinf_worker.protocol import ScoreResponse
 from spinf_worker.queue.keys import GROUP, Keys
 
 from ..conftest import WAIT_S
@@ -50,18 +52,26 @@ def entries_added(settings) -> int:
     return total
 
 
-def assert_openai_error(response: httpx.Response, status: int, code: str | None = None,
-                        param: str | None = None) -> dict:
+ULID = re.compile(r"^[0-9A-HJKMNP-TV-Z]{26}$")
+
+
+def assert_error(response: httpx.Response, status: int, code: str | None = None,
+                 param: str | None = None) -> dict:
+    """The hosted envelope: {"error": {type, code, message, param}, "request_id"}, the id
+    being the reply's X-Request-Id, a server ULID."""
     assert response.status_code == status, response.text
     body = response.json()
-    ErrorResponse.model_validate(body)
-    assert set(body["error"]) == {"message", "type", "param", "code"}
+    ErrorEnvelope.model_validate(body)
+    assert set(body) == {"error", "request_id"}
+    assert list(body["error"]) == ["type", "code", "message", "param"]
+    assert body["error"]["type"] == error_type(status)
     assert body["error"]["message"] and "Traceback" not in body["error"]["message"]
     if code is not None:
         assert body["error"]["code"] == code, body
     if param is not None:
         assert body["error"]["param"] == param, body
-    assert response.headers["x-request-id"]
+    assert ULID.match(response.headers["x-request-id"])
+    assert body["request_id"] == response.headers["x-request-id"]
     return body["error"]
 
 
@@ -119,48 +129,47 @@ def test_bad_input_is_answered_4xx_and_never_queued(tiny_engine, settings, tmp_p
                               headers={"Authorization": "Bearer key-a"})
         score = f"{server.v1}/score"
 
-        assert_openai_error(httpx.post(score, json=REFUND, timeout=WAIT_S), 401,
-                            "invalid_api_key")
-        assert_openai_error(httpx.post(score, json=REFUND, timeout=WAIT_S,
-                                       headers={"Authorization": "Bearer key-b"}),
-                            401, "invalid_api_key")
-        assert_openai_error(httpx.get(f"{server.v1}/models", timeout=WAIT_S,
+        assert_error(httpx.post(score, json=REFUND, timeout=WAIT_S), 401, "invalid_token")
+        assert_error(httpx.post(score, json=REFUND, timeout=WAIT_S,
+                                headers={"Authorization": "Bearer key-b"}),
+                     401, "invalid_token")
+        assert_error(httpx.get(f"{server.v1}/models", timeout=WAIT_S,
                                       headers={"Authorization": "Basic a2V5LWE="}), 401)
-        assert_openai_error(client.post(score, content=b'{"text": "x", '), 400, "invalid_json")
-        assert_openai_error(client.post(score, content=b""), 400, "invalid_json")
-        assert_openai_error(client.post(score, json=["not", "an", "object"]), 400)
-        assert_openai_error(client.post(score, json={**REFUND, "model": "no/such-model"}),
-                            404, "model_not_found", "model")
+        assert_error(client.post(score, content=b'{"text": "x", '), 400, "invalid_json")
+        assert_error(client.post(score, content=b""), 400, "invalid_json")
+        assert_error(client.post(score, json=["not", "an", "object"]), 400)
+        assert_error(client.post(score, json={**REFUND, "model": "no/such-model"}),
+                     400, "model_not_served", "model")
         bad_template = {**REFUND, "scoring": {"queries": [
             {"id": "q", "template": "Answer: {?} and {unclosed", "options": [" a"]}]}}
-        assert_openai_error(client.post(score, json=bad_template), 400,
+        assert_error(client.post(score, json=bad_template), 400,
                             param="scoring.queries.0.template")
         no_options = {**REFUND, "scoring": {"queries": [{"id": "q", "template": "A:{?}"}]}}
-        assert_openai_error(client.post(score, json=no_options), 400, "missing_options")
-        assert_openai_error(client.post(score, json={**REFUND, "text": "x" * 5000}), 413,
-                            "payload_too_large")
-        assert_openai_error(client.post(score, json=REFUND,
+        assert_error(client.post(score, json=no_options), 400, "missing_options")
+        assert_error(client.post(score, json={**REFUND, "text": "x" * 5000}), 413,
+                     "body_too_large")
+        assert_error(client.post(score, json=REFUND,
                                         headers={"X-Sync-Timeout": "soon"}),
                             400, param="X-Sync-Timeout")
 
         chat = f"{server.v1}/chat/completions"
         messages = [{"role": "user", "content": "hello"}]
-        assert_openai_error(client.post(chat, json={"model": "m", "messages": messages}),
+        assert_error(client.post(chat, json={"model": "m", "messages": messages}),
                             400, "generation_not_supported", "scoring")
-        assert_openai_error(client.post(chat, json={"messages": messages, "stream": True,
+        assert_error(client.post(chat, json={"messages": messages, "stream": True,
                                                     "scoring": REFUND["scoring"]}),
                             400, param="stream")
-        assert_openai_error(client.post(f"{server.v1}/jobs",
+        assert_error(client.post(f"{server.v1}/jobs",
                                         json={**REFUND, "callback": "ftp://example.com/x"}),
                             400, param="callback")
         # FastAPI's own validation (422) and routing errors, in the same shape
-        assert_openai_error(client.post(f"{server.v1}/batches", json={"endpoint": "/v1/score"}),
+        assert_error(client.post(f"{server.v1}/batches", json={"endpoint": "/v1/score"}),
                             400, param="input_file_id")
-        assert_openai_error(client.get(f"{server.v1}/batches", params={"limit": 0}),
+        assert_error(client.get(f"{server.v1}/batches", params={"limit": 0}),
                             400, param="limit")
-        assert_openai_error(client.get(f"{server.v1}/nothing-here"), 404, "not_found")
-        assert_openai_error(client.delete(score), 405, "method_not_allowed")
-        assert_openai_error(client.get(f"{server.v1}/jobs/job_missing"), 404, "job_not_found")
+        assert_error(client.get(f"{server.v1}/nothing-here"), 404, "not_found")
+        assert_error(client.delete(score), 405, "method_not_allowed")
+        assert_error(client.get(f"{server.v1}/jobs/job_missing"), 404, "job_not_found")
 
         assert entries_added(settings) == 0
         # the operations routes stay open; a good key works, from the settings or the file
@@ -212,7 +221,7 @@ def test_backlog_over_the_limit_is_429_with_retry_after(settings):
                            timeout=WAIT_S)
         assert first.status_code == 202
         second = httpx.post(f"{server.v1}/score", json=REFUND, timeout=WAIT_S)
-        assert_openai_error(second, 429, "queue_full")
+        assert_error(second, 429, "concurrency_limit")
         assert int(second.headers["retry-after"]) > 0
         assert entries_added(settings) == 1
 
@@ -236,8 +245,8 @@ def test_ready_models_and_metrics(tiny_engine, tiny_dir, api_server, settings):
     client = httpx.Client(base_url=api_server.url, timeout=WAIT_S)
     assert client.get("/health").json() == {"status": "ok"}
     not_ready = client.get("/ready")
-    assert_openai_error(not_ready, 503, "no_live_worker")
-    assert client.get("/v1/models").json() == {"object": "list", "data": []}
+    assert_error(not_ready, 503, "no_live_worker")
+    assert client.get("/v1/models").json() == {"models": [], "object": "list", "data": []}
     packs = client.get("/v1/packs").json()["data"]
     assert "spinf/support-triage" in {p["id"] for p in packs}
 
@@ -255,13 +264,12 @@ def test_ready_models_and_metrics(tiny_engine, tiny_dir, api_server, settings):
         assert by_path.status_code == 200 and by_path.json()["id"] == model_id
         bare = client.get(f"/v1/models/{model_id.rsplit('/', 1)[-1]}")
         assert bare.status_code == 200 and bare.json()["id"] == model_id
-        assert_openai_error(client.get("/v1/models/no/such/model"), 404, "model_not_found")
+        assert_error(client.get("/v1/models/no/such/model"), 404, "model_not_found")
 
-        request_id = "trace-42"
         scored = client.post("/v1/score", json={**REFUND, "model": model_id.rsplit("/", 1)[-1]},
-                             headers={"X-Request-Id": request_id})
+                             headers={"X-Request-Id": "trace-42"})
         assert scored.status_code == 200, scored.text
-        assert scored.headers["x-request-id"] == request_id
+        assert ULID.match(scored.headers["x-request-id"])   # the server's id, not the caller's
         client.get("/v1/jobs/job_missing")
 
         text = client.get("/metrics").text
@@ -280,14 +288,14 @@ def test_ready_models_and_metrics(tiny_engine, tiny_dir, api_server, settings):
         assert 0 < fill <= 1
 
     # a worker that stops deregisters: not ready any more
-    assert_openai_error(client.get("/ready"), 503, "no_live_worker")
+    assert_error(client.get("/ready"), 503, "no_live_worker")
 
 
 def test_openapi_documents_the_shapes(api_server):
     schema = httpx.get(f"{api_server.url}/openapi.json", timeout=WAIT_S).json()
     components = schema["components"]["schemas"]
     for name in ("ScoreRequest", "ScoreResponse", "ChatCompletion", "ChatCompletionRequest",
-                 "JobRequest", "Job", "Batch", "BatchList", "FileObject", "ErrorResponse"):
+                 "JobRequest", "Job", "Batch", "BatchList", "FileObject", "ErrorEnvelope"):
         assert name in components, name
     score = schema["paths"]["/v1/score"]["post"]
     assert score["requestBody"]["content"]["application/json"]["schema"]["$ref"] \
@@ -312,7 +320,7 @@ def _refs(node):
             yield from _refs(value)
 
 
-def test_unexpected_errors_are_500_in_the_openai_shape(settings):
+def test_unexpected_errors_are_500_in_the_envelope(settings):
     server = LiveServer(settings)
 
     @server.app.get("/boom")
@@ -322,13 +330,10 @@ def test_unexpected_errors_are_500_in_the_openai_shape(settings):
     with server:
         response = httpx.get(f"{server.url}/boom", headers={"X-Request-Id": "r-1"},
                              timeout=WAIT_S)
-        error = assert_openai_error(response, 500, "internal_error")
-        assert "secret" not in error["message"] and "r-1" in error["message"]
-        assert response.headers["x-request-id"] == "r-1"
-        # an unsafe request id is replaced, not echoed
-        odd = httpx.get(f"{server.url}/health", headers={"X-Request-Id": "a b\tc"},
-                        timeout=WAIT_S)
-        assert odd.headers["x-request-id"].startswith("req_")
+        error = assert_error(response, 500, "engine_error")
+        request_id = response.headers["x-request-id"]
+        assert "secret" not in error["message"] and request_id in error["message"]
+        assert request_id != "r-1"   # a caller's id is never taken
 
 
 def test_job_body_round_trips_through_json(settings, api_server):

@@ -270,7 +270,7 @@ def test_uploads_and_batch_requests_are_checked(settings):
 
         too_big = post_file(b'{"custom_id": "x"}\n' * 200)
         assert too_big.status_code == 413 and too_big.json()["error"]["code"] == \
-            "payload_too_large"
+            "body_too_large"
         streamed = client.post("/files", content=chunked(b"x" * (2 << 20)), headers={
             "Content-Type": "multipart/form-data; boundary=spinf-boundary"})
         assert streamed.status_code == 413, streamed.text

@@ -146,7 +146,7 @@ async def test_request_errors_are_answers_not_retries(redis, keys, settings, tin
         await asyncio.sleep(1.0)   # past claim_idle_ms: nothing may come back
     assert noslot["status_code"] == 400
     assert noslot["error"]["param"] == "scoring.queries.0.template"
-    assert model["status_code"] == 404 and model["error"]["code"] == "model_not_found"
+    assert model["status_code"] == 400 and model["error"]["code"] == "model_not_served"
     for job in ("job_noslot", "job_model"):
         record = await redis.hgetall(keys.job(job))
         assert record["status"] == "failed" and json.loads(record["error"])["message"]
@@ -312,5 +312,5 @@ def test_entry_rows_are_the_engines_own_count(tiny_engine, keys, settings):
     assert entry.rows == tiny_engine.rows(body(1)) and entry.rows % 128 == 0
     wrong = worker._parse(keys.interactive, "2-0",
                           {"job": "job_2", "payload": json.dumps(body(2, model="not-this-one"))})
-    assert wrong.error is not None and wrong.error.code == "model_not_found"
+    assert wrong.error is not None and wrong.error.code == "model_not_served"
     assert wrong.failure is None and wrong.rows == 0
