@@ -41,19 +41,20 @@ def test_score_file_end_to_end(tmp_path, default_checkpoint):
     assert "doc" in proc.stderr                     # the progress bar
     first = rows[0]
     assert first["object"] == "score" and first["model"] == "google/gemma-3-270m"
-    assert [q["id"] for q in first["queries"]] == ["topic", "refund", "urgent", "mentions"]
-    topic = first["queries"][0]["combinations"][0]
+    (result,) = first["results"]
+    assert [q["id"] for q in result["queries"]] == ["topic", "refund", "urgent", "mentions"]
+    topic = result["queries"][0]["combinations"][0]
     assert sum(o["p"] for o in topic["options"]) == pytest.approx(1.0, abs=1e-6)
-    assert len(first["queries"][3]["combinations"]) == 4
-    assert [q["id"] for q in rows[2]["queries"]] == ["bug"]
+    assert len(result["queries"][3]["combinations"]) == 4
+    assert [q["id"] for q in rows[2]["results"][0]["queries"]] == ["bug"]
     # the same document through the Python API gives the same numbers
     from spinf_worker.engine import Engine
 
     engine = Engine(default_checkpoint, device="cpu")
     direct = engine.score({"text": "I was charged twice for September. Please refund one.",
                            "scoring": json.loads((ROOT / "fixtures" / "support_queries.json").read_text())})
-    assert [o.logprob for o in direct.queries[1].combinations[0].options] == \
-           [o["logprob"] for o in first["queries"][1]["combinations"][0]["options"]]
+    assert [o.logprob for o in direct.results[0].queries[1].combinations[0].options] == \
+           [o["logprob"] for o in result["queries"][1]["combinations"][0]["options"]]
 
 
 def test_score_with_a_pack_from_a_directory(tmp_path, tiny_dir):
