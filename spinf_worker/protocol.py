@@ -54,7 +54,7 @@ _OUR_ERROR = "spinf_invalid_request"
 
 # Union branch labels that pydantic puts into error locations; they are not request fields.
 _CONTENT_TAGS = {"string_content", "part_list"}
-_PART_TAGS = {"text_part", "image_url_part", "input_audio_part"}
+_PART_TAGS = {"text_part", "image_url_part", "input_audio_part", "video_part"}
 
 
 def _invalid(message: str, *, param: str | None = None,
@@ -85,19 +85,25 @@ class InputAudioPart(BaseModel):
     input_audio: dict[str, Any]
 
 
+class VideoPart(BaseModel):
+    type: Literal["video"]
+    video: dict[str, Any]
+
+
 def _part_tag(value: Any) -> str | None:
     kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
     return {"text": "text_part", "image_url": "image_url_part",
-            "input_audio": "input_audio_part"}.get(kind)
+            "input_audio": "input_audio_part", "video": "video_part"}.get(kind)
 
 
 ContentPart = Annotated[
     Annotated[TextPart, Tag("text_part")]
     | Annotated[ImageUrlPart, Tag("image_url_part")]
-    | Annotated[InputAudioPart, Tag("input_audio_part")],
-    Discriminator(_part_tag, custom_error_type="invalid_content_part",
-                  custom_error_message="content part type must be 'text', 'image_url' or "
-                                       "'input_audio'"),
+    | Annotated[InputAudioPart, Tag("input_audio_part")]
+    | Annotated[VideoPart, Tag("video_part")],
+    Discriminator(_part_tag, custom_error_type="unsupported_content",
+                  custom_error_message="content part type must be 'text', 'image_url', "
+                                       "'input_audio' or 'video'"),
 ]
 
 # A callable discriminator validates only the branch that matches the input, so a bad list
@@ -114,19 +120,23 @@ class Message(BaseModel):
     role: Literal["system", "developer", "user", "assistant"] = "user"
     content: Content
 
+    @model_validator(mode="after")
+    def _text_only(self) -> Message:
+        # every model stack here reads text: a media part is refused before it is queued
+        if not isinstance(self.content, str):
+            for index, part in enumerate(self.content):
+                if not isinstance(part, TextPart):
+                    raise _invalid(f"the served models read text only, not {part.type}",
+                                   param=f"content.{index}", code="media_not_supported")
+        return self
+
     def text(self, *, param: str = "messages") -> str:
         """The message as plain text: string content, or its text parts joined with "".
 
         ``param`` names this message in the error (the caller knows its index)."""
         if isinstance(self.content, str):
             return self.content
-        pieces = []
-        for part in self.content:
-            if not isinstance(part, TextPart):
-                raise InvalidRequestError("this model reads text only", param=param,
-                                          code="unsupported_content")
-            pieces.append(part.text)
-        return "".join(pieces)
+        return "".join(part.text for part in self.content)
 
 
 def _check_range(value: int | float, low: int | float, high: int | float, *, name: str) -> None:
@@ -560,7 +570,8 @@ def _to_invalid_request(error: ValidationError) -> InvalidRequestError:
         path.append(carried.param)
     param = ".".join(path) or None
     message = carried.message if carried is not None else _describe(first, param)
-    code = (carried.code if carried is not None else None) or "invalid_field"
+    code = (carried.code if carried is not None else None) or (
+        "unsupported_content" if first["type"] == "unsupported_content" else "invalid_field")
     if len(problems) > 1:
         message += f" (and {len(problems) - 1} more problem{'s' if len(problems) > 2 else ''})"
     return InvalidRequestError(message, param=param, code=code)
