@@ -1,63 +1,85 @@
-"""Calibrating a prompt pack on labelled data: fitting, thresholds, metrics, the report.
+"""Fitting a pack's constants (`spinf-serve calibrate`).
 
-Everything but ``score_questions`` (which runs an engine) is pure and works on plain lists:
-per document a dict question id -> (p, floor_p) and the set of categories it belongs to.
-Brier and ECE are taken over every (document, category) pair: each category's score against
-"the document has this category", the question the score answers. torch is never imported
-here; the engine is passed in.
+From the pack's query results on normal traffic (unlabelled texts of the kind the pack will
+see), and optionally on labelled texts:
+
+  reads        mu (option / any / set reads: the mean log p per option) and mean / sd, so a
+               read's z is 0 on typical traffic and counts standard deviations from it
+  platt        per category [a, b] on its macro: a logistic regression on the labelled texts
+               (their labels name the category by id or by its `labels`); without labels for
+               a category, DEFAULT_PLATT
+  thresholds   per category: the best-F1 score on the labelled texts, else the score that
+               RATE of normal traffic reaches; a category whose threshold is `null` in the
+               file stays reported-only
+  percentiles  normal_quantiles: the category scores of normal traffic at LEVELS
+  decision     max: the max deciding score RATE of normal traffic reaches; micro_layer:
+               a logistic regression on the deciding categories' macros against "any label",
+               else equal weights over them (1/n), its cut RATE of normal traffic; its lock
+
+Everything but the scoring callable is plain Python on plain lists (sklearn for the
+regressions); torch is never imported here.
 """
 
 from __future__ import annotations
 
+import copy
 import datetime
 import hashlib
 import json
 import math
 import random
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .packs import (
-    Calibration,
-    FittedOn,
-    Isotonic,
+    P_CLIP,
+    Answers,
     Pack,
-    PackQuestion,
-    Platt,
-    category_scores,
-    logit,
+    Read,
+    encode_weights,
+    lock_of,
+    pack_from_data,
+    read_value,
 )
 
-ECE_BINS = 10
+RATE = 0.005           # the share of normal traffic a default threshold flags
+LEVELS = [0.0, 0.01, 0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 0.995, 0.999, 1.0]
+DEFAULT_PLATT = (1.0, -4.0)   # score 0.5 where the reads sit 4 sd above normal traffic
+SD_FLOOR = 0.05        # a read that barely moves on normal traffic must not explode its z
 PLATT_C = 1e4          # almost no regularisation: two parameters, hundreds of points
+ECE_BINS = 10
 
-QuestionScores = dict[str, tuple[float, float]]     # question id -> (p, floor_p)
+# runs the model: (contents, queries) -> per content its result queries (hosted shape)
+Scorer = Callable[[list[str], list[dict]], list[list[dict]]]
 
 
-# ---- labelled data ---------------------------------------------------------------------------
+# ---- texts -----------------------------------------------------------------------------------
 
 
 @dataclass
-class Labelled:
+class Texts:
+    """JSONL texts, each with the categories its label names (empty: none of them)."""
+
     texts: list[str]
-    labels: list[set[str]]              # per document: the categories it belongs to
-    unmapped: dict[str, int] = field(default_factory=dict)   # raw labels matching no category
+    labels: list[set[str]]
+    ids: list[str] = field(default_factory=list)
+    unmapped: dict[str, int] = field(default_factory=dict)   # labels matching no category
     name: str = ""
     sha256: str = ""
 
 
 def label_map(pack: Pack, extra: dict[str, str] | None = None) -> dict[str, str]:
-    """Raw label -> category id: each category's id and ``labels``, then ``extra``."""
+    """Raw label -> category id: each category's id and `labels`, then ``extra``."""
     out = {}
-    for category in pack.categories:
-        out[category.id] = category.id
-        for label in category.labels:
-            out[label] = category.id
-    for label, category in (extra or {}).items():
-        if category not in {c.id for c in pack.categories}:
-            raise ValueError(f"label map: {label!r} -> unknown category {category!r}")
-        out[label] = category
+    for c, spec in pack.file.categories.items():
+        out[c] = c
+        for label in spec.labels:
+            out[label] = c
+    for label, c in (extra or {}).items():
+        if c not in pack.file.categories:
+            raise ValueError(f"label map: {label!r} -> unknown category {c!r}")
+        out[label] = c
     return out
 
 
@@ -73,12 +95,13 @@ def document_text(row: dict, text_field: str | None = None) -> str:
     return "\n\n".join(parts)
 
 
-def read_labelled(path: Path, mapping: dict[str, str], *, text_field: str | None = None,
-                  label_field: str = "label", limit: int | None = None) -> Labelled:
-    """JSONL lines with a text and a label (a string, a number or a list of them; null or
-    missing: no category)."""
+def read_texts(path: Path, mapping: dict[str, str] | None = None, *,
+               text_field: str | None = None, label_field: str = "label",
+               limit: int | None = None) -> Texts:
+    """JSONL lines with a text and, when ``mapping`` is given, a label (a string, a number or
+    a list of them; null or missing: no category)."""
     raw = Path(path).read_bytes()
-    data = Labelled([], [], name=Path(path).name, sha256=hashlib.sha256(raw).hexdigest())
+    data = Texts([], [], name=Path(path).name, sha256=hashlib.sha256(raw).hexdigest())
     for number, line in enumerate(raw.decode("utf-8").splitlines(), 1):
         if not line.strip():
             continue
@@ -89,16 +112,18 @@ def read_labelled(path: Path, mapping: dict[str, str], *, text_field: str | None
             text = document_text(row, text_field)
         except (json.JSONDecodeError, KeyError, ValueError) as err:
             raise ValueError(f"{path}:{number}: {err}") from None
-        value = row.get(label_field)
-        values = value if isinstance(value, list) else [] if value is None else [value]
         mine = set()
-        for label in map(str, values):
-            if label in mapping:
-                mine.add(mapping[label])
-            else:
-                data.unmapped[label] = data.unmapped.get(label, 0) + 1
+        if mapping is not None:
+            value = row.get(label_field)
+            for label in map(str, value if isinstance(value, list) else
+                             [] if value is None else [value]):
+                if label in mapping:
+                    mine.add(mapping[label])
+                else:
+                    data.unmapped[label] = data.unmapped.get(label, 0) + 1
         data.texts.append(text)
         data.labels.append(mine)
+        data.ids.append(str(row.get("id", number)))
     return data
 
 
@@ -112,68 +137,103 @@ def split(n: int, fit_fraction: float, seed: int = 0) -> tuple[list[int], list[i
     return sorted(order[:cut]), sorted(order[cut:])
 
 
-# ---- scoring (the one function that runs a model) -----------------------------------------
+# ---- scoring (the one part that runs a model) ------------------------------------------------
 
 
-def score_questions(engine, questions: Sequence[PackQuestion], texts: Sequence[str], *,
-                    chunk: int = 64, progress: Callable[[int], None] | None = None
-                    ) -> list[QuestionScores | None]:
-    """Per text, each question's positive-option (p, floor_p), from plain queries (equal to
-    what the pack returns in a request); None for a text the engine rejected."""
-    queries = [{"id": q.id, "template": q.template, "options": q.options} for q in questions]
-    out: list[QuestionScores | None] = []
+def score_texts(score: Scorer, pack: Pack, texts: Sequence[str], *, context: str | None = None,
+                chunk: int = 32, progress: Callable[[int], None] | None = None
+                ) -> list[list[dict]]:
+    """Per text the pack's result queries: the text in the pack's context, the pack's
+    queries as the API runs them (its group and floor)."""
+    before, after = pack.wrap(context, None)
+    out: list[list[dict]] = []
     for start in range(0, len(texts), chunk):
-        batch = texts[start:start + chunk]
-        results = engine.score_batch([{"text": t, "scoring": {"queries": queries}}
-                                      for t in batch])
-        for result in results:
-            if isinstance(result, Exception):
-                out.append(None)
-                continue
-            scores = {}
-            for q, scored in zip(questions, result.queries, strict=True):
-                option = next(o for o in scored.combinations[0].options if o.text == q.positive)
-                scores[q.id] = (option.p, option.floor_p)
-            out.append(scores)
+        batch = [before + t + after for t in texts[start:start + chunk]]
+        out += score(batch, pack.queries())
         if progress is not None:
             progress(len(batch))
     return out
 
 
-# ---- fitting -----------------------------------------------------------------------------
+def engine_scorer(engine) -> Scorer:
+    """A Scorer over an engine's ``score_batch`` (hosted requests, one input each)."""
+    def score(contents: list[str], queries: list[dict]) -> list[list[dict]]:
+        requests = [{"messages": [{"role": "user", "content": text}],
+                     "scoring": {"queries": queries}} for text in contents]
+        out = []
+        for response in engine.score_batch(requests):
+            if isinstance(response, Exception):
+                raise response
+            body = response.model_dump() if hasattr(response, "model_dump") else response
+            out.append(body["results"][0]["queries"] if "results" in body else body["queries"])
+        return out
+    return score
 
 
-def fit_platt(scores: Sequence[float], labels: Sequence[int]) -> Platt:
-    """Logistic regression of the label on logit(score): sigmoid(a * logit(s) + b)."""
+def read_scores(path: Path) -> list[list[dict]]:
+    """Stored results: JSONL lines with the result ``queries`` of one text each."""
+    return [json.loads(line)["queries"] for line in Path(path).read_text().splitlines()
+            if line.strip()]
+
+
+# ---- fitting ---------------------------------------------------------------------------------
+
+
+def quantile(values: Sequence[float], level: float) -> float:
+    """Linear between order statistics (numpy's default)."""
+    xs = sorted(values)
+    pos = level * (len(xs) - 1)
+    low = math.floor(pos)
+    high = min(low + 1, len(xs) - 1)
+    return xs[low] + (xs[high] - xs[low]) * (pos - low)
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def _sd(xs: Sequence[float]) -> float:
+    m = _mean(xs)
+    return math.sqrt(sum((x - m) ** 2 for x in xs) / len(xs))
+
+
+def _log_shares(answers: Answers, read: dict) -> list[float]:
+    p = [max(x, P_CLIP) for x in answers[(read["query"], read.get("F"))]]
+    return [math.log(x / sum(p)) for x in p]
+
+
+def fit_reads(raw: dict, normal: Sequence[Answers]) -> None:
+    """mu, mean and sd of every read on normal traffic (in place, on the file's data)."""
+    for read in raw["reads"]:
+        if read["kind"] == "option":
+            read["mu"] = _mean([_log_shares(a, read)[read["option"]] for a in normal])
+        elif read["kind"] in ("any", "set"):
+            logs = [_log_shares(a, read) for a in normal]
+            read["mu"] = [_mean(column) for column in zip(*logs, strict=True)]
+        else:
+            read.pop("mu", None)
+        model = Read.model_validate({**read, "mean": 0.0, "sd": 1.0})
+        values = [read_value(model, a) for a in normal]
+        read["mean"] = _mean(values)
+        read["sd"] = max(_sd(values), SD_FLOOR)
+
+
+def fit_platt(macros: Sequence[float], labels: Sequence[int]) -> tuple[float, float]:
+    """Logistic regression of the label on the macro: sigmoid(a * macro + b)."""
     from sklearn.linear_model import LogisticRegression
 
     if len(set(labels)) < 2:
-        raise ValueError("Platt scaling needs both positive and negative examples")
-    x = [[logit(s)] for s in scores]
-    model = LogisticRegression(C=PLATT_C).fit(x, list(labels))
-    return Platt(method="platt", a=float(model.coef_[0][0]), b=float(model.intercept_[0]))
-
-
-def fit_isotonic(scores: Sequence[float], labels: Sequence[int]) -> Isotonic:
-    """The non-decreasing fit of the label on the score, as its breakpoints."""
-    from sklearn.isotonic import IsotonicRegression
-
-    model = IsotonicRegression(y_min=0.0, y_max=1.0, out_of_bounds="clip")
-    model.fit(list(scores), [float(v) for v in labels])
-    return Isotonic(method="isotonic", x=[float(v) for v in model.X_thresholds_],
-                    y=[float(v) for v in model.y_thresholds_])
-
-
-FITS = {"platt": fit_platt, "isotonic": fit_isotonic}
+        raise ValueError("a Platt map needs both positive and negative examples")
+    model = LogisticRegression(C=PLATT_C).fit([[m] for m in macros], list(labels))
+    return float(model.coef_[0][0]), float(model.intercept_[0])
 
 
 def fit_threshold(scores: Sequence[float], labels: Sequence[int], *,
                   target_precision: float | None = None,
                   target_recall: float | None = None) -> float:
-    """The decision threshold (score >= t is positive): with a precision target, the lowest t
-    that meets it (the most recall at that precision); with a recall target, the highest t
-    that meets it; with neither, the t of best F1. When a target cannot be met, the t that
-    comes closest."""
+    """The cut (score >= t is positive): with a precision target, the lowest t that meets it
+    (the most recall at that precision); with a recall target, the highest t that meets it;
+    with neither, the t of best F1. When a target cannot be met, the t that comes closest."""
     if target_precision is not None and target_recall is not None:
         raise ValueError("give a precision target or a recall target, not both")
     candidates = sorted(set(scores))
@@ -193,58 +253,173 @@ def _f1(p: float, r: float) -> float:
     return 0.0 if p + r == 0 else 2 * p * r / (p + r)
 
 
-def calibrate(pack: Pack, scored: Sequence[QuestionScores], labels: Sequence[set[str]],
-              categories: Iterable[str], *, method: str = "platt", level: str = "category",
-              target: dict[str, float] | None = None, fitted_on: FittedOn) -> Pack:
-    """``pack`` with a calibration fitted on (scored, labels) for ``categories``: maps per
-    category (on the raw combined score) or per question (each question's p against its
-    category's label), then a threshold per category on the calibrated scores. The version's
-    patch number goes up by one."""
-    raw = pack.uncalibrated()
-    categories = list(categories)
-    fit = FITS[method]
-    maps: dict[str, Platt | Isotonic] = {}
-    for c in categories:
-        positives = sum(c in y for y in labels)
-        if positives in (0, len(labels)):
-            raise ValueError(f"category {c!r} has {positives} positive documents of "
-                             f"{len(labels)} in the fit part: both kinds are needed (more "
-                             "data, or leave it out with --categories)")
-    if level == "category":
-        raw_cats = [category_scores(raw, s) for s in scored]
-        for c in categories:
-            maps[c] = fit([cats[c] for cats in raw_cats], [int(c in y) for y in labels])
-    elif level == "question":
-        for q in raw.questions:
-            if q.category in categories:
-                maps[q.id] = fit([s[q.id][0] for s in scored],
-                                 [int(q.category in y) for y in labels])
+def fit_layer(x: Sequence[Sequence[float]], labels: Sequence[int]) -> tuple[list[float], float]:
+    """A logistic regression of "unsafe" on the inputs: (weights, bias)."""
+    from sklearn.linear_model import LogisticRegression
+
+    if len(set(labels)) < 2:
+        raise ValueError("the micro-layer needs both safe and unsafe examples")
+    model = LogisticRegression(C=1.0).fit([list(row) for row in x], list(labels))
+    return [float(w) for w in model.coef_[0]], float(model.intercept_[0])
+
+
+def _round(x: float) -> float:
+    return float(f"{x:.6g}")
+
+
+@dataclass
+class Fitted:
+    """What calibrate() fitted, for the report and the pack's `calibration` record."""
+
+    platt: dict[str, str] = field(default_factory=dict)        # category -> "labels" | "default"
+    thresholds: dict[str, str] = field(default_factory=dict)   # category -> "labels" | "rate"
+    layer: str = ""                                            # "labels" | "equal weights"
+
+
+def calibrate(pack: Pack, normal: Sequence[list[dict]], *, labelled: Sequence[list[dict]] = (),
+              labels: Sequence[set[str]] = (), target: dict[str, float] | None = None,
+              rate: float = RATE, record: dict | None = None) -> tuple[Pack, Fitted]:
+    """``pack`` with its constants fitted: ``normal`` the result queries of normal traffic,
+    ``labelled`` / ``labels`` those of labelled texts and their categories. ``record`` is
+    written as the file's `calibration` (what was fitted on what)."""
+    if not normal:
+        raise ValueError("no normal traffic to fit the reads on")
+    if len(labelled) != len(labels):
+        raise ValueError("labelled results and labels differ in length")
+    target = target or {}
+    raw = copy.deepcopy(pack.raw)
+    raw["decision"].pop("micro_layer", None)     # refitted below, on the new reads
+    normal_answers = [pack.answers(q) for q in normal]
+    labelled_answers = [pack.answers(q) for q in labelled]
+    fit_reads(raw, normal_answers)
+    cats = raw["categories"]
+    fitted = Fitted()
+    # macros need the fitted reads; the Platt maps and thresholds come next
+    staged = _staged(raw)
+    normal_macros = [staged.macros(staged.read_z(a)) for a in normal_answers]
+    labelled_macros = [staged.macros(staged.read_z(a)) for a in labelled_answers]
+    for c, spec in cats.items():
+        ys = [int(c in y) for y in labels]
+        if 0 < sum(ys) < len(ys):
+            spec["platt"] = [_round(v) for v in fit_platt([m[c] for m in labelled_macros], ys)]
+            fitted.platt[c] = "labels"
+        else:
+            spec["platt"] = list(DEFAULT_PLATT)
+            fitted.platt[c] = "default"
+    staged = _staged(raw)
+    normal_scores = [_scores(staged, m) for m in normal_macros]
+    labelled_scores = [_scores(staged, m) for m in labelled_macros]
+    for c, spec in cats.items():
+        values = [s[c] for s in normal_scores]
+        spec["normal_quantiles"] = {"levels": LEVELS,
+                                    "values": [_round(quantile(values, q)) for q in LEVELS]}
+        if "threshold" in spec and spec["threshold"] is None:
+            continue              # reported only, by the file's choice
+        ys = [int(c in y) for y in labels]
+        if fitted.platt[c] == "labels":
+            spec["threshold"] = _round(fit_threshold(
+                [s[c] for s in labelled_scores], ys,
+                target_precision=target.get("precision"), target_recall=target.get("recall")))
+            fitted.thresholds[c] = "labels"
+        else:
+            spec["threshold"] = min(_round(quantile(values, 1 - rate)), 1.0)
+            fitted.thresholds[c] = "rate"
+    deciding = [c for c, spec in cats.items()
+                if spec.get("threshold") is not None and spec.get("decides", True)]
+    decision = raw["decision"]
+    if deciding:
+        top = [max(s[c] for c in deciding) for s in normal_scores]
+        decision["max"] = {"threshold": min(_round(quantile(top, 1 - rate)), 1.0)}
+        decision["micro_layer"] = _fit_micro_layer(deciding, normal_macros, labelled_macros,
+                                                   labels, rate, fitted)
     else:
-        raise ValueError(f"unknown calibration level {level!r} (category, question)")
-    target = dict(target or {})
-    calibration = Calibration(fitted_on=fitted_on, target=target,
-                              **{"categories" if level == "category" else "questions": maps})
-    mapped = raw.model_copy(update={"calibration": calibration})
-    cal_cats = [category_scores(mapped, s) for s in scored]
-    calibration.thresholds = {
-        c: fit_threshold([cats[c] for cats in cal_cats], [int(c in y) for y in labels],
-                         target_precision=target.get("precision"),
-                         target_recall=target.get("recall"))
-        for c in categories}
-    data = pack.model_dump(mode="json", exclude_defaults=True)
-    data["calibration"] = calibration.model_dump(mode="json", exclude_defaults=True)
-    data["calibration"]["fitted_on"] = fitted_on.model_dump(mode="json")
-    major, minor, patch = pack.version.split(".")
-    data["version"] = f"{major}.{minor}.{int(patch) + 1}"
-    return Pack.model_validate(data)
+        decision.pop("micro_layer", None)
+    if decision["mode"] == "micro_layer" and "micro_layer" not in decision:
+        decision["mode"] = "per_category"
+    if record is not None:
+        raw["calibration"] = record
+    if "micro_layer" in decision:
+        decision["micro_layer"]["lock"] = lock_of(raw)
+    return pack_from_data(raw, f"{pack.group} (calibrated)", source=pack.source), fitted
 
 
-def fitted_on_record(data: Labelled, n: int, model: str = "") -> FittedOn:
-    return FittedOn(name=data.name, sha256=data.sha256, n=n, model=model,
-                    date=datetime.datetime.now(datetime.timezone.utc).date().isoformat())
+def unfitted(pack: Pack, record: dict | None = None) -> Pack:
+    """``pack`` with the constants that need no data: every read's mu 0, mean 0, sd 1 and
+    every Platt map [1, 0], so a category's score is the sigmoid of the mean logit of its
+    answers (one yes/no question: its p); thresholds as the file has them (absent: 0.5);
+    max at 0.5; no percentiles, no micro-layer (mode micro_layer becomes per_category)."""
+    raw = copy.deepcopy(pack.raw)
+    options = {q["id"]: len(q["options"]) for q in raw["scoring"]["queries"]}
+    for read in raw["reads"]:
+        if read["kind"] == "option":
+            read["mu"] = 0.0
+        elif read["kind"] in ("any", "set"):
+            read["mu"] = [0.0] * options[read["query"]]
+        read["mean"], read["sd"] = 0.0, 1.0
+    for spec in raw["categories"].values():
+        spec["platt"] = [1.0, 0.0]
+        spec.setdefault("threshold", 0.5)
+        spec.pop("normal_quantiles", None)
+    decision = raw["decision"]
+    decision.pop("micro_layer", None)
+    decision["max"] = {"threshold": 0.5}
+    if decision["mode"] == "micro_layer":
+        decision["mode"] = "per_category"
+    if record is not None:
+        raw["calibration"] = record
+    return pack_from_data(raw, f"{pack.group} (unfitted)", source=pack.source)
 
 
-# ---- metrics -----------------------------------------------------------------------------
+def _staged(raw: dict) -> Pack:
+    """The pack half-way through its fit (no Platt maps yet: a draft)."""
+    return pack_from_data(raw, "calibrating", draft=True)
+
+
+def _scores(pack: Pack, macros: dict[str, float]) -> dict[str, float]:
+    out = {}
+    for c, spec in pack.file.categories.items():
+        a, b = spec.platt or DEFAULT_PLATT
+        z = a * macros[c] + b
+        out[c] = 1 / (1 + math.exp(-z)) if z >= 0 else math.exp(z) / (1 + math.exp(z))
+    return out
+
+
+def _fit_micro_layer(deciding: list[str], normal_macros: list[dict], labelled_macros: list[dict],
+                     labels: Sequence[set[str]], rate: float, fitted: Fitted) -> dict:
+    inputs = [f"c:{c}" for c in deciding]
+    unsafe = [int(bool(y & set(deciding))) for y in labels]
+    if 0 < sum(unsafe) < len(unsafe):
+        weights, bias = fit_layer([[m[c] for c in deciding] for m in labelled_macros], unsafe)
+        fitted.layer = "labels"
+        how = (f"logistic regression on {len(unsafe)} labelled texts; its cut is the best F1 "
+               "of the layer's value")
+        values = [sum(w * m[c] for w, c in zip(weights, deciding, strict=True)) + bias
+                  for m in labelled_macros]
+        cut = fit_threshold(values, unsafe)
+    else:
+        weights, bias = [1.0 / len(deciding)] * len(deciding), 0.0
+        fitted.layer = "equal weights"
+        how = (f"not fitted on labels: equal weights (1/{len(deciding)}) over the deciding "
+               f"categories' macros; its cut is the value {rate:g} of normal traffic reaches")
+        values = [sum(w * m[c] for w, c in zip(weights, deciding, strict=True)) + bias
+                  for m in normal_macros]
+        cut = quantile(values, 1 - rate)
+    return {"inputs": inputs, "weights": encode_weights([*weights, bias, cut]), "hidden": 0,
+            "dtype": "float32", "lock": "", "description": how}
+
+
+def fitted_record(normal: Texts, labelled: Texts | None, model: str, context: str) -> dict:
+    """The file's `calibration`: the data each constant was fitted on."""
+    out = {"model": model, "context": context,
+           "date": datetime.datetime.now(datetime.timezone.utc).date().isoformat(),
+           "normal": {"name": normal.name, "sha256": normal.sha256, "n": len(normal.texts)}}
+    if labelled is not None:
+        out["labelled"] = {"name": labelled.name, "sha256": labelled.sha256,
+                           "n": len(labelled.texts)}
+    return out
+
+
+# ---- metrics ---------------------------------------------------------------------------------
 
 
 def precision_recall(scores: Sequence[float], labels: Sequence[int], threshold: float
@@ -274,162 +449,37 @@ def reliability(scores: Sequence[float], labels: Sequence[int], bins: int = ECE_
 
 
 def ece(scores: Sequence[float], labels: Sequence[int], bins: int = ECE_BINS) -> float:
-    """Expected calibration error: the count-weighted mean |mean score - fraction positive|
-    over equal-width bins."""
+    """Expected calibration error over equal-width bins, weighted by count."""
     return sum(n * abs(s - y) for s, y, n in reliability(scores, labels, bins)) / len(scores)
 
 
-def accuracy(cats: Sequence[dict[str, float]], labels: Sequence[set[str]],
-             categories: Sequence[str]) -> tuple[float, int]:
-    """Top-1 accuracy over the documents that belong to exactly one of ``categories``: the
-    category with the highest score is theirs. (accuracy, documents counted)."""
-    hits = counted = 0
-    for scores, mine in zip(cats, labels, strict=True):
-        mine = mine & set(categories)
-        if len(mine) != 1:
-            continue
-        counted += 1
-        best = max(categories, key=lambda c: scores[c])
-        hits += best in mine
-    return (hits / counted if counted else math.nan), counted
+def report(pack: Pack, results: Sequence[list[dict]], labels: Sequence[set[str]]) -> dict:
+    """On held-out labelled texts: per labelled category precision / recall at its threshold,
+    Brier and ECE over those categories' (text, category) pairs."""
+    out = [pack.evaluate(q, None)["categories"] for q in results]
+    named = sorted({c for y in labels for c in y} & set(pack.file.categories))
+    scores, ys, per = [], [], {}
+    for c in named:
+        column = [o[c]["score"] for o in out]
+        truth = [int(c in y) for y in labels]
+        scores += column
+        ys += truth
+        t = pack.file.categories[c].threshold
+        p, r = precision_recall(column, truth, t) if t is not None else (math.nan, math.nan)
+        per[c] = {"threshold": t, "precision": p, "recall": r, "positives": sum(truth)}
+    return {"texts": len(results), "categories": per,
+            "brier": brier(scores, ys) if scores else math.nan,
+            "ece": ece(scores, ys) if scores else math.nan}
 
 
-def pairs(cats: Sequence[dict[str, float]], labels: Sequence[set[str]],
-          categories: Sequence[str]) -> tuple[list[float], list[int]]:
-    """Every (document, category) pair as (score, 0/1)."""
-    scores, ys = [], []
-    for c in categories:
-        for doc, mine in zip(cats, labels, strict=True):
-            scores.append(doc[c])
-            ys.append(int(c in mine))
-    return scores, ys
-
-
-def evaluate(pack: Pack, scored: Sequence[QuestionScores], labels: Sequence[set[str]],
-             categories: Sequence[str], thresholds: dict[str, float]) -> dict:
-    """Accuracy, Brier, ECE and per-category precision/recall at ``thresholds``."""
-    cats = [category_scores(pack, s) for s in scored]
-    scores, ys = pairs(cats, labels, categories)
-    acc, counted = accuracy(cats, labels, categories)
-    per = {}
-    for c in categories:
-        p, r = precision_recall([d[c] for d in cats], [int(c in y) for y in labels],
-                                thresholds[c])
-        per[c] = {"threshold": thresholds[c], "precision": p, "recall": r,
-                  "positives": sum(c in y for y in labels)}
-    return {"accuracy": acc, "accuracy_docs": counted, "brier": brier(scores, ys),
-            "ece": ece(scores, ys), "categories": per,
-            "reliability": reliability(scores, ys)}
-
-
-def before_after(raw: Pack, calibrated: Pack, scored: Sequence[QuestionScores],
-                 labels: Sequence[set[str]], categories: Sequence[str],
-                 raw_threshold: float = 0.5) -> dict:
-    """The held-out report: the raw pack at ``raw_threshold``, the calibrated one at its
-    fitted thresholds."""
-    fitted = calibrated.calibration.thresholds
-    return {"before": evaluate(raw, scored, labels, categories,
-                               dict.fromkeys(categories, raw_threshold)),
-            "after": evaluate(calibrated, scored, labels, categories,
-                              {c: fitted[c] for c in categories})}
-
-
-def format_report(report: dict) -> str:
-    before, after = report["before"], report["after"]
-    lines = [f"{'':<22}{'before':>10}{'after':>10}",
-             f"{'accuracy (top-1)':<22}{before['accuracy']:>10.4f}{after['accuracy']:>10.4f}"
-             f"   ({after['accuracy_docs']} docs)",
-             f"{'Brier':<22}{before['brier']:>10.4f}{after['brier']:>10.4f}",
-             f"{'ECE':<22}{before['ece']:>10.4f}{after['ece']:>10.4f}",
-             "", f"{'category':<16}{'n+':>5}  {'before P/R @t':>22}  {'after P/R @t':>22}"]
-    for c, b in before["categories"].items():
-        a = after["categories"][c]
-        lines.append(f"{c:<16}{b['positives']:>5}  "
-                     f"{b['precision']:>6.3f}/{b['recall']:.3f} @{b['threshold']:.3f}  "
-                     f"{a['precision']:>6.3f}/{a['recall']:.3f} @{a['threshold']:.3f}")
+def format_report(rep: dict, fitted: Fitted) -> str:
+    lines = [f"held out: {rep['texts']} texts; Brier {rep['brier']:.4f}, ECE {rep['ece']:.4f}",
+             f"{'category':<18}{'n+':>5}  {'precision':>9}  {'recall':>7}  threshold"]
+    for c, row in rep["categories"].items():
+        t = "-" if row["threshold"] is None else f"{row['threshold']:.4f}"
+        lines.append(f"{c:<18}{row['positives']:>5}  {row['precision']:>9.3f}  "
+                     f"{row['recall']:>7.3f}  {t}")
+    by_labels = sorted(c for c, how in fitted.platt.items() if how == "labels")
+    lines.append(f"Platt maps fitted on labels: {', '.join(by_labels) or 'none'}; "
+                 f"micro-layer: {fitted.layer or 'none'}")
     return "\n".join(lines)
-
-
-def reliability_plot(report: dict, path: Path, title: str = "") -> Path:
-    """Reliability diagram of the held-out (document, category) pairs, before and after."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5, 5), dpi=100)
-    ax.plot([0, 1], [0, 1], color="grey", linestyle=":", label="perfect")
-    for key, style in (("before", "o-"), ("after", "s-")):
-        points = report[key]["reliability"]
-        ax.plot([p[0] for p in points], [p[1] for p in points], style,
-                label=f"{key} (ECE {report[key]['ece']:.3f})")
-    ax.set_xlabel("mean score in bin")
-    ax.set_ylabel("fraction positive")
-    ax.set_xlim(0, 1)
-    ax.set_ylim(0, 1)
-    ax.set_title(title or "reliability (held-out)")
-    ax.legend(loc="upper left")
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
-
-
-# ---- the whole run: score, fit on one part, report on the other ----------------------------
-
-
-def run(pack: Pack, data: Labelled, engine, *, method: str = "platt", level: str = "category",
-        target: dict[str, float] | None = None, fit_fraction: float = 0.5, seed: int = 0,
-        categories: Sequence[str] | None = None, report_dir: Path | None = None,
-        log: Callable[[str], None] = print) -> tuple[Pack, dict]:
-    """Scores ``data`` with ``engine``, fits on ``fit_fraction`` of it and reports on the
-    rest. Returns (the calibrated pack, the report); with ``report_dir``, writes
-    report.json, scores.jsonl (raw question scores) and reliability.png there."""
-    import time
-
-    raw = pack.uncalibrated()
-    present = set().union(*data.labels) if data.labels else set()
-    chosen = list(categories) if categories else [c.id for c in raw.categories
-                                                  if c.id in present]
-    if not chosen:
-        raise ValueError("no label of the data maps to a category of the pack; use "
-                         "--label-field / --label-map (categories: "
-                         f"{[c.id for c in raw.categories]}; labels seen: {sorted(data.unmapped)})")
-    if data.unmapped:
-        log(f"labels that match no category (negatives for every category): {data.unmapped}")
-    questions = [q for q in raw.questions if q.category in chosen]
-    log(f"scoring {len(data.texts)} documents x {len(questions)} questions "
-        f"({len(chosen)} categories)")
-    started = time.perf_counter()
-    scored = score_questions(engine, questions, data.texts)
-    seconds = time.perf_counter() - started
-    keep = [i for i, s in enumerate(scored) if s is not None]
-    if len(keep) < len(scored):
-        log(f"{len(scored) - len(keep)} documents the engine rejected are left out")
-    scored = [scored[i] for i in keep]
-    labels = [data.labels[i] for i in keep]
-    fit_idx, test_idx = split(len(scored), fit_fraction, seed)
-    fitted_on = fitted_on_record(data, len(fit_idx), getattr(engine, "model_name", ""))
-    calibrated = calibrate(raw, [scored[i] for i in fit_idx], [labels[i] for i in fit_idx],
-                           chosen, method=method, level=level, target=target,
-                           fitted_on=fitted_on)
-    report = before_after(raw, calibrated, [scored[i] for i in test_idx],
-                          [labels[i] for i in test_idx], chosen)
-    report.update(pack=pack.id, version=calibrated.version, method=method, level=level,
-                  target=target or {}, categories=chosen, fit_docs=len(fit_idx),
-                  held_out_docs=len(test_idx), data={"name": data.name, "sha256": data.sha256,
-                                                     "n": len(scored)},
-                  questions=len(questions), scoring_seconds=round(seconds, 2),
-                  questions_per_s=round(len(scored) * len(questions) / seconds, 2))
-    if report_dir is not None:
-        report_dir = Path(report_dir)
-        report_dir.mkdir(parents=True, exist_ok=True)
-        (report_dir / "report.json").write_text(json.dumps(report, indent=1) + "\n")
-        with open(report_dir / "scores.jsonl", "w", encoding="utf-8") as f:
-            for i, (s, y) in enumerate(zip(scored, labels, strict=True)):
-                f.write(json.dumps({"doc": keep[i], "labels": sorted(y), "scores": s}) + "\n")
-        reliability_plot(report, report_dir / "reliability.png",
-                         title=f"{pack.id}: held-out, {method}")
-    return calibrated, report

@@ -210,53 +210,77 @@ def cmd_packs(args: argparse.Namespace) -> int:
     except PackError as err:
         print(f"spinf-serve: {err}", file=sys.stderr)
         return 2
-    for pack in packs.values():
-        summary = pack.summary()
-        source = summary.get("source")
-        print(json.dumps(summary) if args.json else
-              f"{summary['id']}@{summary['version']}  {summary['questions']} questions  "
-              f"categories: {', '.join(summary['categories'])}"
-              + ("  calibrated" if summary["calibrated"] else "")
-              + (f"  from {source['url']}@{source['commit'][:12]}" if source else ""))
+    for versions in packs.values():
+        for pack in versions.values():
+            summary = pack.summary(list(versions))
+            if args.json:
+                print(json.dumps(summary))
+                continue
+            layer = pack.file.decision.micro_layer
+            lock = "-" if layer is None else "ok" if pack.lock_ok else "MISMATCH"
+            print(f"{pack.group}  {summary['queries']} queries ({summary['prompts']} prompts)  "
+                  f"categories: {', '.join(c['id'] for c in summary['categories'])}  "
+                  f"mode {summary['decision']['mode']}  lock {lock}  from {pack.source}")
     return 0
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    """Scores labelled data, fits the pack's calibration on one part, reports on the rest."""
-    from .calibrate import format_report, label_map, read_labelled, run
-    from .engine import Engine, EngineSettings
+    """Scores normal traffic (and labelled texts), fits the pack's constants, reports."""
+    from . import calibrate as cal
     from .pack_sources import load_sources
-    from .packs import PackError, load_pack
+    from .packs import PackError, find_pack, load_pack
 
     try:
-        pack = (load_pack(Path(args.pack)) if args.pack.endswith(".json")
-                else load_sources(args.packs).get(args.pack))
-    except PackError as err:
-        print(f"spinf-serve: {err}", file=sys.stderr)
+        pack = (load_pack(Path(args.pack), draft=True) if args.pack.endswith(".json")
+                else find_pack(load_sources(args.packs), args.pack))
+        normal = cal.read_texts(Path(args.normal), text_field=args.text_field,
+                                limit=args.max_docs)
+        labelled = None
+        if args.data:
+            extra = args.label_map
+            if extra is not None:
+                extra = json.loads(Path(extra).read_text() if Path(extra).is_file() else extra)
+            labelled = cal.read_texts(Path(args.data), cal.label_map(pack, extra),
+                                      text_field=args.text_field, label_field=args.label_field,
+                                      limit=args.max_docs)
+    except (PackError, SpinfError, ValueError, OSError) as err:
+        print(f"spinf-serve: {getattr(err, 'message', err)}", file=sys.stderr)
         return 2
-    if pack is None:
-        print(f"spinf-serve: unknown pack {args.pack!r} (see spinf-serve packs)", file=sys.stderr)
-        return 2
-    extra = args.label_map
-    if extra is not None:
-        extra = json.loads(Path(extra).read_text() if Path(extra).is_file() else extra)
-    data = read_labelled(Path(args.data), label_map(pack, extra), text_field=args.text_field,
-                         label_field=args.label_field, limit=args.max_docs)
+    if labelled is not None and labelled.unmapped:
+        print(f"labels that match no category (negatives for every category): "
+              f"{labelled.unmapped}", file=sys.stderr)
+    scorer = None
+    if args.scores is None or labelled is not None:
+        from .engine import Engine, EngineSettings
+
+        scorer = cal.engine_scorer(Engine.load(
+            args.model, device=args.device,
+            settings=EngineSettings(scheme=getattr(args, "quant", None) or "auto")))
+    context = args.context or next(iter(pack.contexts))
+    normal_results = (cal.read_scores(Path(args.scores)) if args.scores else
+                      cal.score_texts(scorer, pack, normal.texts, context=context))
+    fit_idx, test_idx = [], []
+    labelled_results: list = []
+    if labelled is not None:
+        labelled_results = cal.score_texts(scorer, pack, labelled.texts, context=context)
+        fit_idx, test_idx = cal.split(len(labelled.texts), args.fit_fraction, args.seed)
     target = ({"precision": args.target_precision} if args.target_precision is not None
               else {"recall": args.target_recall} if args.target_recall is not None else None)
-    engine = Engine.load(args.model, device=args.device,
-                         settings=EngineSettings(scheme=getattr(args, "quant", None) or "auto"))
-    calibrated, report = run(pack, data, engine, method=args.method, level=args.level,
-                             target=target, fit_fraction=args.fit_fraction, seed=args.seed,
-                             categories=args.categories, report_dir=args.report_dir,
-                             log=lambda line: print(line, file=sys.stderr))   # stdout: report
-    Path(args.output).write_text(calibrated.model_dump_json(indent=1, exclude_defaults=True)
-                                 + "\n")
-    print(f"{pack.id} {pack.version} -> {calibrated.version}: fitted on {report['fit_docs']}, "
-          f"held out {report['held_out_docs']} documents ({args.method}, {args.level})")
-    print(format_report(report))
-    print(f"wrote {args.output} and {args.report_dir}/(report.json, reliability.png, "
-          "scores.jsonl)")
+    record = cal.fitted_record(normal, labelled, pack.model or "", context)
+    calibrated, fitted = cal.calibrate(
+        pack, normal_results, labelled=[labelled_results[i] for i in fit_idx],
+        labels=[labelled.labels[i] for i in fit_idx] if labelled else [], target=target,
+        rate=args.rate, record=record)
+    Path(args.output).write_text(json.dumps(calibrated.raw, indent=1, ensure_ascii=False) + "\n")
+    print(f"{calibrated.group}: fitted on {len(normal_results)} normal texts"
+          + (f" and {len(fit_idx)} labelled ({len(test_idx)} held out)" if labelled else ""))
+    if labelled is not None and test_idx:
+        rep = cal.report(calibrated, [labelled_results[i] for i in test_idx],
+                         [labelled.labels[i] for i in test_idx])
+        print(cal.format_report(rep, fitted))
+        args.report_dir.mkdir(parents=True, exist_ok=True)
+        (args.report_dir / "report.json").write_text(json.dumps(rep, indent=1) + "\n")
+    print(f"wrote {args.output}")
     return 0
 
 
@@ -449,12 +473,23 @@ def build_parser() -> argparse.ArgumentParser:
     packs.add_argument("--json", action="store_true", help="one JSON object per pack")
     packs.set_defaults(func=cmd_packs)
 
-    cal = sub.add_parser("calibrate", help="fit a pack's calibration and thresholds on "
-                                           "labelled data; before/after report")
+    cal = sub.add_parser("calibrate", help="fit a pack's constants on normal traffic and "
+                                           "labelled data; held-out report")
     cal.add_argument("--pack", required=True, help="pack id, or a pack .json file")
     cal.add_argument("--packs", action="append", default=[], metavar="SOURCE",
                      help="also load the packs of a directory or git+URL[@rev] (repeatable)")
-    cal.add_argument("--data", required=True, help="labelled JSONL: a text and a label per line")
+    cal.add_argument("--normal", required=True,
+                     help="JSONL texts of normal traffic: the reads, percentiles and default "
+                          "thresholds are fitted on them")
+    cal.add_argument("--scores", default=None, metavar="JSONL",
+                     help="the --normal texts' stored results ({\"queries\": [...]} a line): "
+                          "no model is run for them")
+    cal.add_argument("--data", default=None,
+                     help="labelled JSONL: a text and a label per line (Platt maps, thresholds, "
+                          "the micro-layer)")
+    cal.add_argument("--context", default=None, help="the pack context (default: its first)")
+    cal.add_argument("--rate", type=float, default=0.005,
+                     help="share of normal traffic a default threshold flags (default 0.005)")
     cal.add_argument("--text-field", default=None,
                      help="the text's field (default: text, else title + description)")
     cal.add_argument("--label-field", default="label", help="the label's field (default label)")
@@ -466,19 +501,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="thresholds: the most recall with at least this precision")
     aim.add_argument("--target-recall", type=float, default=None, metavar="R",
                      help="thresholds: the most precision with at least this recall")
-    cal.add_argument("--method", choices=("platt", "isotonic"), default="platt")
-    cal.add_argument("--level", choices=("category", "question"), default="category",
-                     help="fit a map per category score or per question (default category)")
-    cal.add_argument("--categories", nargs="+", default=None,
-                     help="categories to calibrate (default: those the labels name)")
     cal.add_argument("--fit-fraction", type=float, default=0.5,
-                     help="share of the documents to fit on; the rest is held out (default 0.5)")
+                     help="share of the labelled texts to fit on; the rest is held out")
     cal.add_argument("--seed", type=int, default=0, help="seed of the fit / held-out split")
     cal.add_argument("--max-docs", type=int, default=None, help="only the first N lines")
     cal.add_argument("-o", "--output", required=True, help="the calibrated pack (.json)")
     cal.add_argument("--report-dir", default="calibration-report", type=Path,
-                     help="report.json, reliability.png, scores.jsonl (default "
-                          "./calibration-report)")
+                     help="report.json of the held-out texts (default ./calibration-report)")
     _model_options(cal)
     cal.set_defaults(func=cmd_calibrate)
     return parser

@@ -1,7 +1,8 @@
 """Where packs come from: the official packs/, local directories and git repositories.
 
-A source is a directory path or ``git+URL[@rev][#subdir]`` (``git+file:///srv/packs@v1.2``,
-``git+https://host/org/packs.git@3f2c...``). A git source is fetched into the user cache as a
+A source is a directory path, ``github:owner/repo[@ref][#subdir]`` (the hosted API's form: the
+repository https://github.com/owner/repo.git) or ``git+URL[@rev][#subdir]``
+(``git+file:///srv/packs@v1.2``, ``git+https://host/org/packs.git@3f2c...``). A git source is fetched into the user cache as a
 bare mirror, the revision is resolved to its commit sha, and that commit's tree is exported
 once into a directory named after the sha: an export never changes after it is written, so
 every process that loads the same sha reads the same files. A full sha or a tag already in the
@@ -26,6 +27,11 @@ from .packs import Pack, PackError, load_packs, merge_packs, official_packs
 
 GIT_TIMEOUT_S = 300.0
 SHA_PREFIX = re.compile(r"^[0-9a-f]{7,40}$")
+GITHUB = re.compile(r"^github:(?P<owner>[A-Za-z0-9][A-Za-z0-9-]*)/(?P<repo>[A-Za-z0-9._-]+)"
+                    r"(?:@(?P<ref>[^#]+))?(?:#(?P<subdir>.+))?$")
+GITHUB_URL = "https://github.com/{owner}/{repo}.git"   # what a github: source clones
+
+Packs = dict[str, dict[str, Pack]]    # id -> version -> Pack, the newest first
 
 
 @dataclass(frozen=True)
@@ -48,6 +54,13 @@ class Fetched:
 
 
 def parse_source(text: str) -> GitSource | Path:
+    """A source's spec, parsed; nothing is fetched."""
+    if text.startswith("github:"):
+        m = GITHUB.match(text)
+        if m is None:
+            raise PackError(text, "(source): a GitHub source is github:owner/repo[@ref][#subdir]")
+        url = GITHUB_URL.format(owner=m["owner"], repo=m["repo"])
+        return GitSource(url=url, rev=m["ref"] or None, subdir=(m["subdir"] or "").strip("/"))
     if not text.startswith("git+"):
         return Path(text)
     rest = text[len("git+"):]
@@ -56,7 +69,7 @@ def parse_source(text: str) -> GitSource | Path:
     scheme, sep, tail = rest.partition("://")
     url_tail, at, rev = tail.rpartition("@") if "@" in tail.split("/", 1)[-1] else (tail, "", "")
     if not sep or not url_tail:
-        raise PackError(f"{text}: not a git source; expected git+SCHEME://HOST/PATH[@rev]")
+        raise PackError(text, "(source): not a git source; expected git+SCHEME://HOST/PATH[@rev]")
     return GitSource(url=f"{scheme}://{url_tail}", rev=rev or None, subdir=subdir.strip("/"))
 
 
@@ -73,11 +86,15 @@ def _git(*args: str, cwd: Path | None = None) -> str:
                               timeout=GIT_TIMEOUT_S,
                               env={**os.environ, "GIT_TERMINAL_PROMPT": "0"})
     except FileNotFoundError:
-        raise PackError("git is not installed; it is needed for git+ pack sources") from None
+        raise PackError("git", "(source): git is not installed; git and github: pack sources "
+                        "need it") from None
     except subprocess.TimeoutExpired:
-        raise PackError(f"git {args[0]} took longer than {GIT_TIMEOUT_S:.0f}s") from None
+        raise PackError("git", f"(source): git {args[0]} took longer than "
+                        f"{GIT_TIMEOUT_S:.0f}s") from None
     if done.returncode != 0:
-        raise PackError(f"git {' '.join(args[:2])}: {done.stderr.strip() or done.stdout.strip()}")
+        # git's last line says why (offline: "Could not resolve host"); one line is enough
+        lines = (done.stderr.strip() or done.stdout.strip() or "failed").splitlines()
+        raise PackError(f"git {' '.join(args[:2])}", f"(source): {lines[-1]}")
     return done.stdout
 
 
@@ -103,7 +120,11 @@ def fetch(source: GitSource, cache: Path | None = None) -> Fetched:
     if not (mirror / "HEAD").exists():
         tmp = Path(tempfile.mkdtemp(prefix="mirror-", dir=home))
         try:
-            _git("clone", "--quiet", "--mirror", "--", source.url, str(tmp / "m"))
+            try:
+                _git("clone", "--quiet", "--mirror", "--", source.url, str(tmp / "m"))
+            except PackError as err:
+                raise PackError(source.spec, f"(source): cannot fetch {source.url}: "
+                                + err.problems[0].removeprefix("(source): ")) from None
             with contextlib.suppress(OSError):      # another process cloned it first
                 (tmp / "m").rename(mirror)
         finally:
@@ -119,7 +140,7 @@ def fetch(source: GitSource, cache: Path | None = None) -> Fetched:
         _git("--git-dir", str(mirror), "fetch", "--quiet", "--prune", "origin")
         commit = _resolve(mirror, rev)
     if commit is None:
-        raise PackError(f"{source.spec}: revision {rev!r} not found in {source.url}")
+        raise PackError(source.spec, f"(source): revision {rev!r} not found in {source.url}")
     tree = home / commit
     if not tree.is_dir():
         _export(mirror, commit, tree)
@@ -139,34 +160,35 @@ def _export(mirror: Path, commit: str, tree: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def load_source(text: str, cache: Path | None = None) -> dict[str, Pack]:
+def load_source(text: str, cache: Path | None = None) -> Packs:
     """The packs of one source, each checked; errors name the source, file, field and reason.
-    Packs from git record where they came from (their summary's ``source``)."""
-    return _load(parse_source(text), cache)[0]
+    A pack's ``source`` says where it came from (a git source: its commit)."""
+    return _load(text, cache)[0]
 
 
-def _load(source: GitSource | Path, cache: Path | None) -> tuple[dict[str, Pack], str | None]:
+def _load(text: str, cache: Path | None) -> tuple[Packs, str | None]:
     """(packs, the commit for a git source)."""
+    source = parse_source(text)
     if isinstance(source, Path):
         if not source.is_dir():
-            raise PackError(f"{source}: not a directory of packs")
-        return load_packs(source), None
+            raise PackError(text, "(source): not a directory of packs")
+        return load_packs(source, source=text), None
     got = fetch(source, cache)
     folder = got.path / source.subdir if source.subdir else got.path
     if not folder.is_dir():
-        raise PackError(f"{source.spec}: no folder {source.subdir!r} at {got.commit}")
-    shown = f"git+{source.url}@{got.commit}" + (f"#{source.subdir}" if source.subdir else "")
-    packs = load_packs(folder, shown=shown)
+        raise PackError(source.spec, f"(source): no folder {source.subdir!r} at {got.commit}")
+    base = text.split("#")[0].rsplit("@", 1)[0] if source.rev else text.split("#")[0]
+    shown = f"{base}@{got.commit}" + (f"#{source.subdir}" if source.subdir else "")
+    packs = load_packs(folder, shown=shown, source=shown)
     if not packs:
-        raise PackError(f"{shown}: no packs (*.json) in the repository")
-    for pack in packs.values():
-        pack._origin = {"url": source.url, "rev": source.rev, "commit": got.commit}
+        raise PackError(shown, "(source): no packs (*.json) in the repository")
     return packs, got.commit
 
 
 def load_sources(sources: list[str] | tuple[str, ...] = (), cache: Path | None = None
-                 ) -> dict[str, Pack]:
-    """The official packs plus every source's, by id (the highest version wins)."""
+                 ) -> Packs:
+    """The official packs plus every source's: id -> version -> Pack (the newest first; one
+    id@version comes from one place only)."""
     packs = official_packs()
     for text in sources:
         merge_packs(packs, load_source(text, cache))
@@ -178,7 +200,12 @@ def pin_sources(sources: list[str] | tuple[str, ...], cache: Path | None = None)
     checked: tiers of one process (API and worker) then load the same commit."""
     pinned = []
     for text in sources:
-        source = parse_source(text)
-        _packs, commit = _load(source, cache)
-        pinned.append(GitSource(source.url, commit, source.subdir).spec if commit else text)
+        _packs, commit = _load(text, cache)
+        if commit is None:
+            pinned.append(text)
+        else:
+            base = text.split("#")[0]
+            base = base.rsplit("@", 1)[0] if parse_source(text).rev else base
+            subdir = parse_source(text).subdir
+            pinned.append(f"{base}@{commit}" + (f"#{subdir}" if subdir else ""))
     return pinned
