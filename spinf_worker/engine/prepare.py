@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from ..errors import ContextLengthError, InvalidRequestError, ModelNotFoundError, SpinfError
 from ..model_names import served_names
 from ..packs import Pack, find_pack
-from ..protocol import Document, Query, ScoreRequest, query_layout_key
+from ..protocol import DEFAULT_LIMITS, Document, Limits, Query, ScoreRequest, query_layout_key
 from ..templates import Combination
 from ..tiles import padded_rows
 from .floors import floor_key
@@ -48,6 +48,7 @@ class Prepared:
     """One input of a request, laid out."""
 
     input_id: str
+    param: str                       # where the input is in the request (errors name it)
     queries: list[Query]             # the input's, then those its packs add
     n_own: int                       # queries[:n_own] are the caller's
     query_set: QuerySet
@@ -111,11 +112,18 @@ class Preparer:
                 for d in p.docs]
         for (i, doc), root in zip(docs, self._root_ids([d.text for _, d in docs]), strict=True):
             doc.flat = doc.query_set.block.place(root, self.pad_id)
-            if doc.flat.max_position >= self.context and not isinstance(out[i], SpinfError):
+            if isinstance(out[i], SpinfError):
+                continue
+            limit = out[i].request.effective_limits.max_content_tokens
+            if len(root) - 1 > limit:
+                out[i] = InvalidRequestError(
+                    f"input {doc.input_id!r}: content is {len(root) - 1:,} tokens; the limit is "
+                    f"{limit:,}", param=doc.param, code="content_too_long")
+            elif doc.flat.max_position >= self.context:
                 out[i] = ContextLengthError(
                     f"input {doc.input_id!r}: content plus the longest question is "
                     f"{doc.flat.max_position + 1} tokens; the model's context is "
-                    f"{self.context} tokens", param="inputs")
+                    f"{self.context} tokens", param=doc.param)
         return out
 
     def parse(self, raw: dict | ScoreRequest) -> PreparedRequest:
@@ -126,17 +134,24 @@ class Preparer:
                 param="model")
         runs = [self._pack_run(ref, i) for i, ref in enumerate(request.scoring.packs or [])]
         case_insensitive = self._case_insensitive(request, runs)
-        docs = []
+        docs, limits = [], request.effective_limits
+        shared = {q.id: f"scoring.queries.{k}" for k, q in enumerate(request.scoring.queries)}
         for i, doc in enumerate(request.documents()):
+            where = f"inputs.{i}" if request.inputs is not None else "messages"
+            own = {q.id: f"{where}.queries.{k}" for k, q in enumerate(
+                request.inputs[i].queries or [] if request.inputs is not None else [])}
+            params = [own.get(q.id) or shared[q.id] for q in doc.queries]
             queries, key = list(doc.queries), doc.layout_key
             if runs:
                 self._check_pack_ids(doc, runs, i)
                 for run in runs:
-                    queries += self._pack_query_list(run.pack)
+                    pack_queries = self._pack_query_list(run.pack)
+                    queries += pack_queries
+                    params += [None] * len(pack_queries)   # a pack's own: no caller limits
                 key = query_layout_key(queries, case_insensitive)
             query_set = self._query_set(queries, key, case_insensitive,
-                                        request.scoring.empty_floor)
-            docs.append(Prepared(doc.input_id, queries, len(doc.queries), query_set,
+                                        request.scoring.empty_floor, limits, params)
+            docs.append(Prepared(doc.input_id, where, queries, len(doc.queries), query_set,
                                  self._present(doc, runs, i)))
         return PreparedRequest(request, docs, runs)
 
@@ -230,10 +245,13 @@ class Preparer:
         return [known[t] for t in texts]
 
     def _query_set(self, queries: list[Query], key: tuple[str, ...], case_insensitive: bool,
-                   empty_floor: bool) -> QuerySet:
+                   empty_floor: bool, limits: Limits = DEFAULT_LIMITS,
+                   params: list[str | None] | None = None) -> QuerySet:
         """The queries' grids, branch layout and floor keys, built once per distinct list
-        (``key``: protocol.query_layout_key; a query's id changes none of them)."""
-        key = (*key, f"floor={empty_floor}")
+        (``key``: protocol.query_layout_key; a query's id changes none of them). ``params``:
+        where each query is in the request (None: a pack's, exempt from the token limits)."""
+        key = (*key, f"floor={empty_floor}",
+               *(() if limits == DEFAULT_LIMITS else (limits.model_dump_json(),)))
         found = self._query_sets.get(key)
         if found is not None:
             # rows() runs on the queue's parse thread while a pass prepares on the engine's:
@@ -243,6 +261,8 @@ class Preparer:
             return found
         grids = [q.combinations_list() for q in queries]
         branches = self.branches(queries, grids, case_insensitive)
+        self._check_tokens(queries, grids, branches, limits,
+                           params or [f"scoring.queries.{k}" for k in range(len(queries))])
         floors = [floor_key(self.presenter.mode, q, case_insensitive)
                   if q.slot_kind == "?" and (q.empty_floor if q.empty_floor is not None
                                              else empty_floor) else None
@@ -261,6 +281,30 @@ class Preparer:
         while len(self._query_sets) > QUERY_SET_CACHE:
             self._query_sets.popitem(last=False)
         return found
+
+    def _check_tokens(self, queries: list[Query], grids: list[list[Combination]],
+                      branches: list[Branch], limits: Limits, params: list[str | None]) -> None:
+        """Each filled template within the query limit, each option 1 to max_option_tokens
+        tokens (the hosted API's limits; a pack's queries are sized by its author)."""
+        at = 0
+        for q, grid, param in zip(queries, grids, params, strict=True):
+            mine, at = branches[at:at + len(grid)], at + len(grid)
+            if param is None:
+                continue
+            for k, branch in enumerate(mine):
+                if len(branch.prefix) > limits.max_query_tokens:
+                    raise InvalidRequestError(
+                        f"the filled template is {len(branch.prefix):,} tokens; the limit is "
+                        f"{limits.max_query_tokens:,}", param=f"{param}.combinations.{k}"
+                        if q.combinations else f"{param}.template", code="template_too_long")
+            if q.slot_kind == "?":
+                for k, option in enumerate(q.options):
+                    n = len(self.presenter.encode(option))
+                    if not 1 <= n <= limits.max_option_tokens:
+                        raise InvalidRequestError(
+                            f"option {option!r} is {n} tokens; options are 1-"
+                            f"{limits.max_option_tokens}", param=f"{param}.options.{k}",
+                            code="option_too_long")
 
     def _pack_run(self, ref, index: int) -> PackRun:
         where = f"scoring.packs.{index}"
