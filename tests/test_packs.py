@@ -1,211 +1,471 @@
-"""Prompt pack format, loading errors, category arithmetic and decisions (no model)."""
+"""Prompt packs in the hosted format: loading (precise errors), contexts, decision overrides,
+and the evaluator against spinf-client's own (an independent implementation of the same
+semantics) for every official pack and a pack that uses every feature of the format."""
 
 from __future__ import annotations
 
+import copy
 import json
 import math
+import random
 
 import pytest
+from spinf_client import packs as client
 
+from spinf_worker.calibrate import encode_weights
 from spinf_worker.errors import InvalidRequestError
 from spinf_worker.packs import (
+    LOCK_WARNING,
     PackError,
-    category_scores,
-    combine,
-    decide,
     find_pack,
     load_pack,
     load_packs,
+    lock_of,
     official_packs,
+    pack_from_data,
 )
 
-GOOD = {"id": "acme/tiny", "version": "1.2.0",
-        "questions": [{"id": "a", "category": "c", "template": "Q?{?}", "options": [" y", " n"],
-                       "positive": " y"},
-                      {"id": "b", "category": "c", "template": "R?{?}", "options": [" y", " n"],
-                       "positive": " y", "weight": 3}],
-        "categories": [{"id": "c", "combine": "weighted"}],
-        "decision": {"rules": [{"label": "block", "when": {"c": 0.5}}], "default": "allow"}}
+YES_NO = [" Yes", " No"]
 
 
-def write(tmp_path, data, name="pack.json"):
-    path = tmp_path / name
-    path.write_text(json.dumps(data))
-    return path
+def _with_lock(raw: dict) -> dict:
+    raw["decision"]["micro_layer"]["lock"] = lock_of(raw)
+    return raw
+
+
+def feature_pack() -> dict:
+    """Parameters, two contexts, F combinations (a list and "all"), every read kind, views,
+    requires, decides false, percentiles, a hidden micro-layer over c: and r: inputs."""
+    raw = {
+        "pack": "acme/features", "version": "1.2.0", "model": "google/gemma-3-270m",
+        "answers": "logprob",
+        "parameters": {"brand": {"label": "Brand"},
+                       "site": {"label": "Site", "required": False}},
+        "contexts": {"post": "On {site}, about {brand}:\n\n{X}", "plain": "{X}\n(end)"},
+        "scoring": {"queries": [
+            {"id": "yes", "template": "\n\nQuestion: Is it {F}?\nAnswer:{?}", "options": YES_NO,
+             "combinations": [{"F": "rude"}, {"F": "cruel"}, {"F": "kind"}]},
+            {"id": "kind", "template": "\n\nWhich kind?{?}",
+             "options": [" none", " rude", " cruel", " odd"], "empty_floor": False},
+            {"id": "grid", "template": "\n\n{F} or not?{?}", "options": [" no", " yes"],
+             "combinations": "all", "values": {"F": ["Spam", "Scam"]}},
+        ], "empty_floor": True, "case_insensitive": True},
+        "reads": [
+            {"id": "rude", "query": "yes", "F": "rude", "kind": "pair", "mean": -1.0, "sd": 1.5,
+             "category": "abuse", "view": "direct"},
+            {"id": "cruel", "query": "yes", "F": "cruel", "kind": "pair", "mean": -2.0,
+             "sd": 1.0, "category": "abuse", "view": "direct"},
+            {"id": "not_kind", "query": "yes", "F": "kind", "kind": "pair", "sign": -1,
+             "mean": 0.5, "sd": 2.0, "category": "abuse", "view": "tone"},
+            {"id": "kind_any", "query": "kind", "kind": "any", "mu": [-0.2, -2.0, -3.0, -2.5],
+             "mean": 0.1, "sd": 0.8, "category": "abuse", "view": "tone"},
+            {"id": "kind_set", "query": "kind", "kind": "set", "unsafe": [1, 2],
+             "mu": [-0.2, -2.0, -3.0, -2.5], "mean": -0.3, "sd": 1.1, "category": "cruelty"},
+            {"id": "kind_odd", "query": "kind", "kind": "option", "option": 3, "mu": -2.5,
+             "mean": 0.0, "sd": 1.0, "category": "odd"},
+            {"id": "spam", "query": "grid", "F": "Spam", "kind": "pair", "sign": -1,
+             "mean": -1.0, "sd": 1.0, "category": "spam"},
+            {"id": "scam", "query": "grid", "F": "Scam", "kind": "pair", "sign": -1,
+             "mean": -1.5, "sd": 1.2, "category": "spam"},
+        ],
+        "categories": {
+            "abuse": {"label": "Abuse", "platt": [1.3, -2.0], "threshold": 0.4,
+                      "aggregate": "views",
+                      "normal_quantiles": {"levels": [0.0, 0.5, 0.9, 1.0],
+                                           "values": [0.01, 0.1, 0.3, 0.9]}},
+            "cruelty": {"platt": [0.9, -1.0], "threshold": 0.5, "requires": ["abuse"]},
+            "odd": {"platt": [1.0, -1.5], "threshold": 0.3, "decides": False},
+            "spam": {"platt": [1.1, -0.5], "threshold": None},
+        },
+        "decision": {
+            "mode": "micro_layer", "fallback": "max", "max": {"threshold": 0.6},
+            "critical": ["cruelty"],
+            "micro_layer": {"inputs": ["c:abuse", "c:cruelty", "r:kind_odd"], "hidden": 2,
+                            "weights": encode_weights([0.5, -0.3, 1.1, 0.2, -0.4, 0.8,
+                                                       0.1, -0.1, 1.5, -0.7, 0.2, 0.3]),
+                            "lock": ""}},
+    }
+    return _with_lock(raw)
+
+
+def linear_pack() -> dict:
+    """A linear micro-layer, the API's p as answers, per_category fallback."""
+    raw = feature_pack()
+    raw["answers"] = "p"
+    raw["decision"]["fallback"] = "per_category"
+    del raw["decision"]["max"]
+    raw["decision"]["micro_layer"].update(
+        inputs=["c:abuse", "r:spam"], hidden=0, weights=encode_weights([0.7, 0.4, -0.2, 0.1]))
+    return _with_lock(raw)
+
+
+def random_result(raw: dict, rng: random.Random) -> list[dict]:
+    """One input's result queries in the hosted shape, for the pack's queries (and one of
+    the caller's own, which the pack must ignore)."""
+    out = [{"id": "callers_own", "combinations": [{"values": {}, "options": [
+        {"text": " a", "logprob": -0.1, "p": 0.9, "floor_p": None}], "residual": 0.1,
+        "floor_residual": None}]}]
+    for q in raw["scoring"]["queries"]:
+        combos = q.get("combinations")
+        values = [{"F": v} for v in q["values"]["F"]] if combos == "all" else combos or [{}]
+        combinations = []
+        for value in values:
+            # sometimes near-certain answers: the clips and the 6-decimal p grid matter there
+            spread = rng.choice([1.0, 3.0, 12.0])
+            logits = [rng.gauss(0.0, spread) for _ in q["options"]]
+            residual = rng.uniform(0.0, 0.2)
+            top = max(logits)
+            total = sum(math.exp(x - top) for x in logits)
+            logprobs = [x - top - math.log(total) + math.log(1 - residual) for x in logits]
+            combinations.append({"values": value, "options": [
+                {"text": text, "logprob": lp, "p": round(math.exp(lp), 6),
+                 "floor_p": round(rng.random(), 6)}
+                for text, lp in zip(q["options"], logprobs, strict=True)],
+                "residual": round(residual, 6), "floor_residual": 0.05})
+        out.append({"id": q["id"], "combinations": combinations})
+    return out
+
+
+def rounded(value):
+    """The client's output as the API returns it: floats at 6 decimals."""
+    if isinstance(value, float):
+        return round(value, 6)
+    if isinstance(value, dict):
+        return {k: rounded(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [rounded(v) for v in value]
+    return value
+
+
+def oracle(raw: dict, queries: list[dict], decision: dict | None) -> dict:
+    d = decision or {}
+    out = client.evaluate(raw, client.answers_from_result(queries, raw), d.get("mode"),
+                          d.get("threshold"), d.get("thresholds"), d.get("critical"))
+    return rounded(out)
+
+
+def overrides(pack) -> list[dict | None]:
+    """Decision overrides a call may send: every mode, thresholds, critical lists."""
+    cats = list(pack.file.categories)
+    first, last = cats[0], cats[-1]
+    out: list[dict | None] = [None, {}, {"critical": []}, {"critical": [last, first]},
+                              {"thresholds": {first: 0.0}}, {"thresholds": {first: None}},
+                              {"thresholds": {c: 0.05 for c in cats}, "critical": cats}]
+    for mode in ("max", "per_category", "micro_layer"):
+        out.append({"mode": mode})
+        out.append({"mode": mode, "thresholds": {last: 0.2}, "critical": [first]})
+    out += [{"mode": "max", "threshold": 0.0}, {"mode": "max", "threshold": 1.0},
+            {"mode": "micro_layer", "threshold": -0.5}, {"mode": "micro_layer", "threshold": 3}]
+    return [d for d in out if _allowed(pack, d)]
+
+
+def _allowed(pack, decision: dict | None) -> bool:
+    try:
+        pack.check_decision(decision, "decision")
+    except InvalidRequestError:
+        return False
+    return True
+
+
+def _official() -> list:
+    return [p for versions in official_packs().values() for p in versions.values()]
+
+
+@pytest.mark.parametrize("pack", _official(), ids=lambda p: p.group)
+def test_official_packs_decide_as_the_client(pack):
+    rng = random.Random(pack.group)
+    for _ in range(25):
+        queries = random_result(pack.raw, rng)
+        for decision in overrides(pack):
+            assert pack.evaluate(queries, decision) == oracle(pack.raw, queries, decision), \
+                decision
+
+
+@pytest.mark.parametrize("make", [feature_pack, linear_pack])
+def test_every_feature_decides_as_the_client(make):
+    pack = pack_from_data(make())
+    assert pack.lock_ok
+    rng = random.Random(make.__name__)
+    seen_modes, seen_by, flagged_views = set(), set(), 0
+    for _ in range(200):
+        queries = random_result(pack.raw, rng)
+        for decision in overrides(pack):
+            mine = pack.evaluate(queries, decision)
+            assert mine == oracle(pack.raw, queries, decision), decision
+            seen_modes.add(mine["decision"]["mode"])
+            seen_by.add(mine["decision"].get("by"))
+            flagged_views += bool(mine["categories"]["abuse"]["flagged"])
+    assert seen_modes == set(pack.modes) and "critical" in seen_by and flagged_views
+
+
+def test_an_edited_pack_falls_back_as_the_client():
+    raw = feature_pack()
+    raw["scoring"]["queries"][1]["template"] = "\n\nWhich kind is it?{?}"   # lock now stale
+    pack = pack_from_data(raw)
+    assert not pack.lock_ok
+    rng = random.Random(7)
+    for _ in range(50):
+        queries = random_result(raw, rng)
+        for decision in (None, {"mode": "micro_layer", "threshold": 0.1},
+                         {"thresholds": {"abuse": 0.1}}):
+            mine = pack.evaluate(queries, decision)
+            assert mine == oracle(raw, queries, decision)
+            assert mine["decision"]["mode"] == "max"
+            assert mine["decision"]["warning"] == LOCK_WARNING
+            assert mine["decision"]["threshold"] == 0.6   # the call's cut was for micro_layer
+    # thresholds and the critical list are outside the lock: editing them keeps it
+    raw = feature_pack()
+    raw["categories"]["abuse"]["threshold"] = 0.9
+    raw["decision"]["critical"] = []
+    assert pack_from_data(raw).lock_ok
+
+
+def test_answers_from_logprobs_or_p():
+    raw = linear_pack()
+    queries = random_result(raw, random.Random(1))
+    by_p = pack_from_data(raw)
+    by_logprob = pack_from_data({**raw, "answers": "logprob"})
+    key = ("kind", None)
+    options = next(q for q in queries if q["id"] == "kind")["combinations"][0]["options"]
+    assert by_p.answers(queries)[key] == [o["p"] for o in options]
+    total = sum(math.exp(o["logprob"]) for o in options)
+    assert by_logprob.answers(queries)[key] == pytest.approx(
+        [math.exp(o["logprob"]) / total for o in options], rel=1e-12)
+    assert ("callers_own", None) not in by_p.answers(queries)
+    assert by_p.answers(queries)[("grid", "Scam")]
+    with pytest.raises(ValueError, match="no result for query"):
+        by_p.evaluate([q for q in queries if q["id"] != "grid"], None)
+
+
+def test_a_hand_computed_read_and_score():
+    raw = linear_pack()
+    pack = pack_from_data(raw)
+    queries = random_result(raw, random.Random(3))
+    p = {(q["id"], c["values"].get("F")): [o["p"] for o in c["options"]]
+         for q in queries for c in q["combinations"]}
+    spam_p, scam_p = p[("grid", "Spam")], p[("grid", "Scam")]
+
+    def no_share(ps):   # sign -1: the logit of the second option's share
+        a, b = max(ps[0], 1e-9), max(ps[1], 1e-9)
+        share = min(max(a / (a + b), 1e-6), 1 - 1e-6)
+        return -math.log(share / (1 - share))
+
+    macro = ((no_share(spam_p) + 1.0) / 1.0 + (no_share(scam_p) + 1.5) / 1.2) / 2
+    score = 1 / (1 + math.exp(-(1.1 * macro - 0.5)))
+    got = pack.evaluate(queries, None)["categories"]["spam"]
+    assert got == {"score": round(score, 6), "percentile": None, "flagged": None}
+
+
+# ---- loading ---------------------------------------------------------------------------------
 
 
 def test_official_packs_load():
     packs = official_packs()
-    triage = packs["spinf/support-triage"]
-    assert triage.summary()["questions"] == len(triage.questions) >= 8
+    assert set(packs) == {"spinf/moderation", "spinf/brand-safety", "spinf/news-signals",
+                          "spinf/product-listings", "spinf/reviews", "spinf/support-triage"}
+    moderation = find_pack(packs, "spinf/moderation")
+    assert list(moderation.contexts) == ["ai", "forum"]
+    cats = moderation.file.categories
+    assert len(cats) == 22
+    assert {"sexual", "child", "violence", "selfharm", "hate", "harassment", "extremism",
+            "weapons", "drugs", "crime", "fraud", "hacking", "privacy", "spam", "profanity",
+            "gore", "gibberish", "general"} < set(cats)
+    assert moderation.file.decision.critical == ["selfharm", "child"]
+    for pack in _official():
+        assert pack.source == "official"
+        assert pack.file.decision.micro_layer is None or pack.lock_ok, pack.group
+        assert pack.file.description
 
 
-@pytest.mark.parametrize("change, where, reason", [
-    (lambda d: d.update(id="NoSlash"), "id", "pattern"),
-    (lambda d: d.update(version="1.2"), "version", "pattern"),
-    (lambda d: d["questions"][0].update(positive=" maybe"), "questions.0", "positive"),
-    (lambda d: d["questions"][0].update(template="no slot"), "questions.0", "slot"),
-    (lambda d: d["questions"][1].update(category="zz"), "(top level)", "category 'zz'"),
-    (lambda d: d["questions"][0].update(optoins=[" y"]), "questions.0.optoins", "xtra"),
-    (lambda d: d["decision"]["rules"][0]["when"].update(zz=0.1), "(top level)", "unknown category"),
+def write(tmp_path, raw, name="p.json"):
+    path = tmp_path / name
+    path.write_text(json.dumps(raw))
+    return path
+
+
+@pytest.mark.parametrize(("edit", "field", "reason"), [
+    (lambda r: r.pop("model"), "model", "Field required"),
+    (lambda r: r.update(pack="Acme"), "pack", "should match pattern"),
+    (lambda r: r["contexts"].update(post="no slot"), "contexts.post", "exactly one {X}"),
+    (lambda r: r["contexts"].update(post="{X} {who}"), "contexts.post",
+     "{who} is not a parameter"),
+    (lambda r: r["scoring"]["queries"][1].update(template="Which?{?} then"),
+     "scoring.queries.1.template", "one {?}, at its end"),
+    (lambda r: r["scoring"]["queries"][1].update(options=[" a", " a"]),
+     "scoring.queries.1.options", "options repeat"),
+    (lambda r: r["scoring"]["queries"][1].update(group="x"), "scoring.queries.1.group",
+     "Extra inputs are not permitted"),
+    (lambda r: r["scoring"]["queries"][0].update(combinations=[{"G": "x"}]),
+     "scoring.queries.0.combinations", "each names exactly ['F']"),
+    (lambda r: r["reads"][0].update(F="mean"), "reads.0.F", "not a value of F"),
+    (lambda r: r["reads"][0].update(query="nope"), "reads.0.query", "not in scoring.queries"),
+    (lambda r: r["reads"][0].update(category="nope"), "reads.0.category", "not a category"),
+    (lambda r: r["reads"][0].update(sd=0), "reads.0.sd", "greater than 0"),
+    (lambda r: r["reads"][3].update(mu=[0.0]), "reads.3.mu", "one number per option (4)"),
+    (lambda r: r["reads"][4].update(unsafe=[0, 1, 2, 3]), "reads.4.unsafe", "not all"),
+    (lambda r: r["reads"][5].update(option=9), "reads.5.option", "below 4"),
+    (lambda r: r["reads"][0].update(kind="pair", query="kind", F=None), "reads.0.kind",
+     "two options"),
+    (lambda r: r["categories"]["abuse"].update(threshold=1.5), "categories.abuse.threshold",
+     "less than or equal to 1"),
+    (lambda r: r["categories"]["abuse"].update(requires=["abuse"]),
+     "categories.abuse.requires", "not another category"),
+    (lambda r: r["categories"].update(lonely={"platt": [1, 0]}), "categories.lonely",
+     "no read feeds it"),
+    (lambda r: r["categories"]["spam"].pop("platt"), "categories.spam.platt", "[a, b]"),
+    (lambda r: r["decision"].update(mode="vote"), "decision.mode", "Input should be"),
+    (lambda r: r["decision"].update(critical=["nope"]), "decision.critical.0",
+     "not a category"),
+    (lambda r: r["decision"].pop("max"), "decision.max", "needed by mode or fallback max"),
+    (lambda r: r["decision"]["micro_layer"].update(inputs=["c:abuse", "x:y"]),
+     "decision.micro_layer.inputs.1", "not c:<category> or r:<read id>"),
+    (lambda r: r["decision"]["micro_layer"].update(weights=encode_weights([1.0])),
+     "decision.micro_layer.weights", "1 floats for 3 inputs and 2 hidden units (12 expected)"),
+    (lambda r: r["decision"]["micro_layer"].update(lock="md5:1"), "decision.micro_layer.lock",
+     "should match pattern"),
 ])
-def test_bad_pack_names_file_field_and_reason(tmp_path, change, where, reason):
-    data = json.loads(json.dumps(GOOD))
-    change(data)
-    path = write(tmp_path, data)
-    with pytest.raises(PackError) as caught:
+def test_load_errors_name_the_file_the_field_and_the_reason(tmp_path, edit, field, reason):
+    raw = feature_pack()
+    edit(raw)
+    path = write(tmp_path, raw)
+    with pytest.raises(PackError) as err:
         load_pack(path)
-    message = str(caught.value)
-    assert message.startswith(f"{path}: {where}:")
-    assert reason in message
+    assert str(err.value).startswith(f"{path}: ")
+    assert any(p.startswith(f"{field}: ") and reason in p for p in err.value.problems), \
+        err.value.problems
 
 
-def test_highest_version_wins_and_unknown_packs_are_4xx(tmp_path):
-    write(tmp_path, GOOD, "a.json")
-    write(tmp_path, {**GOOD, "version": "1.10.0"}, "b.json")
+def test_unreadable_files_and_drafts(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text("{not json")
+    with pytest.raises(PackError, match=r"bad.json: \(file\): cannot read the pack"):
+        load_pack(path)
+    with pytest.raises(PackError, match="a pack file is a JSON object"):
+        pack_from_data([1, 2])
+    draft = feature_pack()
+    for read in draft["reads"]:
+        read.pop("mean"), read.pop("sd"), read.pop("mu", None)
+    for spec in draft["categories"].values():
+        spec.pop("platt")
+    del draft["decision"]["micro_layer"]
+    with pytest.raises(PackError, match="mean and sd are needed"):
+        pack_from_data(draft)
+    pack = pack_from_data(draft, draft=True)   # a pack before calibrate: its request side
+    assert pack.queries() and not pack.lock_ok
+    with pytest.raises(ValueError, match="is a draft"):
+        pack.evaluate(random_result(draft, random.Random(0)), None)
+
+
+def test_a_folder_of_packs_by_id_and_version(tmp_path):
+    (tmp_path / "sub").mkdir()
+    write(tmp_path, feature_pack(), "a.json")
+    write(tmp_path / "sub", {**feature_pack(), "version": "1.10.0"}, "b.json")
+    write(tmp_path, {"not": "a pack"}, "sample.json")    # other JSON is left alone
     packs = load_packs(tmp_path)
-    assert find_pack(packs, "acme/tiny").version == "1.10.0"
-    with pytest.raises(InvalidRequestError) as caught:
-        find_pack(packs, "acme/tiny", "1.2.0")
-    assert caught.value.code == "unknown_pack" and caught.value.param == "packs"
+    assert list(packs) == ["acme/features"]
+    assert list(packs["acme/features"]) == ["1.10.0", "1.2.0"]     # newest first
+    assert find_pack(packs, "acme/features").version == "1.10.0"
+    assert find_pack(packs, "acme/features", "1.2.0").version == "1.2.0"
+    write(tmp_path, feature_pack(), "again.json")
+    with pytest.raises(PackError, match="acme/features@1.2.0 also comes from"):
+        load_packs(tmp_path)
 
 
-def test_combinations():
-    assert combine([0.2, 0.6], [1, 1], "max") == 0.6
-    assert combine([0.2, 0.6], [1, 1], "mean") == pytest.approx(0.4)
-    assert combine([0.2, 0.6], [1, 3], "weighted") == pytest.approx(0.5)
-    assert combine([0.5, 0.5], [1, 1], "noisy_or") == pytest.approx(0.75)
+def test_find_pack_errors():
+    packs = official_packs()
+    with pytest.raises(InvalidRequestError) as err:
+        find_pack(packs, "acme/nope", param="scoring.packs.0.id")
+    assert (err.value.code, err.value.param) == ("unknown_pack", "scoring.packs.0.id")
+    with pytest.raises(InvalidRequestError) as err:
+        find_pack(packs, "spinf/moderation", "9.9.9", param="scoring.packs.0.id")
+    assert (err.value.code, err.value.param) == ("unknown_pack_version",
+                                                 "scoring.packs.0.version")
+    assert "versions: " in err.value.message
 
 
-def test_categories_and_decision(tmp_path):
-    pack = load_pack(write(tmp_path, GOOD))
-    cats = category_scores(pack, {"a": (0.25, 0.1), "b": (0.75, 0.5)})
-    assert cats == {"c": pytest.approx(0.625)}
-    decision = decide(pack, cats)
-    assert decision["label"] == "block"
-    assert decision["reasons"] == [{"category": "c", "score": pytest.approx(0.625),
-                                    "threshold": 0.5}]
-    assert decide(pack, {"c": 0.49})["label"] == "allow"
-    lift = load_pack(write(tmp_path, {**GOOD, "categories": [{"id": "c", "on": "lift",
-                                                               "combine": "max"}]}, "l.json"))
-    assert category_scores(lift, {"a": (0.25, 0.5), "b": (0.75, 0.5)}) == {"c": 0.25}
+# ---- the request side ------------------------------------------------------------------------
 
 
-def test_cli_lists_packs_and_names_a_bad_one(tmp_path, capsys):
-    from spinf_worker.cli import main
-
-    assert main(["packs", "--json", "--packs", str(tmp_path)]) == 0
-    listed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert "spinf/support-triage" in {row["id"] for row in listed}
-    bad = write(tmp_path, {**GOOD, "version": "x"})
-    assert main(["packs", "--packs", str(tmp_path)]) == 2
-    assert str(bad) in capsys.readouterr().err
-
-
-def test_pack_scores_equal_plain_queries(tiny_engine):
-    """A pack's questions ride in the same read; their scores equal the same questions sent
-    as plain queries, and the categories and decision follow from them."""
-    pack = official_packs()["spinf/support-triage"]
-    text = "I was charged twice for September and I want my money back now, or I leave."
-    with_pack = tiny_engine.score({"text": text, "scoring": {"queries": [
-        {"id": "mine", "template": "\n\nAny refund?{?}", "options": [" yes", " no"]}]},
-        "packs": [{"id": pack.id}]})
-    plain = tiny_engine.score({"text": text, "scoring": {"queries": [
-        {"id": q.id, "template": q.template, "options": q.options} for q in pack.questions]}})
-    assert [q.id for q in with_pack.queries] == ["mine"]
-    result = with_pack.packs[0]
-    assert (result["id"], result["version"]) == (pack.id, pack.version)
-    for question, plain_q in zip(result["questions"], plain.queries, strict=True):
-        positive = next(o for o in plain_q.combinations[0].options if o.text == " yes")
-        assert question["p"] == pytest.approx(positive.p, abs=1e-6)
-        assert question["floor_p"] == positive.floor_p    # the same cached floor
-    scores = {q["id"]: (q["p"], q["floor_p"]) for q in result["questions"]}
-    assert result["categories"] == category_scores(pack, scores)
-    assert result["decision"] == decide(pack, result["categories"])
-    only = tiny_engine.score({"text": text, "scoring": {"queries": [
-        {"id": "mine", "template": "\n\nAny refund?{?}", "options": [" yes", " no"]}]},
-        "packs": [{"id": pack.id, "categories": ["billing"]}]}).packs[0]
-    assert set(only["categories"]) == {"billing"}
-    assert {q["category"] for q in only["questions"]} == {"billing"}
+def test_queries_run_in_the_packs_group_with_its_floor():
+    pack = pack_from_data(feature_pack())
+    assert pack.group == "acme/features@1.2.0" and pack.case_insensitive is True
+    queries = pack.queries()
+    assert [q["id"] for q in queries] == ["yes", "kind", "grid"]
+    assert all(q["group"] == pack.group for q in queries)
+    assert [q["empty_floor"] for q in queries] == [True, False, True]   # a query's own wins
+    assert queries == client.request_scoring(pack.raw)["queries"]
+    assert pack.prompts() == 3 + 1 + 2
 
 
-def test_published_json_schema_is_current():
-    """docs/prompt-pack.schema.json is the format's JSON Schema; regenerate it when it changes:
-    python -c "import json; from spinf_worker.packs import Pack; print(json.dumps(
-    Pack.model_json_schema(), indent=1, sort_keys=True))" > docs/prompt-pack.schema.json"""
-    from pathlib import Path
-
-    from spinf_worker.packs import Pack
-
-    path = Path(__file__).resolve().parents[1] / "docs" / "prompt-pack.schema.json"
-    assert json.loads(path.read_text()) == Pack.model_json_schema()
-
-
-FITTED_ON = {"name": "labelled.jsonl", "sha256": "ab" * 32, "n": 100, "date": "2026-11-30"}
-
-
-def test_platt_and_isotonic_apply():
-    from spinf_worker.packs import Isotonic, Platt, logit
-
-    identity = Platt(method="platt", a=1.0, b=0.0)
-    assert identity.apply(0.3) == pytest.approx(0.3)
-    # a = 2: the odds are squared; b = ln 3: the odds are tripled
-    assert Platt(method="platt", a=2.0, b=0.0).apply(0.75) == pytest.approx(0.9)
-    assert Platt(method="platt", a=1.0, b=math.log(3)).apply(0.5) == pytest.approx(0.75)
-    assert logit(0.0) == pytest.approx(-logit(1.0)) and abs(logit(0.0)) < 20   # clipped
-    iso = Isotonic(method="isotonic", x=[0.2, 0.4, 0.8], y=[0.0, 0.5, 0.9])
-    assert [iso.apply(s) for s in (0.0, 0.2, 0.3, 0.4, 0.6, 0.8, 1.0)] == pytest.approx(
-        [0.0, 0.0, 0.25, 0.5, 0.7, 0.9, 0.9])
-    steps = Isotonic(method="isotonic", x=[0.5, 0.5], y=[0.1, 0.6])
-    assert steps.apply(0.49) == 0.1 and steps.apply(0.51) == 0.6
+def test_wrap_fills_contexts_and_parameters():
+    raw = feature_pack()
+    pack = pack_from_data(raw)
+    assert pack.wrap(None, {"brand": "Kestrel", "site": "a forum"}) == (
+        "On a forum, about Kestrel:\n\n", "")
+    assert pack.wrap("plain", {"brand": 3}) == ("", "\n(end)")
+    parts = client.wrap(raw, "TEXT", "post", {"brand": "K"})
+    assert pack.wrap("post", {"brand": "K"}) == (parts[0]["text"], "")
+    for context, params, param, says in [
+            ("chat", {"brand": "K"}, "scoring.packs.0.context", "one of post, plain"),
+            ("post", {}, "inputs.0.parameters", "needs the parameter 'brand'"),
+            ("post", {"brand": "K", "extra": 1}, "inputs.0.parameters", "no parameter 'extra'")]:
+        with pytest.raises(InvalidRequestError) as err:
+            pack.wrap(context, params, context_param="scoring.packs.0.context",
+                      parameters_param="inputs.0.parameters")
+        assert (err.value.code, err.value.param) == ("invalid_field", param)
+        assert says in err.value.message
 
 
-def test_calibration_applies_to_questions_then_categories(tmp_path):
-    data = json.loads(json.dumps(GOOD))
-    data["calibration"] = {
-        "fitted_on": FITTED_ON,
-        "questions": {"a": {"method": "isotonic", "x": [0.0, 1.0], "y": [0.0, 0.5]}},
-        "categories": {"c": {"method": "platt", "a": 1.0, "b": math.log(3)}},
-        "thresholds": {"c": 0.8}}
-    data["decision"]["rules"] = [{"label": "block", "when": {"c": "fitted"}},
-                                 {"label": "review", "when": {"c": 0.5}}]
-    pack = load_pack(write(tmp_path, data))
-    # a: 0.5 -> 0.25 by its isotonic map; weighted (1, 3): (0.25 + 3 * 0.75) / 4 = 0.625;
-    # the category map triples the odds: 0.625 -> 5/6
-    cats = category_scores(pack, {"a": (0.5, 0.1), "b": (0.75, 0.5)})
-    assert cats == {"c": pytest.approx(5 / 6)}
-    assert decide(pack, cats)["reasons"] == [{"category": "c", "score": pytest.approx(5 / 6),
-                                              "threshold": 0.8}]
-    assert decide(pack, {"c": 0.7})["label"] == "review"
-    raw = pack.uncalibrated()
-    assert raw.calibration is None and [r.label for r in raw.decision.rules] == ["review"]
-    assert category_scores(raw, {"a": (0.5, 0.1), "b": (0.75, 0.5)}) == {"c": 0.6875}
-    assert pack.summary()["calibrated"] and pack.summary()["fitted_on"]["n"] == 100
-
-
-@pytest.mark.parametrize("calibration, where, reason", [
-    ({"categories": {"c": {"method": "platt", "a": "x", "b": 0}}}, "calibration.categories.c.a",
-     "valid number"),
-    ({"categories": {"c": {"method": "spline"}}}, "calibration.categories.c", "tag"),
-    ({"questions": {"a": {"method": "isotonic", "x": [0.1, 0.2], "y": [0.9, 0.1]}}},
-     "calibration.questions.a", "y must be non-decreasing"),
-    ({"questions": {"zz": {"method": "platt", "a": 1, "b": 0}}}, "(top level)",
-     "unknown question 'zz'"),
-    ({"thresholds": {"zz": 0.5}}, "(top level)", "unknown category 'zz'"),
-    ({"fitted_on": {**FITTED_ON, "sha256": "xyz"}}, "calibration.fitted_on.sha256", "pattern"),
+@pytest.mark.parametrize(("decision", "code", "param"), [
+    ([], "invalid_field", "d"),
+    ({"mode": "vote"}, "invalid_field", "d.mode"),
+    ({"why": 1}, "invalid_field", "d.why"),
+    ({"mode": "per_category", "threshold": 0.5}, "invalid_field", "d.threshold"),
+    ({"mode": "max", "threshold": 1.5}, "invalid_field", "d.threshold"),
+    ({"threshold": "high"}, "invalid_field", "d.threshold"),
+    ({"thresholds": {"nope": 0.5}}, "unknown_category", "d.thresholds.nope"),
+    ({"thresholds": {"abuse": 2}}, "invalid_field", "d.thresholds.abuse"),
+    ({"thresholds": [0.5]}, "invalid_field", "d.thresholds"),
+    ({"critical": "abuse"}, "invalid_field", "d.critical"),
+    ({"critical": ["abuse", "nope"]}, "unknown_category", "d.critical.1"),
 ])
-def test_bad_calibration_names_the_field(tmp_path, calibration, where, reason):
-    data = json.loads(json.dumps(GOOD))
-    data["calibration"] = {"fitted_on": FITTED_ON, **calibration}
-    path = write(tmp_path, data)
-    with pytest.raises(PackError) as caught:
-        load_pack(path)
-    assert str(caught.value).startswith(f"{path}: {where}:")
-    assert reason in str(caught.value)
+def test_check_decision_codes(decision, code, param):
+    pack = pack_from_data(feature_pack())
+    with pytest.raises(InvalidRequestError) as err:
+        pack.check_decision(decision, "d")
+    assert (err.value.code, err.value.param) == (code, param)
 
 
-def test_fitted_threshold_needs_a_calibration(tmp_path):
-    data = json.loads(json.dumps(GOOD))
-    data["decision"]["rules"][0]["when"] = {"c": "fitted"}
-    with pytest.raises(PackError, match="decision.rules.0: category 'c' has no fitted"):
-        load_pack(write(tmp_path, data))
+def test_check_decision_accepts_what_the_api_accepts():
+    pack = pack_from_data(feature_pack())
+    for decision in (None, {}, {"mode": "max", "threshold": 0.2},
+                     {"threshold": -4.0},          # the pack's mode: micro_layer, unbounded
+                     {"thresholds": {"abuse": None, "spam": 0.1}, "critical": []}):
+        pack.check_decision(decision, "d")
+    linear = pack_from_data(linear_pack())
+    with pytest.raises(InvalidRequestError):      # no max block: no max mode
+        linear.check_decision({"mode": "max"}, "d")
+
+
+def test_summary_is_the_listing_entry():
+    pack = pack_from_data(feature_pack(), source="local:/srv/packs")
+    s = pack.summary(["1.2.0", "1.0.0"])
+    assert s["id"] == "acme/features" and s["versions"] == ["1.2.0", "1.0.0"]
+    assert s["status"] == "available" and s["model"] == "google/gemma-3-270m"
+    assert s["contexts"][0] == {"id": "post", "template": "On {site}, about {brand}:\n\n{X}"}
+    assert s["categories"][0] == {"id": "abuse", "label": "Abuse", "threshold": 0.4}
+    assert s["decision"] == {"mode": "micro_layer", "modes": ["max", "per_category",
+                                                              "micro_layer"],
+                             "fallback": "max", "max_threshold": 0.6, "critical": ["cruelty"]}
+    assert s["parameters"][1] == {"id": "site", "label": "Site", "required": False}
+    assert s["source"] == "local:/srv/packs" and s["queries"] == 3 and s["prompts"] == 6
+    assert pack.summary()["versions"] == ["1.2.0"]
+    json.dumps(s)
+
+
+def test_raw_is_the_file_as_loaded(tmp_path):
+    raw = feature_pack()
+    raw["listing"] = {"tags": ["demo"]}        # unknown top-level fields are kept
+    pack = load_pack(write(tmp_path, raw))
+    assert pack.raw == raw
+    assert copy.deepcopy(pack.raw) == json.loads(json.dumps(raw))
