@@ -20,7 +20,7 @@ import shutil
 import subprocess
 import tarfile
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .packs import Pack, PackError, load_packs, merge_packs, official_packs
@@ -39,11 +39,12 @@ class GitSource:
     url: str                 # what git clones (file:///..., https://..., ssh://...)
     rev: str | None          # branch, tag or sha; None: the remote's default branch
     subdir: str = ""         # packs are the *.json under this folder of the repository
+    given: str = field(default="", compare=False)    # the spec as written (github:...)
 
     @property
     def spec(self) -> str:
-        return (f"git+{self.url}" + (f"@{self.rev}" if self.rev else "")
-                + (f"#{self.subdir}" if self.subdir else ""))
+        return self.given or (f"git+{self.url}" + (f"@{self.rev}" if self.rev else "")
+                              + (f"#{self.subdir}" if self.subdir else ""))
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,8 @@ def parse_source(text: str) -> GitSource | Path:
         if m is None:
             raise PackError(text, "(source): a GitHub source is github:owner/repo[@ref][#subdir]")
         url = GITHUB_URL.format(owner=m["owner"], repo=m["repo"])
-        return GitSource(url=url, rev=m["ref"] or None, subdir=(m["subdir"] or "").strip("/"))
+        return GitSource(url=url, rev=m["ref"] or None, subdir=(m["subdir"] or "").strip("/"),
+                         given=text)
     if not text.startswith("git+"):
         return Path(text)
     rest = text[len("git+"):]
@@ -92,9 +94,10 @@ def _git(*args: str, cwd: Path | None = None) -> str:
         raise PackError("git", f"(source): git {args[0]} took longer than "
                         f"{GIT_TIMEOUT_S:.0f}s") from None
     if done.returncode != 0:
-        # git's last line says why (offline: "Could not resolve host"); one line is enough
+        # git's first fatal line says why (offline: "Could not resolve host"); one is enough
         lines = (done.stderr.strip() or done.stdout.strip() or "failed").splitlines()
-        raise PackError(f"git {' '.join(args[:2])}", f"(source): {lines[-1]}")
+        why = next((line for line in lines if line.startswith(("fatal:", "error:"))), lines[0])
+        raise PackError(f"git {' '.join(args[:2])}", f"(source): {why}")
     return done.stdout
 
 
