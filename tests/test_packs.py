@@ -469,3 +469,53 @@ def test_raw_is_the_file_as_loaded(tmp_path):
     pack = load_pack(write(tmp_path, raw))
     assert pack.raw == raw
     assert copy.deepcopy(pack.raw) == json.loads(json.dumps(raw))
+
+
+# ---- over HTTP -------------------------------------------------------------------------------
+
+
+def test_packs_routes_through_the_official_client(tmp_path):
+    """GET /v1/packs and /v1/packs/{id} on the real app (uvicorn, Redis), read with
+    spinf-client: its list_packs() / get_pack(), then its own evaluator on the file."""
+    import uuid
+
+    import redis
+    from spinf_client import SpinfClient, SpinfError
+
+    from spinf_worker.queue.settings import ServiceSettings
+
+    from .conftest import WAIT_S
+    from .service.live import LiveServer
+
+    url = "redis://127.0.0.1:6379/0"
+    try:
+        redis.Redis.from_url(url).ping()
+    except redis.ConnectionError as err:
+        pytest.fail(f"this test needs Redis at {url}: {err}")
+    write(tmp_path, feature_pack(), "a.json")
+    write(tmp_path, {**feature_pack(), "version": "1.3.0"}, "b.json")
+    settings = ServiceSettings(redis_url=url, prefix=f"spinf-test-{uuid.uuid4().hex[:10]}",
+                               packs=[str(tmp_path)])
+    with LiveServer(settings) as server:
+        api = SpinfClient(base_url=server.url, timeout_s=WAIT_S, tries=1)
+        listing = api.list_packs()
+        assert listing["sources"] == ["official", str(tmp_path)]
+        by_id = {p["id"]: p for p in listing["packs"]}
+        assert by_id["acme/features"]["versions"] == ["1.3.0", "1.2.0"]
+        assert by_id["acme/features"]["version"] == "1.3.0"
+        assert by_id["spinf/moderation"]["source"] == "official"
+        assert len(by_id["spinf/moderation"]["categories"]) == 22
+
+        assert api.get_pack("acme/features")["version"] == "1.3.0"
+        older = api.get_pack("acme/features", "1.2.0")
+        assert older == feature_pack()
+        moderation = api.get_pack()          # the client's default: spinf/moderation
+        queries = random_result(moderation, random.Random(0))
+        mine = find_pack(official_packs(), "spinf/moderation").evaluate(queries, None)
+        assert oracle(moderation, queries, None) == mine
+
+        for args, code, param in [(("acme/nope",), "unknown_pack", "id"),
+                                  (("acme/features", "9"), "unknown_pack_version", "version")]:
+            with pytest.raises(SpinfError) as err:
+                api.get_pack(*args)
+            assert (err.value.status, err.value.code, err.value.param) == (404, code, param)
