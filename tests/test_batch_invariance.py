@@ -22,7 +22,12 @@ def other_request(rng: random.Random) -> dict:
 
 
 def logprob_bits(response) -> list[float]:
-    return [o.logprob for q in response.queries for c in q.combinations for o in c.options]
+    return [o.logprob for r in response.results for q in r.queries for c in q.combinations
+            for o in c.options]
+
+
+def residuals(response) -> list[float]:
+    return [c.residual for r in response.results for q in r.queries for c in q.combinations]
 
 
 def assert_invariant(engine, request: dict, seed: int) -> None:
@@ -37,8 +42,7 @@ def assert_invariant(engine, request: dict, seed: int) -> None:
             packed = engine.score_batch(batch)[position]
             # float32 -> float equality is bit equality
             assert logprob_bits(packed) == logprob_bits(alone), f"position {position}"
-            assert [c.residual for q in packed.queries for c in q.combinations] == \
-                   [c.residual for q in alone.queries for c in q.combinations]
+            assert residuals(packed) == residuals(alone)
     finally:
         engine.settings.max_pass_tokens = old
 
@@ -90,3 +94,48 @@ def test_scheduler_returns_each_document_once_pass_by_pass(tiny_engine):
         alone = tiny_engine.runner.run([docs[tag]])[0]
         assert all(torch.equal(a, b)
                    for a, b in zip(alone.logprobs, scores.logprobs, strict=True))
+
+
+OWN = {"id": "own", "template": "\n\nIs this about money?\nAnswer:{?}", "options": [" yes", " no"]}
+
+
+def test_each_input_scores_as_if_sent_alone(tiny_engine):
+    """Every input of ``inputs[]`` is its own document: the shared queries it picks
+    (``query_ids``, in that order) then its own ``queries``, scored bit for bit as a request
+    of that input alone."""
+    by_id = {q["id"]: q for q in QUERIES}
+    inputs = [
+        {"id": "all", "messages": [{"role": "user", "content": NEWS}]},
+        {"id": "picked", "messages": [{"role": "user", "content": NEWS[:90]}],
+         "query_ids": ["about", "tone"]},
+        {"id": "own-only", "messages": [{"role": "user", "content": "Rates rose."}],
+         "query_ids": [], "queries": [OWN]},
+        {"id": "both", "messages": [{"role": "user", "content": NEWS[50:]}],
+         "query_ids": ["bare"], "queries": [{**OWN, "options": [" no", " maybe"]}]},
+        {"id": "shared-and-own", "messages": [{"role": "user", "content": NEWS[::-1]}],
+         "queries": [OWN]},
+    ]
+    asked = [QUERIES, [by_id["about"], by_id["tone"]], [OWN],
+             [by_id["bare"], {**OWN, "options": [" no", " maybe"]}], [*QUERIES, OWN]]
+    response = tiny_engine.score({"inputs": inputs, "scoring": {"queries": QUERIES}})
+    assert [r.input_id for r in response.results] == [i["id"] for i in inputs]
+    for result, inp, queries in zip(response.results, inputs, asked, strict=True):
+        alone = tiny_engine.score({"messages": inp["messages"], "scoring": {"queries": queries}})
+        assert [q.id for q in result.queries] == [q["id"] for q in queries]
+        # float equality is bit equality: logprobs, p, floor_p, residuals
+        assert result.queries == alone.results[0].queries, inp["id"]
+    assert response.usage.inputs == len(inputs)
+    combinations = [len(c.combinations) for r in response.results for c in r.queries]
+    assert response.usage.scoring["prompts"] == sum(combinations)
+    assert response.usage.scoring["queries"] == sum(len(q) for q in asked)
+
+
+def test_inputs_packed_with_other_requests_keep_their_bits(tiny_engine):
+    request = {"inputs": [{"id": str(k), "messages": [{"role": "user", "content": NEWS[k:]}]}
+                          for k in (0, 30, 60)], "scoring": {"queries": QUERIES[:3]}}
+    alone = tiny_engine.score(request)
+    rng = random.Random(5)
+    others = [other_request(rng) for _ in range(6)]
+    packed = tiny_engine.score_batch([*others[:2], request, *others[2:]])[2]
+    assert logprob_bits(packed) == logprob_bits(alone)
+    assert residuals(packed) == residuals(alone)
