@@ -345,8 +345,12 @@ class Scoring(BaseModel):
 
     queries: list[Query] = Field(default_factory=list, max_length=MAX_QUERIES)
     empty_floor: bool = True
-    case_insensitive: bool = True
+    case_insensitive: bool | None = None   # None: true, or the packs' rule when packs run
     packs: list[PackRef] | None = None
+
+    @property
+    def ignores_case(self) -> bool:
+        return self.case_insensitive is not False
 
     _layout_key: tuple[str, ...] | None = PrivateAttr(default=None)
 
@@ -354,7 +358,7 @@ class Scoring(BaseModel):
         """Per query its JSON without the id (computed once; a validated block is shared by
         the requests that send it, see ``ScoreRequest.parse``)."""
         if self._layout_key is None:
-            self._layout_key = query_layout_key(self.queries, self.case_insensitive)
+            self._layout_key = query_layout_key(self.queries, self.ignores_case)
         return self._layout_key
 
     @model_validator(mode="after")
@@ -366,7 +370,7 @@ class Scoring(BaseModel):
                     f"query id {query.id!r} is used twice (queries {first_index[query.id]} "
                     f"and {index})", param=f"queries.{index}.id", code="duplicate_id")
             first_index[query.id] = index
-            check_options(query, self.case_insensitive, f"queries.{index}")
+            check_options(query, self.ignores_case, f"queries.{index}")
         seen: set[str] = set()
         for index, ref in enumerate(self.packs or []):
             if ref.id in seen:
@@ -495,11 +499,11 @@ class ScoreRequest(BaseModel):
                 if q.id in taken:
                     raise _invalid(f"query id {q.id!r} is used twice for this input",
                                    param=f"{where}.queries.{k}.id", code="duplicate_id")
-                check_options(q, scoring.case_insensitive, f"{where}.queries.{k}",
+                check_options(q, scoring.ignores_case, f"{where}.queries.{k}",
                               limits.max_options)
                 taken.add(q.id)
                 chosen.append(q)
-            key = query_layout_key(chosen, scoring.case_insensitive)
+            key = query_layout_key(chosen, scoring.ignores_case)
         self._check_queries(chosen, limits, where)
         return Document(inp.id, inp.messages, chosen, key, inp.parameters)
 

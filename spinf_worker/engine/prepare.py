@@ -210,14 +210,18 @@ class Preparer:
     def _case_insensitive(self, request: ScoreRequest, runs: list[PackRun]) -> bool:
         """The call's setting; with packs, theirs (their calibration was fitted with it)."""
         if not runs:
-            return request.scoring.case_insensitive
+            return request.scoring.ignores_case
         settings = {run.pack.case_insensitive for run in runs}
-        if len(settings) > 1 or ("case_insensitive" in request.scoring.model_fields_set
-                                 and request.scoring.case_insensitive not in settings):
+        if len(settings) > 1:
+            raise InvalidRequestError("the packs of a call must share one case rule",
+                                      param="scoring.packs", code="pack_conflict")
+        rule = settings.pop()
+        asked = request.scoring.case_insensitive
+        if asked is not None and asked != rule:
             raise InvalidRequestError(
-                "the packs of this call are scored with another case_insensitive setting",
-                param="scoring.case_insensitive", code="pack_conflict")
-        return settings.pop()
+                f"scoring.case_insensitive differs from the packs' ({str(rule).lower()}); "
+                "leave it out", param="scoring.case_insensitive", code="pack_conflict")
+        return rule
 
     def _check_pack_ids(self, doc: Document, runs: list[PackRun], index: int) -> None:
         """A pack's query ids and group belong to it."""

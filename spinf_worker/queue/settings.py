@@ -25,7 +25,7 @@ class ServiceSettings(BaseSettings):
     heartbeat_s: float = 2.0
     worker_ttl_s: float = 10.0            # a worker silent this long is not alive
     # API
-    sync_timeout_s: float = 30.0          # /v1/score waits this long, then answers 202
+    sync_timeout_s: float = 120.0         # /v1/score waits this long for a result, then 503
     max_backlog: int = 1_000_000          # entries waiting: past it, 429 + Retry-After
     max_body_bytes: int = 10 * 1024 * 1024
     max_file_bytes: int = 200 * 1024 * 1024
