@@ -12,8 +12,13 @@ from .test_engine_parity import NEWS, QUERIES
 
 
 def _options(response) -> dict:
+    [result] = response.results
     return {q.id: [[(o.text, o.logprob) for o in c.options] for c in q.combinations]
-            for q in response.queries}
+            for q in result.queries}
+
+
+def _ids(response) -> list[str]:
+    return [q.id for q in response.results[0].queries]
 
 
 def test_requests_sharing_questions_keep_their_own_ids_and_scores(tiny_engine):
@@ -21,8 +26,8 @@ def test_requests_sharing_questions_keep_their_own_ids_and_scores(tiny_engine):
     first, second = tiny_engine.score_batch([
         {"text": NEWS, "scoring": {"queries": QUERIES}},
         {"text": NEWS, "scoring": {"queries": renamed}}])
-    assert [q.id for q in first.queries] == [q["id"] for q in QUERIES]
-    assert [q.id for q in second.queries] == [q["id"] for q in renamed]
+    assert _ids(first) == [q["id"] for q in QUERIES]
+    assert _ids(second) == [q["id"] for q in renamed]
     assert list(_options(first).values()) == list(_options(second).values())
 
 
@@ -38,6 +43,24 @@ def test_a_list_differing_in_options_gets_its_own_layout(tiny_engine):
     assert _options(flipped)["tone"] == _options(base)["tone"]
 
 
+@pytest.mark.parametrize("change", [{"case_insensitive": False}, {"empty_floor": False}])
+def test_a_scoring_setting_gets_its_own_layout(tiny_engine, change):
+    """The same queries asked case-sensitively, or without a floor, are laid out apart from
+    the defaults' (spellings and floors are part of a layout)."""
+    base, changed = tiny_engine.score_batch([
+        {"text": NEWS, "scoring": {"queries": QUERIES}},
+        {"text": NEWS, "scoring": {"queries": QUERIES, **change}}])
+    again = tiny_engine.score({"text": NEWS, "scoring": {"queries": QUERIES}})
+    assert again.results == base.results
+    combos = [c for q in changed.results[0].queries for c in q.combinations]
+    if "empty_floor" in change:
+        assert _options(changed) == _options(base)
+        assert all(c.floor_residual is None and all(o.floor_p is None for o in c.options)
+                   for c in combos)
+    else:
+        assert _options(changed) != _options(base)
+        assert all(c.floor_residual is not None for c in combos)
+
 
 def test_rows_are_the_rows_the_document_takes_in_a_pass(tiny_engine):
     """Engine.rows (what the queue packs passes by) is the real layout's length: content
@@ -45,15 +68,20 @@ def test_rows_are_the_rows_the_document_takes_in_a_pass(tiny_engine):
     the ids it tokenised) gives the same bits as scoring without it."""
     texts = ["", NEWS[:40], " ".join([NEWS] * 4)]
     requests = [{"text": text, "scoring": {"queries": QUERIES}} for text in texts]
+    # several inputs: the rows of each document, added up
+    requests.append({"inputs": [{"id": str(k), "messages": [{"role": "user", "content": t}]}
+                                for k, t in enumerate(texts)], "scoring": {"queries": QUERIES}})
     alone = tiny_engine.score_batch(requests)
     rows = [tiny_engine.rows(r) for r in requests]
-    flats = [p.flat for p in tiny_engine.preparer.prepare_batch(requests)]
-    assert rows == [f.length for f in flats]
+    lengths = [[d.flat.length for d in p.docs]
+               for p in tiny_engine.preparer.prepare_batch(requests)]
+    assert rows == [sum(n) for n in lengths]
+    assert lengths[3] == [n for [n] in lengths[:3]]
     assert all(r % 128 == 0 for r in rows) and rows[0] < rows[2]
     for r in requests:
         tiny_engine.rows(r)
     after = tiny_engine.score_batch(requests)
-    assert [_options(a) for a in after] == [_options(a) for a in alone]
+    assert [a.results for a in after] == [a.results for a in alone]
 
 
 def test_rows_raise_what_scoring_reports(tiny_engine):
