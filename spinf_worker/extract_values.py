@@ -1,25 +1,36 @@
 """Grammars and parsers for the values of extraction slots: ``{n}`` numbers, ``{$}`` amounts.
 
-The decoder uses the grammars to keep only tokens that can still lead to a valid answer, and
-the parsers to turn a finished answer into the candidate's ``value``. Pure Python.
+The decoder uses the grammars to keep only tokens that can still lead to a valid answer (and to
+tell when the next token cannot continue one: the answer ends there), and the parsers to turn a
+finished answer into its ``value``. Pure Python.
 
 Number (``{n}``)::
 
-    number   = [space] [sign] integer [fraction]
+    number   = [space] ( [sign] quantity                    3.5 million  -12  12.5%
+                       | [sign] integer "."                 3.  (a full stop: the number 3)
+                       | "(" quantity ")" )                 (1,284)  accounting brackets: negative
+    quantity = integer [fraction] [[space] (scale | "%")]
     integer  = digit+  |  digit{1,3} ("," digit{3})+         1234, 1,234, 12,345,678
     fraction = "." digit+                                   1.5, 1,284.50
+    scale    = thousand | million | billion | trillion      any letter case
     space    = " " | U+00A0 | U+202F                        one, as tokenizers glue it on
     sign     = "-" | "+" | U+2212 (minus sign)
 
-Digits are ASCII 0-9. "," only separates thousands and "." is the decimal point. Not
-numbers: ".5", "12.", "1,2", "1e6", "12%", "1 000".
+Digits are ASCII 0-9. "," only separates thousands and "." is the decimal point (or a full
+stop after a whole number). A percentage is the number as written (12.5% is 12.5). Not
+numbers: ".5", "1,2", "1e6", "1 000", "3.5 mn", "(-3)".
 
 Amount (``{$}``)::
 
-    amount   = [space] ( [sign] currency [space] value          $1,284.50  -$5  USD 12  £ 12
-                       | currency [space] sign value             $-5  USD -12
-                       | [sign] value [[space] currency] )       12.5bn  1,284.50 USD  12 €
-    value    = integer [fraction] [[space] scale]               €3.2 million  EUR 40k
+    amount   = [space] ( [sign] currency [space] end        $1,284.50  -$5  USD 12  $40.
+                       | currency [space] sign end          $-5  USD -12
+                       | [sign] end                         12.5bn  12.
+                       | [sign] value [space] currency      1,284.50 USD  12 €
+                       | "(" unsigned ")"                   ($1,284.50)  (12 USD): negative
+                       | currency [space] "(" value ")" )   $(1,284.50): negative
+    unsigned = currency [space] value | value [[space] currency]
+    end      = value | integer "."                          a full stop after a whole amount
+    value    = integer [fraction] [[space] scale]           €3.2 million  EUR 40k
     currency = "$" | "€" | "£" | "¥"  |  three letters A-Z      ISO 4217 style, not checked
     scale    = thousand | million | billion | trillion          any letter case
              | k | m | mm | mn | b | bn | t | tn               any letter case
@@ -57,6 +68,7 @@ __all__ = [
 ]
 
 CURRENCY_SYMBOLS = {"$": "USD", "€": "EUR", "£": "GBP", "¥": "JPY"}
+NUMBER_SCALES = {"thousand": 10**3, "million": 10**6, "billion": 10**9, "trillion": 10**12}
 SCALES = {"thousand": 10**3, "million": 10**6, "billion": 10**9, "trillion": 10**12,
           "k": 10**3, "m": 10**6, "mm": 10**6, "mn": 10**6,
           "b": 10**9, "bn": 10**9, "t": 10**12, "tn": 10**12}
@@ -83,6 +95,11 @@ class ValueGrammar:
     def states(self) -> int:
         return len(self._transitions)
 
+    @property
+    def alphabet(self) -> frozenset[str]:
+        """Every character that can appear in a value."""
+        return frozenset(char for row in self._transitions for char in row)
+
     def feed(self, state: int, text: str) -> int:
         """The state after reading ``text`` from ``state`` (``DEAD`` stays ``DEAD``)."""
         transitions = self._transitions
@@ -91,6 +108,10 @@ class ValueGrammar:
                 break
             state = transitions[state].get(char, -1)
         return state
+
+    def next_chars(self, state: int) -> tuple[str, ...]:
+        """The characters that can follow the text that led to ``state``."""
+        return tuple(self._transitions[state]) if state >= 0 else ()
 
     def accepts(self, state: int) -> bool:
         """Whether the text that led to ``state`` is a complete value."""
@@ -245,15 +266,28 @@ _integer = _alt(
     _seq(_digit, _opt(_digit), _opt(_digit), _plus(_seq(_chars(","), _digit, _digit, _digit))),
 )
 _body = _seq(_integer, _opt(_seq(_chars("."), _plus(_digit))))
-_scale = _alt(*(_word(word) for word in SCALES))
-_value = _seq(_body, _opt(_seq(_opt(_space), _scale)))
+_full_stop = _seq(_integer, _chars("."))   # "3." ends a sentence: the value is 3
 _currency = _alt(_chars("".join(CURRENCY_SYMBOLS)), _seq(*([_chars(_UPPER)] * 3)))
 
-NUMBER = _compile("number", _seq(_opt(_space), _opt(_sign), _body))
+_number_scale = _alt(*(_word(word) for word in NUMBER_SCALES))
+_quantity = _seq(_body, _opt(_seq(_opt(_space), _alt(_number_scale, _chars("%")))))
+NUMBER = _compile("number", _seq(_opt(_space), _alt(
+    _seq(_opt(_sign), _alt(_quantity, _full_stop)),
+    _seq(_chars("("), _quantity, _chars(")")),
+)))
+
+_scale = _alt(*(_word(word) for word in SCALES))
+_value = _seq(_body, _opt(_seq(_opt(_space), _scale)))
+_end = _alt(_value, _full_stop)
+_unsigned = _alt(_seq(_currency, _opt(_space), _value),
+                 _seq(_value, _opt(_seq(_opt(_space), _currency))))
 AMOUNT = _compile("amount", _seq(_opt(_space), _alt(
-    _seq(_opt(_sign), _currency, _opt(_space), _value),
-    _seq(_currency, _opt(_space), _sign, _value),
-    _seq(_opt(_sign), _value, _opt(_seq(_opt(_space), _currency))),
+    _seq(_opt(_sign), _currency, _opt(_space), _end),
+    _seq(_currency, _opt(_space), _sign, _end),
+    _seq(_opt(_sign), _end),
+    _seq(_opt(_sign), _value, _opt(_space), _currency),
+    _seq(_chars("("), _unsigned, _chars(")")),
+    _seq(_currency, _opt(_space), _chars("("), _value, _chars(")")),
 )))
 
 
@@ -276,56 +310,86 @@ def amount_complete(text: str) -> bool:
 
 
 # ---- parsing ------------------------------------------------------------------------------
-# Regular expressions for the same grammars, used to take a complete value apart (and, in the
-# tests, to check the automata against an independent statement of the grammar).
+# A complete value is taken apart in two steps: its leading space, accounting brackets and full
+# stop come off, and what is left matches one of the regular expressions below (the grammars
+# without those). The automaton says first whether the text is a complete value at all.
 
 _SP = f"[{_SPACES}]"
 _SIGN = f"[{_SIGNS}]"
 _BODY = r"(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?"
 _CURRENCY = "[" + re.escape("".join(CURRENCY_SYMBOLS)) + "]|[A-Z]{3}"
 _SCALE = "(?i:" + "|".join(sorted(SCALES, key=len, reverse=True)) + ")"
+_NUMBER_SCALE = "(?i:" + "|".join(NUMBER_SCALES) + ")"
 
-NUMBER_RE = re.compile(f"{_SP}?(?P<sign>{_SIGN})?(?P<body>{_BODY})")
-# The regex allows a sign both before and after a leading currency, and a currency on both
-# sides; parse_amount rejects those, as the grammar does.
-AMOUNT_RE = re.compile(
-    f"{_SP}?(?P<sign>{_SIGN})?(?:(?P<before>{_CURRENCY}){_SP}?(?P<sign2>{_SIGN})?)?"
+_NUMBER_PARTS = re.compile(
+    f"(?P<sign>{_SIGN})?(?P<body>{_BODY})(?:{_SP}?(?:(?P<scale>{_NUMBER_SCALE})|%))?")
+# One sign and one currency at most: the automaton has already rejected the others.
+_AMOUNT_PARTS = re.compile(
+    f"(?P<sign>{_SIGN})?(?:(?P<before>{_CURRENCY}){_SP}?(?P<sign2>{_SIGN})?)?"
     f"(?P<body>{_BODY})(?:{_SP}?(?P<scale>{_SCALE}))?(?:{_SP}?(?P<after>{_CURRENCY}))?")
+
+
+def _unwrap(text: str) -> tuple[str, bool]:
+    """A complete value without its leading space, full stop and brackets; and whether it
+    was in brackets (negative). "(1,284)" -> ("1,284", True); "$(12)" -> ("$12", True)."""
+    if text[:1] in _SPACES:
+        text = text[1:]
+    if text.endswith("."):   # in a complete value, only a full stop can end it
+        text = text[:-1]
+    opening = text.find("(")
+    if opening < 0:
+        return text, False
+    return text[:opening] + text[opening + 1:-1], True
 
 
 def _negative(sign: str | None) -> bool:
     return sign is not None and sign != "+"
 
 
+def _scaled(body: str, scale: int) -> int | float:
+    """``body`` (digits, maybe a decimal point) times ``scale``: an int when it has no decimal
+    point, else a float rounded once (``Decimal`` keeps 3.2 million exact)."""
+    if "." not in body:
+        return int(body) * scale
+    value = float(Decimal(body) * scale)
+    if not math.isfinite(value):
+        raise ValueError(f"value out of range: {body!r}")
+    return value
+
+
 def parse_number(text: str) -> int | float:
     """The value of a complete number: an int when it has no decimal point, else a float.
+    Brackets and minus signs make it negative; a scale word multiplies; a percentage is the
+    number as written (12.5% is 12.5).
 
     ``ValueError`` when ``text`` is not a complete number or does not fit a float."""
-    match = NUMBER_RE.fullmatch(text)
-    if match is None:
+    if not NUMBER.complete(text):
         raise ValueError(f"not a number: {text!r}")
-    body = match["body"].replace(",", "")
-    value: int | float = int(body) if "." not in body else float(body)
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ValueError(f"number out of range: {text!r}")
-    return -value if _negative(match["sign"]) else value
+    core, bracketed = _unwrap(text)
+    match = _NUMBER_PARTS.fullmatch(core)
+    scale = NUMBER_SCALES[match["scale"].lower()] if match["scale"] else 1
+    try:
+        value = _scaled(match["body"].replace(",", ""), scale)
+    except ValueError:
+        raise ValueError(f"number out of range: {text!r}") from None
+    return -value if bracketed or _negative(match["sign"]) else value
 
 
 def parse_amount(text: str) -> dict:
     """The value of a complete amount: ``{"amount": float, "currency": str | None}``.
 
     ``ValueError`` when ``text`` is not a complete amount or does not fit a float."""
-    match = AMOUNT_RE.fullmatch(text)
-    if (match is None or (match["sign"] and match["sign2"])
-            or (match["before"] and match["after"])):
+    if not AMOUNT.complete(text):
         raise ValueError(f"not an amount: {text!r}")
+    core, bracketed = _unwrap(text)
+    match = _AMOUNT_PARTS.fullmatch(core)
     amount = Decimal(match["body"].replace(",", ""))
     if match["scale"]:
         amount *= SCALES[match["scale"].lower()]
     value = float(amount)
     if not math.isfinite(value):
         raise ValueError(f"amount out of range: {text!r}")
-    if _negative(match["sign"] or match["sign2"]):
+    if bracketed or _negative(match["sign"] or match["sign2"]):
         value = -value
     currency = match["before"] or match["after"]
     return {"amount": value, "currency": CURRENCY_SYMBOLS.get(currency, currency)}

@@ -18,18 +18,25 @@ from spinf_worker.extract_values import (
     parse_number,
     parse_value,
 )
-from spinf_worker.protocol import AmountValue, Candidate
+from spinf_worker.protocol import Answer
 
 NUMBERS = {
     "0": 0, "7": 7, "42": 42, " 3": 3, "-3": -3, "+3": 3, "\u22123": -3, " -1,234.50": -1234.5,
     "1,234": 1234, "12,345,678": 12345678, "1234567": 1234567, "0042": 42, "1.5": 1.5,
     "1,284.50": 1284.5, "0.001": 0.001, "\u00a012": 12, "\u202f-0.5": -0.5,
+    # scale words, percentages, accounting brackets, a full stop
+    " 3.5 million": 3500000.0, "12 Million": 12000000, "2 BILLION": 2000000000,
+    "1.25 trillion": 1.25e12, "7thousand": 7000, "12%": 12, " 12.5%": 12.5, "12 %": 12,
+    "(1,284)": -1284, " (3.5)": -3.5, "(12%)": -12, "(2 million)": -2000000, "3.": 3,
+    " 1,234.": 1234, "-7.": -7,
 }
 # Could still become a number, but are not one yet.
-NUMBER_PREFIXES = ["", " ", "-", " +", "1,", "1,2", "1,23", "12.", "1,234,", "1,234,5"]
+NUMBER_PREFIXES = ["", " ", "-", " +", "1,", "1,2", "1,23", "1,234,", "1,234,5", "(", " (3",
+                   "(3.5", "(1,2", "3 ", "3.5 mil", "12 Bil", "(3.5 million", "(12%"]
 NOT_NUMBERS = ["abc", "1..2", "1,2,,3", "1,2345", "1234,567", ",1", ".5", "1.2.3", "1.2,3",
-               "  3", "- 3", "--3", "3-", "1e6", "12%", "1 000", "$3", "3 ", "١٢", "1,,2",
-               "\t3", "1.,5", "+-3"]
+               "  3", "- 3", "--3", "3-", "1e6", "1 000", "$3", "١٢", "1,,2",
+               "\t3", "1.,5", "+-3", "(-3)", "-(3)", "(3.)", "3)", "(3))", "3.5 mn", "3 k",
+               "12%%", "12.%", "3. million", "12% million", "( 3)", "12.5.", "3 million."]
 
 AMOUNTS = {
     "$1,284.50": (1284.5, "USD"), "USD 1,284.50": (1284.5, "USD"),
@@ -46,12 +53,18 @@ AMOUNTS = {
     "3m MXN": (3e6, "MXN"), "\u221212.5 GBP": (-12.5, "GBP"), "$\u00a012": (12.0, "USD"),
     "0.1 million": (100000.0, None), "1,234,567.891": (1234567.891, None),
     "12 b": (12e9, None), "12 T": (12e12, None), "12 M": (12e6, None), "12 MN": (12e6, None),
+    # accounting brackets and a full stop
+    "($1,284.50)": (-1284.5, "USD"), " (1,284.50)": (-1284.5, None), "$(12)": (-12.0, "USD"),
+    "$ (12)": (-12.0, "USD"), "(12 USD)": (-12.0, "USD"), "(€3.2 million)": (-3.2e6, "EUR"),
+    "$40.": (40.0, "USD"), "12.": (12.0, None), "-$5.": (-5.0, "USD"), "USD -12.": (-12.0, "USD"),
 }
 AMOUNT_PREFIXES = ["", " ", "$", "-", "-$", "$ ", "U", "US", "USD", "USD ", "€3.2 ", "€3.2 mil",
-                   "12 bi", "12 Tr", "1,", "12 Mi", "12 MX", "12 bn U", "12 M "]
+                   "12 bi", "12 Tr", "1,", "12 Mi", "12 MX", "12 bn U", "12 M ", "(", "($1",
+                   "$(1", "(12 US", "$ (", "(3.2 million"]
 NOT_AMOUNTS = ["abc", "$$", "1..2", "1,2,,3", "$5 USD", "-$-5", "--5", "$ $5", "usd 5", "5 usd",
-               "US 5", "USDD 5", "$.5", "12 bnbn", "12 kilo", "12  USD", "12 ml", "12.",
-               "$12 $", "€€", "12 USDX", "5 quadrillion", "£-£5"]
+               "US 5", "USDD 5", "$.5", "12 bnbn", "12 kilo", "12  USD", "12 ml", "12..",
+               "$12 $", "€€", "12 USDX", "5 quadrillion", "£-£5", "(-5)", "-(5)", "($5 USD)",
+               "$(5 USD)", "(5))", "12.5.", "$12. million", "12. USD", "(12.)", "12%"]
 
 
 def prefixes(text):
@@ -100,19 +113,19 @@ def test_number_that_overflows_a_float():
 
 
 def test_number_grammar_against_brute_force():
-    """Over a small alphabet: ``complete`` is the regex, and ``prefix_ok`` holds exactly for
-    the prefixes of the complete strings (every short prefix completes within 7 chars)."""
-    alphabet = ["1", "0", ",", ".", "-", " "]
+    """Over a small alphabet: ``prefix_ok`` holds exactly for the prefixes of the complete
+    strings (every prefix of two characters completes within six)."""
+    alphabet = ["1", "0", ",", ".", "-", " ", "(", ")", "%"]
     complete = set()
-    for length in range(8):
+    for length in range(7):
         for chars in itertools.product(alphabet, repeat=length):
             text = "".join(chars)
             if number_complete(text):
                 complete.add(text)
-    assert {"1", "-1,000", " 1.01", "10,000"} <= complete
+    assert {"1", "-1,000", " 1.01", "10,000", "(1)", " (10%)", "1.", "-1%"} <= complete
     assert all(parse_number(text) is not None for text in complete)
     prefix_set = {prefix for text in complete for prefix in prefixes(text)}
-    for length in range(4):
+    for length in range(3):
         for chars in itertools.product(alphabet, repeat=length):
             text = "".join(chars)
             assert number_prefix_ok(text) == (text in prefix_set), text
@@ -167,18 +180,21 @@ def test_amount_that_overflows_a_float():
 def _oracle_amount_pattern():
     """The amount grammar restated as one regex, independently of the module's."""
     sp, sign = "[ \u00a0\u202f]", "[-+\u2212]"
-    body = r"(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?"
+    integer = r"(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)"
+    body = integer + r"(?:\.[0-9]+)?"
     scale = r"(?i:thousand|million|billion|trillion|k|m|mm|mn|b|bn|t|tn)"
     value = f"{body}(?:{sp}?{scale})?"
+    end = f"(?:{value}|{integer}\\.)"
     currency = "(?:[$€£¥]|[A-Z]{3})"
-    return (f"{sp}?(?:{sign}?{currency}{sp}?{value}|{currency}{sp}?{sign}{value}"
-            f"|{sign}?{value}(?:{sp}?{currency})?)")
+    unsigned = f"(?:{currency}{sp}?{value}|{value}(?:{sp}?{currency})?)"
+    return (f"{sp}?(?:{sign}?{currency}{sp}?{end}|{currency}{sp}?{sign}{end}|{sign}?{end}"
+            f"|{sign}?{value}{sp}?{currency}|\\({unsigned}\\)|{currency}{sp}?\\({value}\\))")
 
 
 def _random_amount_like(rng):
     pieces = [" ", "\u00a0", "-", "+", "$", "€", "£", "¥", "USD", "EU", "R", "1", "23", "456",
               "7", ",", ",000", ".", ".5", "k", "m", "mn", "B", "bn", "T", "tn", "mil", "lion",
-              "thousand", "Billion", "x", "%"]
+              "thousand", "Billion", "x", "%", "(", ")"]
     return "".join(rng.choice(pieces) for _ in range(rng.randint(0, 6)))
 
 
@@ -203,10 +219,13 @@ def test_amount_grammar_against_an_oracle_regex():
 
 def test_number_grammar_against_an_oracle_regex():
     regex = pytest.importorskip("regex")
-    pattern = regex.compile(r"[ \u00a0\u202f]?[-+\u2212]?"
-                            r"(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?")
+    integer = r"(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)"
+    quantity = integer + r"(?:\.[0-9]+)?(?:[ \u00a0\u202f]?(?:(?i:thousand|million|billion|trillion)|%))?"
+    pattern = regex.compile(rf"[ \u00a0\u202f]?(?:[-+\u2212]?(?:{quantity}|{integer}\.)"
+                            rf"|\({quantity}\))")
     rng = random.Random(99)
-    pieces = ["1", "23", "456", ",", ",000", ".", "5", "-", " ", "+", "a"]
+    pieces = ["1", "23", "456", ",", ",000", ".", "5", "-", " ", "+", "a", "(", ")", "%",
+              " million", "Billion", "thou", "sand", "m"]
     for _ in range(20000):
         text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 7)))
         assert number_complete(text) == (pattern.fullmatch(text) is not None), text
@@ -288,12 +307,33 @@ def test_grammar_for_and_parse_value():
             parse_value(bad, "1")
 
 
-def test_parsed_values_fit_the_response_candidate():
-    amount = Candidate(text="$5", logprob=-0.1, p=0.9, value=parse_amount("$5"))
-    assert amount.value == AmountValue(amount=5.0, currency="USD")
-    number = Candidate(text=" 12", logprob=-0.1, p=0.9, value=parse_number(" 12"))
-    assert type(number.value) is int and number.value == 12
-    assert Candidate(text="1.5", logprob=0, p=1, value=parse_number("1.5")).value == 1.5
+def test_parsed_values_fit_the_response_answer():
+    amount = parse_amount("($5)")
+    answer = Answer(text="($5)", p=0.9, value=amount["amount"], currency=amount["currency"])
+    assert answer.model_dump() == {"text": "($5)", "p": 0.9, "value": -5.0, "currency": "USD"}
+    assert Answer(text="3.5 million", p=0.5, value=parse_number("3.5 million")).value == 3.5e6
+
+
+def test_brackets_percent_scales_and_full_stops():
+    assert parse_number(" (3.5)") == -parse_number(" 3.5")
+    assert parse_number("12.5%") == 12.5            # the number as written
+    assert parse_number("3.5 million") == 3_500_000.0 and type(parse_number("3 million")) is int
+    assert parse_number("3.") == 3 and type(parse_number("3.")) is int
+    assert parse_amount("($1,284.50)") == {"amount": -1284.5, "currency": "USD"}
+    assert parse_amount("$(3.2 million)") == {"amount": -3.2e6, "currency": "USD"}
+    # a full stop is complete yet may go on: "3." can still become "3.5"
+    state = NUMBER.feed(NUMBER.start, "3.")
+    assert NUMBER.accepts(state) and NUMBER.next_chars(state) == tuple("0123456789")
+    # a number's scales are words: "3 k" is no number, but an amount
+    assert not number_prefix_ok("3 k") and amount_complete("3 k")
+
+
+def test_alphabet_and_next_chars():
+    assert set("0123456789 ,.-+()%") <= NUMBER.alphabet and "$" not in NUMBER.alphabet
+    assert {"$", "€", "U", "S", "D"} <= AMOUNT.alphabet
+    assert NUMBER.next_chars(ValueGrammar.DEAD) == ()
+    closed = NUMBER.feed(NUMBER.start, "(12)")
+    assert NUMBER.accepts(closed) and NUMBER.next_chars(closed) == ()
 
 
 def test_module_does_not_import_torch():
