@@ -20,7 +20,8 @@ router = APIRouter(prefix="/v1/packs", tags=["packs"], dependencies=V1_AUTH)
 
 
 @cache
-def _packs(sources: tuple[str, ...]) -> dict[str, dict[str, Pack]]:
+def loaded_packs(sources: tuple[str, ...]) -> dict[str, dict[str, Pack]]:
+    """The packs of these sources, loaded once per process (as the workers load them)."""
     return load_sources(sources)
 
 
@@ -32,7 +33,7 @@ def _sources(sources: tuple[str, ...]) -> list[str]:
 @router.get("", responses=error_responses(401))
 def list_packs(services: ServicesDep) -> dict:
     sources = tuple(services.settings.packs)
-    packs = _packs(sources)
+    packs = loaded_packs(sources)
     return {"packs": [next(iter(versions.values())).summary(list(versions))
                       for versions in packs.values()],
             "sources": _sources(sources)}
@@ -42,7 +43,7 @@ def list_packs(services: ServicesDep) -> dict:
 def get_pack(pack_id: str, services: ServicesDep, version: str | None = None) -> dict:
     """The pack file as loaded (default: the newest version)."""
     try:
-        pack = find_pack(_packs(tuple(services.settings.packs)), pack_id, version,
+        pack = find_pack(loaded_packs(tuple(services.settings.packs)), pack_id, version,
                          param="id", version_param="version")
     except InvalidRequestError as err:
         raise NotFoundError(err.message, param=err.param, code=err.code) from None

@@ -7,6 +7,7 @@ timeout is a 503 (the job goes on: its id is in ``X-Job-Id``)."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 from typing import Annotated
 
@@ -20,6 +21,7 @@ from spinf_worker.openai_compat import (
     score_request_from_chat,
     score_to_chat_completion,
 )
+from spinf_worker.pack_refs import resolve as resolve_pack
 from spinf_worker.protocol import ScoreRequest, ScoreResponse
 from spinf_worker.queue.producer import Submission
 from spinf_worker.queue.results import JobResult
@@ -28,6 +30,7 @@ from ..auth import V1_AUTH
 from ..errors import RateLimitError, ServiceUnavailableError
 from ..models import ChatCompletionRequest, JobAccepted, error_responses, json_body
 from ..services import Services, ServicesDep, read_json
+from .packs import loaded_packs
 
 router = APIRouter(prefix="/v1", tags=["scoring"], dependencies=V1_AUTH)
 
@@ -47,6 +50,16 @@ async def check_model(services: Services, model: str | None) -> None:
         raise ModelNotFoundError(
             f"model {model!r} is not served here; served: {', '.join(sorted(served))}",
             param="model")
+
+
+async def check_packs(services: Services, request: ScoreRequest) -> None:
+    """The packs a request names exist here, with its context and decision (a plain call on
+    a thread: the first one may fetch a git source)."""
+    refs = request.scoring.packs or []
+    if refs:
+        packs = await asyncio.to_thread(loaded_packs, tuple(services.settings.packs))
+        for index, ref in enumerate(refs):
+            resolve_pack(packs, ref, index)
 
 
 async def check_backlog(services: Services) -> None:
@@ -83,6 +96,7 @@ async def submit_and_wait(services: Services, request: ScoreRequest, *,
                           ) -> tuple[str, JobResult | None]:
     """(job id, its result or None when not finished within ``timeout``)."""
     await check_model(services, request.model)
+    await check_packs(services, request)
     await check_backlog(services)
     payload = request.model_dump(mode="json", exclude_none=True)
     job_id, _created = await services.producer.submit(Submission(

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 from ..errors import ContextLengthError, InvalidRequestError, ModelNotFoundError, SpinfError
 from ..model_names import served_names
-from ..packs import Pack, find_pack
+from ..pack_refs import resolve as resolve_pack
+from ..packs import Pack
 from ..protocol import DEFAULT_LIMITS, Document, Limits, Query, ScoreRequest, query_layout_key
 from ..templates import Combination
 from ..tiles import padded_rows
@@ -311,14 +312,7 @@ class Preparer:
                             code="option_too_long")
 
     def _pack_run(self, ref, index: int) -> PackRun:
-        where = f"scoring.packs.{index}"
-        pack = find_pack(self.packs, ref.id, ref.version, param=f"{where}.id")
-        pack.check_decision(ref.decision, f"{where}.decision")
-        context = ref.context or next(iter(pack.contexts))
-        if context not in pack.contexts:
-            raise InvalidRequestError(
-                f"{pack.id} has no context {context!r}; contexts: {', '.join(pack.contexts)}",
-                param=f"{where}.context", code="invalid_field")
+        pack, context = resolve_pack(self.packs, ref, index)
         queries = self._pack_query_list(pack)
         return PackRun(pack, context, ref.decision, bool(ref.include_queries),
                        frozenset(q.id for q in queries))
