@@ -4,17 +4,44 @@ The pass keeps the keys and values of documents that have extraction slots. Each
 context is its document's root plus its own template branch; decoding steps then run every
 beam of every slot of the pass together: one new row per beam, attending to its slot's kept
 context and to the tokens it generated so far. The content is never read again.
+
+A searched slot keeps its ``beam_width`` most likely beams, and at every step each beam may
+also end: the answer's probability is P(its tokens) x P(the answer ends there). A text answer
+ends at a token that starts with a stop text or a newline, or at a special token (end of
+text); a number or amount ends when the next token cannot continue the value, so P(end) is
+1 - P(the tokens its grammar allows next). "Bud" and "Bud Light" are different answers, each
+with the probability of exactly that text.
+
+A generated slot writes ``n`` sequences instead, ending at the same places or at
+``max_tokens``: greedily (the end competes with the tokens as one event), or sampled from the
+``top_k`` most likely continuations and the end, inside the ``top_p`` nucleus, each sequence
+from its own random stream (seed, sequence).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from ..extract_values import ValueGrammar
 from ..tiles import ROW_TILE
+
+SAMPLE_TOP_K = 40   # continuations a sampled token is drawn from when the request names none
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a generated slot writes: ``temperature`` 0 is greedy; above 0 each token is drawn
+    from the ``top_k`` most likely continuations (``SAMPLE_TOP_K`` when None) and the end,
+    kept to the smallest set holding ``top_p`` of their probability; ``n`` sequences."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    seed: int = 0
+    n: int = 1
 
 
 @dataclass
@@ -24,20 +51,24 @@ class SlotJob:
     context_rows: torch.Tensor       # rows into the kept keys/values (root + own branch)
     context_pos: torch.Tensor        # their positions
     first_logprobs: torch.Tensor     # [vocab] fp32: the distribution after the template prefix
-    stops: tuple[str, ...] = ("\n",)  # texts that end the answer (not part of it)
+    stops: tuple[str, ...] = ("\n",)  # texts that end a text answer (not part of it)
     max_tokens: int = 32
-    beam_width: int = 4
-    candidates: int = 4
-    allowed: Callable[[str], bool] = lambda text: True    # could ``text`` still grow into an answer
-    complete: Callable[[str], bool] = lambda text: True   # is ``text`` a whole answer
-    sample: tuple[float, int | None] | None = None        # (temperature, seed): generated slots
+    beam_width: int = 4              # live beams of a searched slot
+    candidates: int = 4              # answers the search makes sure of (the top ones)
+    grammar: ValueGrammar | None = None   # numbers and amounts: what an answer may be
+    sample: Sampling | None = None         # a generated slot
 
 
 @dataclass
 class Found:
+    """One answer: its text and log-probability (a searched one: with its end; a generated
+    one: of its tokens), and why it finished: "stop" (it ended) or "length" (max_tokens)."""
+
     text: str
     logprob: float
     tokens: list[int] = field(default_factory=list)
+    finish: str = "stop"
+    sequence: int = 0                # a generated slot: which of its n sequences
 
 
 @dataclass
@@ -92,65 +123,107 @@ class _Beam:
     tokens: list[int]
     logprob: float
     text: str
+    state: int = 0                   # the grammar's state after ``text`` (numbers, amounts)
+    sequence: int = 0                # a generated slot: which sequence this is
+    stream: torch.Generator | None = None   # ... and its random stream
+
+
+class _Vocabulary:
+    """What decoding needs to know of every token, worked out once per tokenizer: its text
+    on its own, which tokens can never be part of an answer, which end a text answer (per set
+    of stops), and which continue a value from each state of a grammar."""
+
+    def __init__(self, tokenizer, eos_id: int, size: int, device: torch.device):
+        known = min(tokenizer.get_vocab_size(), size)
+        self.pieces = tokenizer.decode_batch([[i] for i in range(known)],
+                                             skip_special_tokens=False)
+        self.pieces += [""] * (size - known)    # rows of the readout past the tokenizer's
+        special = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+        self.special_ids = {i for i in special | {eos_id} if i < size}
+        special = sorted(self.special_ids)
+        self.device = device
+        self.special = torch.zeros(size, dtype=torch.bool, device=device)
+        self.special[special] = True
+        # tokens that add no text (pieces past the tokenizer's): never a continuation
+        self.empty = torch.tensor([p == "" for p in self.pieces], device=device) & ~self.special
+        self._ends: dict[tuple[str, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._value_pieces: dict[ValueGrammar, dict[str, list[tuple[int, str]]]] = {}
+        self._extensions: dict[tuple[ValueGrammar, int], tuple[torch.Tensor, list[int]]] = {}
+
+    def ends(self, stops: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Masks over the vocabulary: the tokens that end a text answer right here (a special
+        token, or a piece starting with one of ``stops``), and the tokens that cannot
+        continue it (those, and the empty pieces)."""
+        if stops not in self._ends:
+            starts = tuple(stop for stop in stops if stop)
+            mask = torch.tensor([bool(starts) and p.startswith(starts) for p in self.pieces],
+                                device=self.device) | self.special
+            self._ends[stops] = mask, mask | self.empty
+        return self._ends[stops]
+
+    def extensions(self, grammar: ValueGrammar, state: int) -> tuple[torch.Tensor, list[int]]:
+        """The tokens whose text continues a value from ``state`` and the states they lead
+        to. A DFA's state says all that matters of the text so far, so this is computed once
+        per state and reused by every beam and every slot."""
+        key = (grammar, state)
+        if key not in self._extensions:
+            if grammar not in self._value_pieces:   # by first character: few can follow
+                alphabet, by_first = grammar.alphabet, {}
+                for i, piece in enumerate(self.pieces):
+                    if piece and set(piece) <= alphabet and i not in self.special_ids:
+                        by_first.setdefault(piece[0], []).append((i, piece))
+                self._value_pieces[grammar] = by_first
+            ids, states = [], []
+            for char in grammar.next_chars(state):
+                for token, piece in self._value_pieces[grammar].get(char, ()):
+                    following = grammar.feed(state, piece)
+                    if following != ValueGrammar.DEAD:
+                        ids.append(token)
+                        states.append(following)
+            self._extensions[key] = (torch.tensor(ids, dtype=torch.long, device=self.device),
+                                     states)
+        return self._extensions[key]
+
+
+def _log1mexp(logp: float) -> float:
+    """log(1 - exp(logp)) for logp <= 0; -inf when it rounds to nothing."""
+    if logp >= 0:
+        return -math.inf
+    return math.log(-math.expm1(logp)) if logp > -0.693 else math.log1p(-math.exp(logp))
+
+
+def _stream(seed: int, sequence: int) -> torch.Generator:
+    """Sequence j of a generated slot draws from its own stream: the same (seed, j) gives the
+    same draws whatever the other sequences do."""
+    return torch.Generator().manual_seed(seed * 65_536 + sequence)
+
+
+def _first_stop(text: str, since: int, stops: tuple[str, ...]) -> int | None:
+    """Where the first stop (or newline) appears in ``text`` at or after ``since`` minus the
+    stop's own length (a stop may straddle the last two tokens); None when none does."""
+    hits = [i for i in (text.find(stop, max(since - len(stop) + 1, 0)) for stop in stops
+                        if stop) if i >= 0]
+    return min(hits) if hits else None
 
 
 class SlotDecoder:
     def __init__(self, model, tokenizer, eos_id: int, pad_id: int):
         self.model, self.tokenizer, self.eos_id, self.pad_id = model, tokenizer, eos_id, pad_id
+        self._vocabulary: _Vocabulary | None = None
 
     def _text(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=False)
 
-    def _extend(self, job: SlotJob, beam: _Beam, token: int, logprob: float,
-                found: list[Found], out: list[_Beam]) -> None:
-        """Beam + token: a finished answer, a live beam, or nothing (off the grammar)."""
-        tokens = [*beam.tokens, token]
-        total = beam.logprob + logprob
-        if token == self.eos_id:
-            if job.complete(beam.text):
-                found.append(Found(beam.text, total, tokens))
-            return
-        text = self._text(tokens)
-        ends = [i for i in (text.find(e, max(len(beam.text) - len(e) + 1, 0)) for e in job.stops)
-                if i >= 0]
-        if ends:
-            cut = min(ends)
-            if job.complete(text[:cut]):
-                found.append(Found(text[:cut], total, tokens))
-            return
-        if job.allowed(text):
-            out.append(_Beam(beam.slot, tokens, total, text))
-
-    def _expand(self, job: SlotJob, beam: _Beam, logprobs: torch.Tensor, found: list[Found],
-                gen: torch.Generator | None) -> list[_Beam]:
-        out: list[_Beam] = []
-        if job.sample is not None:
-            temperature, _ = job.sample
-            if temperature > 0:
-                token = int(torch.multinomial(torch.softmax(logprobs / temperature, -1), 1,
-                                              generator=gen))
-            else:
-                token = int(torch.argmax(logprobs))
-            self._extend(job, beam, token, float(logprobs[token]), found, out)
-            return out
-        # Search the most likely continuations first; constrained slots may need to look
-        # further down the list for tokens their grammar allows.
-        k = job.beam_width * 2
-        while True:
-            top = torch.topk(logprobs, min(k, logprobs.shape[0]))
-            out.clear()
-            before = len(found)
-            for lp, tok in zip(top.values.tolist(), top.indices.tolist(), strict=True):
-                self._extend(job, beam, tok, lp, found, out)
-            if out or len(found) > before or k >= 4096:
-                return out[: job.beam_width]
-            del found[before:]
-            k *= 8
+    def _vocab(self, size: int, device: torch.device) -> _Vocabulary:
+        if self._vocabulary is None or len(self._vocabulary.pieces) != size:
+            self._vocabulary = _Vocabulary(self.tokenizer, self.eos_id, size, device)
+        return self._vocabulary
 
     @torch.inference_mode()
     def decode(self, jobs: list[SlotJob], kept: dict[int, tuple[torch.Tensor, torch.Tensor]]
                ) -> list[list[Found]]:
-        """Every slot's answers, most likely first."""
+        """Every slot's answers: a searched slot's most likely first, a generated slot's in
+        sequence order."""
         width = max(int(j.context_rows.shape[0]) for j in jobs)
         rows = torch.zeros(len(jobs), width, dtype=torch.long)
         ok = torch.zeros(len(jobs), width, dtype=torch.bool)
@@ -163,47 +236,138 @@ class SlotDecoder:
         plan = DecodePlan({layer: k[rows] for layer, (k, _) in kept.items()},
                           {layer: v[rows] for layer, (_, v) in kept.items()},
                           pos, ok, self.model.cfg.sliding_window)
+        vocab = self._vocab(int(jobs[0].first_logprobs.shape[-1]), dev)
         found: list[list[Found]] = [[] for _ in jobs]
-        gens = [torch.Generator().manual_seed(j.sample[1]) if j.sample and j.sample[1] is not None
-                else None for j in jobs]
-        start = [_Beam(s, [], 0.0, "") for s in range(len(jobs))]
-        beams = [b for s, job in enumerate(jobs)
-                 for b in self._expand(job, start[s], job.first_logprobs, found[s], gens[s])]
+        beams: list[_Beam] = []
+        for s, job in enumerate(jobs):   # the first step reads the pass's own logprobs
+            starts = self._starts(s, job)
+            first = job.first_logprobs.to(dev)
+            beams += [b for _, b in self._grow(job, starts, [first] * len(starts), found[s],
+                                               vocab)]
         next_pos = [int(j.context_pos.max()) + 1 for j in jobs]
         plan.gen_pos = torch.zeros(len(beams), 0, dtype=torch.long, device=dev)
         plan.beam_slot = torch.tensor([b.slot for b in beams], dtype=torch.long, device=dev)
         plan.q_pos = torch.tensor([next_pos[b.slot] for b in beams], dtype=torch.long,
                                   device=dev)
-        for _ in range(max(j.max_tokens for j in jobs) - 1):
-            if not beams:
-                break
+        while beams:
             logprobs = self._step(beams, plan)
             survivors: list[tuple[int, _Beam]] = []
             for s, job in enumerate(jobs):
                 mine = [i for i, b in enumerate(beams) if b.slot == s]
-                if not mine:
-                    continue
-                if len(beams[mine[0]].tokens) >= job.max_tokens:   # cut short: keep as is
-                    found[s].extend(Found(beams[i].text, beams[i].logprob, beams[i].tokens)
-                                    for i in mine if job.complete(beams[i].text))
-                    continue
-                grown = [(i, nb) for i in mine
-                         for nb in self._expand(job, beams[i], logprobs[i], found[s], gens[s])]
-                grown.sort(key=lambda t: -t[1].logprob)
-                grown = grown[: job.beam_width]
-                best_found = max((f.logprob for f in found[s]), default=-math.inf)
-                if len(found[s]) >= job.candidates and grown and grown[0][1].logprob < best_found:
-                    continue   # no live beam can beat the answers already found
-                survivors.extend(grown)
+                if mine:
+                    grown = self._grow(job, [beams[i] for i in mine],
+                                       [logprobs[i] for i in mine], found[s], vocab)
+                    survivors += [(mine[parent], child) for parent, child in grown]
             beams = [b for _, b in survivors]
-            plan.advance(torch.tensor([i for i, _ in survivors], dtype=torch.long, device=dev))
-        for b in beams:   # still live after the last step: cut short at max_tokens
-            if jobs[b.slot].complete(b.text):
-                found[b.slot].append(Found(b.text, b.logprob, b.tokens))
-        for s, job in enumerate(jobs):
-            found[s].sort(key=lambda f: -f.logprob)
-            del found[s][job.candidates:]
+            if beams:
+                plan.advance(torch.tensor([i for i, _ in survivors], dtype=torch.long,
+                                          device=dev))
+        for answers, job in zip(found, jobs, strict=True):
+            if job.sample is not None:
+                answers.sort(key=lambda f: f.sequence)
+            else:
+                answers.sort(key=lambda f: -f.logprob)
         return found
+
+    def _starts(self, slot: int, job: SlotJob) -> list[_Beam]:
+        """Before the first token: one empty beam, or one per generated sequence."""
+        if job.sample is None:
+            start = job.grammar.start if job.grammar is not None else 0
+            return [_Beam(slot, [], 0.0, "", state=start)]
+        return [_Beam(slot, [], 0.0, "", sequence=j, stream=_stream(job.sample.seed, j))
+                for j in range(job.sample.n)]
+
+    def _grow(self, job: SlotJob, beams: list[_Beam], logprobs: list[torch.Tensor],
+              found: list[Found], vocab: _Vocabulary) -> list[tuple[int, _Beam]]:
+        """One step of one slot: its finished answers go to ``found``; the beams that live on
+        come back with their parents' indices into ``beams``."""
+        if job.sample is not None:
+            return self._grow_generated(job, beams, logprobs, found, vocab)
+        children: list[tuple[int, _Beam]] = []
+        for i, (beam, lp) in enumerate(zip(beams, logprobs, strict=True)):
+            end = self._end_logprob(job, beam, lp, vocab)
+            if end > -math.inf and (job.grammar is not None or beam.text.strip()):
+                found.append(Found(beam.text, beam.logprob + end, beam.tokens))
+            if len(beam.tokens) < job.max_tokens:
+                children += [(i, c) for c in self._continuations(job, beam, lp, found, vocab)]
+        children.sort(key=lambda item: -item[1].logprob)
+        # A beam only loses probability as it grows: one below the `candidates`-th answer
+        # found cannot put an answer among the top ones.
+        ranked = sorted((f.logprob for f in found), reverse=True)
+        floor = ranked[job.candidates - 1] if len(ranked) >= job.candidates else -math.inf
+        return [(i, c) for i, c in children[:job.beam_width] if c.logprob > floor]
+
+    def _end_logprob(self, job: SlotJob, beam: _Beam, lp: torch.Tensor,
+                     vocab: _Vocabulary) -> float:
+        """log P(the answer ends after ``beam``)."""
+        if job.grammar is None:
+            ends, _ = vocab.ends(job.stops)
+            return float(torch.logsumexp(lp[ends], 0))
+        if not job.grammar.accepts(beam.state):
+            return -math.inf
+        ids, _ = vocab.extensions(job.grammar, beam.state)
+        if ids.numel() == 0:
+            return 0.0
+        return _log1mexp(min(float(torch.logsumexp(lp[ids], 0)), 0.0))
+
+    def _continuations(self, job: SlotJob, beam: _Beam, lp: torch.Tensor, found: list[Found],
+                       vocab: _Vocabulary) -> list[_Beam]:
+        """The ``beam_width`` most likely ways ``beam`` goes on. A text token that holds a
+        stop after some text of its own (`September".`: no, it starts with the quote;
+        `Sept.\n`: yes) ends the answer there."""
+        if job.grammar is not None:
+            ids, states = vocab.extensions(job.grammar, beam.state)
+            if ids.numel() == 0:
+                return []
+            top = torch.topk(lp[ids], min(job.beam_width, ids.numel()))
+            return [_Beam(beam.slot, [*beam.tokens, int(ids[k])], beam.logprob + value,
+                          beam.text + vocab.pieces[int(ids[k])], state=states[k])
+                    for value, k in zip(top.values.tolist(), top.indices.tolist(),
+                                        strict=True)]
+        _, blocked = vocab.ends(job.stops)
+        top = torch.topk(lp.masked_fill(blocked, -math.inf), min(job.beam_width, lp.shape[0]))
+        out = []
+        for value, token in zip(top.values.tolist(), top.indices.tolist(), strict=True):
+            if value == -math.inf:
+                break
+            child = self._child(job, beam, token, value)
+            if isinstance(child, Found):
+                if child.text.strip():
+                    found.append(child)
+            else:
+                out.append(child)
+        return out
+
+    def _child(self, job: SlotJob, beam: _Beam, token: int, logprob: float) -> _Beam | Found:
+        """``beam`` + ``token``: a longer beam, or the answer it ends (at a stop inside)."""
+        tokens = [*beam.tokens, token]
+        text = self._text(tokens)
+        total = beam.logprob + logprob
+        cut = _first_stop(text, len(beam.text), job.stops)
+        if cut is not None:
+            return Found(text[:cut], total, tokens, sequence=beam.sequence)
+        return _Beam(beam.slot, tokens, total, text, sequence=beam.sequence, stream=beam.stream)
+
+    def _grow_generated(self, job: SlotJob, beams: list[_Beam], logprobs: list[torch.Tensor],
+                        found: list[Found], vocab: _Vocabulary) -> list[tuple[int, _Beam]]:
+        """Each sequence takes its next token or ends; none is pruned."""
+        ends, blocked = vocab.ends(job.stops)
+        children = []
+        for i, (beam, lp) in enumerate(zip(beams, logprobs, strict=True)):
+            end = float(torch.logsumexp(lp[ends], 0))
+            token = _draw(job.sample, end, lp.masked_fill(blocked, -math.inf), beam.stream)
+            if token is None:
+                found.append(Found(beam.text, beam.logprob, beam.tokens, "stop", beam.sequence))
+                continue
+            child = self._child(job, beam, token, float(lp[token]))
+            if isinstance(child, Found):
+                found.append(child)
+            elif len(child.tokens) >= job.max_tokens:
+                found.append(Found(child.text, child.logprob, child.tokens, "length",
+                                   child.sequence))
+            else:
+                children.append((i, child))
+        return children
 
     def _step(self, beams: list[_Beam], plan: DecodePlan) -> torch.Tensor:
         """Feed each beam's last token; full-vocabulary logprobs of its next token."""
@@ -217,3 +381,25 @@ class SlotDecoder:
         hidden = self.model(ids, pos, plan)
         readout = -(-n // 32) * 32
         return self.model.readout_logprobs(hidden[:readout])[:n]
+
+
+def _draw(spec: Sampling, end: float, continuations: torch.Tensor,
+          stream: torch.Generator | None) -> int | None:
+    """The next token of a generated sequence, or None where it ends. ``end``: log P(the
+    answer ends here); ``continuations``: the logprobs of the tokens that go on (-inf where
+    a token cannot)."""
+    if spec.temperature == 0:
+        best = int(torch.argmax(continuations))
+        return None if end >= float(continuations[best]) else best
+    k = min(spec.top_k or SAMPLE_TOP_K, continuations.shape[0])
+    top = torch.topk(continuations, k)
+    scores = torch.cat((torch.tensor([end], dtype=torch.float64),
+                        top.values.double().cpu())) / spec.temperature
+    order = torch.argsort(scores, descending=True, stable=True)
+    probs = torch.softmax(scores[order], 0)
+    # the smallest set of the most likely holding top_p of the probability
+    nucleus = int(torch.searchsorted(torch.cumsum(probs, 0),
+                                     torch.tensor([spec.top_p], dtype=torch.float64))) + 1
+    pick = int(torch.multinomial(probs[:min(nucleus, len(probs))], 1, generator=stream))
+    chosen = int(order[pick])
+    return None if chosen == 0 else int(top.indices[chosen - 1])
