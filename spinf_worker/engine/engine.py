@@ -39,7 +39,7 @@ PREPARE_CHUNK = 8       # requests whose contents are tokenised together (in par
 @dataclass
 class EngineSettings:
     max_pass_tokens: int | None = None   # None: 16384 on CUDA, 8192 on the CPU
-    max_combinations: int = 1024     # per query
+    max_combinations: int = 10_000   # per query (the hosted limit: 10,000 prompts an input)
     floor_cache_size: int = 100_000
     presentation: str = "auto"       # auto | raw | chat
     scheme: str = "auto"             # auto | fp32 | bf16 | fp8 (W8A8; GPUs with fp8 tensor cores)

@@ -18,7 +18,7 @@ from ..model_names import served_names
 from ..pack_refs import resolve as resolve_pack
 from ..packs import Pack
 from ..protocol import DEFAULT_LIMITS, Document, Limits, Query, ScoreRequest, query_layout_key
-from ..templates import Combination
+from ..templates import Combination, check_combinations
 from ..tiles import padded_rows
 from .floors import floor_key
 from .layout import Branch, BranchBlock, FlatDoc
@@ -142,6 +142,7 @@ class Preparer:
             own = {q.id: f"{where}.queries.{k}" for k, q in enumerate(
                 request.inputs[i].queries or [] if request.inputs is not None else [])}
             params = [own.get(q.id) or shared[q.id] for q in doc.queries]
+            self._check_combination_count(doc.queries, params)
             queries, key = list(doc.queries), doc.layout_key
             if runs:
                 self._check_pack_ids(doc, runs, i)
@@ -155,6 +156,16 @@ class Preparer:
             docs.append(Prepared(doc.input_id, where, queries, len(doc.queries), query_set,
                                  self._present(doc, runs, i)))
         return PreparedRequest(request, docs, runs)
+
+    def _check_combination_count(self, queries: list[Query], params: list[str]) -> None:
+        """This server's cap on one query's combinations (EngineSettings.max_combinations)."""
+        for q, param in zip(queries, params, strict=True):
+            n = check_combinations(q.parsed_template, q.combinations, q.values, param=param)
+            if n > self.max_combinations:
+                raise InvalidRequestError(
+                    f"query {q.id!r} has {n:,} combinations; this server scores at most "
+                    f"{self.max_combinations:,} per query", param=f"{param}.combinations",
+                    code="too_many_combinations")
 
     def _present(self, doc: Document, runs: list[PackRun], index: int) -> str:
         """The input's content presented, wrapped in its packs' context."""
