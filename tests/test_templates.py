@@ -2,20 +2,27 @@ import pytest
 
 from spinf_worker.errors import InvalidRequestError
 from spinf_worker.templates import (
+    MAX_ALL_COMBINATIONS,
     Combination,
     Literal,
     Placeholder,
     Slot,
+    check_combinations,
     check_scored_template,
     check_template,
-    expand_grid,
+    expand,
     parse_template,
-    scored_prefix_combinations,
 )
 
 
-def grid(source, values=None, cap=4096):
-    return scored_prefix_combinations(source, values or {}, max_combinations=cap)
+def prompts(source, combinations=None, values=None):
+    return expand(parse_template(source), combinations, values)
+
+
+def error_of(source, combinations=None, values=None, param="") -> InvalidRequestError:
+    with pytest.raises(InvalidRequestError) as caught:
+        expand(parse_template(source), combinations, values, param=param)
+    return caught.value
 
 
 # ---- parsing ---------------------------------------------------------------------------
@@ -40,6 +47,10 @@ def test_escaped_braces_become_literal_text_merged_with_neighbours():
     assert template.parts == (Literal('JSON {"a": 1} and {?}:'), Slot("?"))
 
 
+def test_placeholder_names_are_letters_digits_and_underscores():
+    assert parse_template("{1abc}{_}{Z9}{?}").placeholders == ("1abc", "_", "Z9")
+
+
 def test_placeholders_are_distinct_in_order_of_first_appearance():
     template = parse_template("{b} {a} {b} {_c1}{?}")
     assert template.placeholders == ("b", "a", "_c1")
@@ -53,7 +64,7 @@ def test_slots_in_order():
     ("Answer: {x", "unclosed '{'", 8),
     ("a {b {c}", "unclosed '{'", 2),
     ("Answer {}", "empty '{}'", 7),
-    ("Q {1abc}{?}", "invalid placeholder '{1abc}'", 2),
+    ("Q {a.b}{?}", "invalid placeholder '{a.b}'", 2),
     ("Q { x }{?}", "invalid placeholder '{ x }'", 2),
     ("Q {a-b}{?}", "invalid placeholder '{a-b}'", 2),
     ("stray } here", "unexpected '}'", 6),
@@ -75,24 +86,21 @@ def test_parse_error_param_defaults_to_template():
     assert caught.value.param == "template"
 
 
-# ---- scored-query rules ------------------------------------------------------------------
+
+# ---- the template rules ------------------------------------------------------------------
 
 
 def test_missing_slot():
-    with pytest.raises(InvalidRequestError) as caught:
-        grid("no slot here")
-    assert caught.value.message.startswith("template has no slot")
-    assert "no scored slot {?}" in caught.value.message  # the engine's tests look for this
-    assert caught.value.param == "template"
-    assert caught.value.code == "invalid_template"
+    error = error_of("no slot here")
+    assert error.message.startswith("template has no slot")
+    assert "no scored slot {?}" in error.message  # the engine's tests look for this
+    assert (error.param, error.code) == ("template", "invalid_template")
 
 
 def test_two_scored_slots():
-    with pytest.raises(InvalidRequestError) as caught:
-        grid("a{?} b{?}")
-    assert caught.value.message == (
-        "template has 2 slots (2 scored slots {?}); exactly one is allowed")
-    assert caught.value.code == "invalid_template"
+    error = error_of("a{?} b{?}")
+    assert error.message == "template has 2 slots (2 scored slots {?}); exactly one is allowed"
+    assert error.code == "invalid_template"
 
 
 @pytest.mark.parametrize(("source", "count", "kinds"), [
@@ -107,7 +115,7 @@ def test_several_slots_of_any_kind_name_each_kind(source, count, kinds):
     assert caught.value.code == "invalid_template"
 
 
-@pytest.mark.parametrize("source, kind", [("Q{?}", "?"), ("A: {*}.", "*"), ("{n}", "n"),
+@pytest.mark.parametrize("source, kind", [("Q{?}", "?"), ('A: "{*}"', "*"), ("{n}", "n"),
                                           ("x {$}", "$")])
 def test_the_one_slot(source, kind):
     template = parse_template(source)
@@ -124,64 +132,115 @@ def test_slot_property_raises_without_exactly_one_slot(source, fragment):
     assert caught.value.code == "invalid_template"
 
 
-@pytest.mark.parametrize("slot", ["{*}", "{n}", "{$}"])
-def test_scored_helper_rejects_extraction_slots(slot):
-    with pytest.raises(InvalidRequestError) as caught:
-        scored_prefix_combinations(f"Q: {slot}", {}, max_combinations=10,
-                                   template_param="scoring.queries.2.template")
-    assert caught.value.code == "invalid_template"
-    assert "{?}" in caught.value.message
-    assert caught.value.param == "scoring.queries.2.template"
-
-
-@pytest.mark.parametrize("slot", ["{*}", "{n}", "{$}"])
-def test_expand_grid_expands_extraction_slots(slot):
-    combos = expand_grid(parse_template(f"Q: {slot}"), {}, max_combinations=10)
-    assert combos == [Combination(values={}, prefix="Q: ", stop=None)]
-
-
 def test_check_scored_template():
     check_scored_template(parse_template("Q{?}"))
-    with pytest.raises(InvalidRequestError) as caught:
-        check_scored_template(parse_template("Q {$}"))
-    assert caught.value.code == "invalid_template"
+    for slot in ("{*}", "{n}", "{$}"):
+        with pytest.raises(InvalidRequestError) as caught:
+            check_scored_template(parse_template(f"Q {slot}"), param="scoring.queries.2.template")
+        assert caught.value.code == "invalid_template"
+        assert "{?}" in caught.value.message
+        assert caught.value.param == "scoring.queries.2.template"
 
 
-def test_extraction_slot_next_to_a_scored_slot_is_an_invalid_template():
-    with pytest.raises(InvalidRequestError) as caught:
-        grid("a{?} b{n}")
-    assert caught.value.code == "invalid_template"
+@pytest.mark.parametrize(("source", "slot"), [
+    ("Q{?} trailing", "{?}"), ("Q{?}\n", "{?}"), ("Amount: {n} dollars", "{n}"),
+    ("Total: {$}\n", "{$}"), ("{?}{x}", "{?}"),
+])
+def test_scored_number_and_amount_slots_end_the_template(source, slot):
+    error = error_of(source, [{"x": "a"}] if "{x}" in source else None)
+    assert error.code == "invalid_template"
+    assert f"{slot} must end the template" in error.message
+    assert error.param == "template"
 
 
-def test_placeholder_only_after_scored_slot_is_rejected():
-    with pytest.raises(InvalidRequestError) as caught:
-        check_scored_template(parse_template("Q{?} about {x}"))
-    assert "{x}" in caught.value.message
-    assert "only after {?}" in caught.value.message
+@pytest.mark.parametrize("source", ['A: "{*}" {x}', "A: {*}\n", 'A: "{*}"\nmore', "{*}{n}x"])
+def test_text_after_the_span_slot_is_literal_and_has_no_newline(source):
+    error = error_of(source, [{"x": "a"}] if "{x}" in source else None)
+    assert error.code == "invalid_template"
 
 
-def test_placeholder_repeated_after_scored_slot_is_fine():
-    combos = grid("Is {x} ok?{?} ({x})", {"x": ["a"]})
-    assert [c.prefix for c in combos] == ["Is a ok?"]
+def test_five_placeholders_at_most():
+    assert len(prompts("{a}{b}{c}{d}{e}{?}", [dict.fromkeys("abcde", "v")])) == 1
+    error = error_of("{a}{b}{c}{d}{e}{f}{?}", [dict.fromkeys("abcdef", "v")])
+    assert error.message == "template has 6 placeholders; at most 5 are allowed"
+    assert error.code == "invalid_template"
 
 
-# ---- grid ------------------------------------------------------------------------------
+def test_a_placeholder_repeated_counts_once():
+    combos = prompts("{x} and {x} again {x}{?}", [{"x": "a"}])
+    assert [c.prefix for c in combos] == ["a and a again a"]
+
+
+# ---- combinations: a list ------------------------------------------------------------------
 
 
 def test_no_placeholders_gives_one_combination_with_empty_values():
-    assert grid("\n\nAnswer:{?}") == [Combination(values={}, prefix="\n\nAnswer:")]
-
-
-def test_text_after_scored_slot_is_ignored():
-    assert grid("Q:{?} trailing {{text}}")[0].prefix == "Q:"
+    assert prompts("\n\nAnswer:{?}") == [Combination(values={}, prefix="\n\nAnswer:")]
 
 
 def test_escapes_are_resolved_in_prefix():
-    assert grid("{{{x}}}:{?}", {"x": ["v"]})[0].prefix == "{v}:"
+    assert prompts("{{{x}}}:{?}", [{"x": "v"}])[0].prefix == "{v}:"
 
 
-def test_grid_is_cartesian_product_first_placeholder_slowest():
-    combos = grid("{size} {colour} {size}?{?}", {"colour": ["red", "blue"], "size": ["S", "M", "L"]})
+def test_a_list_gives_one_prompt_per_entry_in_its_order():
+    combos = prompts("{size} {colour}?{?}", [{"colour": "red", "size": "M"},
+                                             {"size": "S", "colour": "blue"}])
+    assert [c.prefix for c in combos] == ["M red?", "S blue?"]
+    # values are keyed in the template's order, whatever the order sent
+    assert [list(c.values) for c in combos] == [["size", "colour"], ["size", "colour"]]
+    assert combos[1].values == {"size": "S", "colour": "blue"}
+
+
+def test_a_list_may_repeat_an_entry():
+    assert len(prompts("{x}{?}", [{"x": "a"}, {"x": "a"}])) == 2
+
+
+def test_values_are_inserted_verbatim_not_parsed():
+    assert prompts("x={x}{?}", [{"x": "{?} {{"}])[0].prefix == "x={?} {{"
+
+
+def test_placeholders_without_combinations():
+    error = error_of("{x} {y}{?}")
+    assert error.message == "the template has placeholders ['x', 'y']: send `combinations`"
+    assert (error.param, error.code) == (".combinations", "missing_value")
+    assert error_of("{x}{?}", param="scoring.queries.0").param == \
+        "scoring.queries.0.combinations"
+
+
+def test_an_empty_list():
+    error = error_of("{x}{?}", [])
+    assert (error.param, error.code) == (".combinations", "missing_value")
+
+
+def test_an_entry_without_a_placeholder():
+    error = error_of("{x} {y}{?}", [{"x": "a", "y": "b"}, {"x": "a"}], param="q")
+    assert (error.param, error.code) == ("q.combinations.1", "missing_value")
+    assert "['y']" in error.message
+
+
+def test_an_entry_with_a_name_not_in_the_template():
+    error = error_of("{region}{?}", [{"region": "EU", "regoin": "US"}], param="q")
+    assert (error.param, error.code) == ("q.combinations.0", "unknown_placeholder")
+    assert "'regoin'" in error.message
+
+
+def test_combinations_without_placeholders_name_the_stray_key():
+    error = error_of("Q{?}", [{"x": "a"}], param="q")
+    assert error.code == "unknown_placeholder"
+
+
+def test_a_value_of_256_characters_is_the_longest():
+    assert prompts("{x}{?}", [{"x": "v" * 256}])[0].prefix == "v" * 256
+    error = error_of("{x}{?}", [{"x": "v" * 257}], param="q")
+    assert (error.param, error.code) == ("q.combinations.0.x", "invalid_field")
+
+
+# ---- combinations: "all" with values -------------------------------------------------------
+
+
+def test_all_is_the_cartesian_product_first_placeholder_slowest():
+    combos = prompts("{size} {colour} {size}?{?}", "all",
+                     {"colour": ["red", "blue"], "size": ["S", "M", "L"]})
     assert [c.values for c in combos] == [
         {"size": "S", "colour": "red"}, {"size": "S", "colour": "blue"},
         {"size": "M", "colour": "red"}, {"size": "M", "colour": "blue"},
@@ -190,25 +249,28 @@ def test_grid_is_cartesian_product_first_placeholder_slowest():
     assert combos[3].prefix == "M blue M?"
 
 
-def test_values_are_inserted_verbatim_not_parsed():
-    assert grid("x={x}{?}", {"x": ["{?} {{"]})[0].prefix == "x={?} {{"
+def test_all_equals_the_same_grid_listed():
+    values = {"a": ["1", "2"], "b": ["x", "y", "z"]}
+    listed = [{"a": a, "b": b} for a in values["a"] for b in values["b"]]
+    assert prompts("{a}-{b}{?}", "all", values) == prompts("{a}-{b}{?}", listed)
 
 
-def test_grid_at_the_cap_is_allowed():
-    assert len(grid("{a}{b}{?}", {"a": ["1", "2"], "b": ["1", "2", "3"]}, cap=6)) == 6
+def test_all_at_the_cap_is_allowed():
+    values = {"a": [str(i) for i in range(40)], "b": [str(i) for i in range(25)]}
+    assert MAX_ALL_COMBINATIONS == 40 * 25
+    assert check_combinations(parse_template("{a}{b}{?}"), "all", values, param="") == 1000
+    assert len(prompts("{a}{b}{?}", "all", values)) == 1000
 
 
-def test_grid_over_the_cap_names_size_and_cap():
-    with pytest.raises(InvalidRequestError) as caught:
-        grid("{a}{b}{?}", {"a": ["1", "2"], "b": ["1", "2", "3"]}, cap=5)
-    error = caught.value
-    assert error.code == "grid_too_large"
-    assert "6 combinations" in error.message
-    assert "at most 5" in error.message
-    assert error.param == "values"
+def test_all_over_the_cap_names_size_and_cap():
+    values = {"a": [str(i) for i in range(41)], "b": [str(i) for i in range(25)]}
+    error = error_of("{a}{b}{?}", "all", values, param="scoring.queries.0")
+    assert error.code == "too_many_combinations"
+    assert "1,025 combinations" in error.message and "1,000" in error.message
+    assert error.param == "scoring.queries.0.combinations"
 
 
-def test_cap_is_checked_before_the_grid_is_built(monkeypatch):
+def test_the_cap_is_checked_before_the_grid_is_built(monkeypatch):
     from spinf_worker import templates
 
     def no_product(*iterables):
@@ -217,97 +279,60 @@ def test_cap_is_checked_before_the_grid_is_built(monkeypatch):
     # Building 10**9 combinations would take minutes and run out of memory.
     monkeypatch.setattr(templates, "product", no_product)
     thousand = [str(i) for i in range(1000)]
-    with pytest.raises(InvalidRequestError) as caught:
-        grid("{a}{b}{c}{?}", {"a": thousand, "b": thousand, "c": thousand}, cap=100)
-    assert "1000000000 combinations" in caught.value.message
+    error = error_of("{a}{b}{c}{?}", "all", {"a": thousand, "b": thousand, "c": thousand})
+    assert "1,000,000,000 combinations" in error.message
 
 
-def test_placeholder_without_values():
-    with pytest.raises(InvalidRequestError) as caught:
-        grid("{x} {y}{?}", {"x": ["a"]})
-    assert caught.value.message == "placeholder {y} has no values"
-    assert caught.value.param == "values.y"
+def test_all_without_values():
+    error = error_of("{x}{?}", "all", param="q")
+    assert (error.param, error.code) == ("q.values", "missing_value")
+    assert error_of("{x}{?}", "all", {}, param="q").code == "missing_value"
 
 
-def test_placeholder_with_empty_list():
-    with pytest.raises(InvalidRequestError) as caught:
-        grid("{x}{?}", {"x": []})
-    assert caught.value.message == "placeholder {x} has no values"
+def test_all_with_a_placeholder_without_values():
+    error = error_of("{x} {y}{?}", "all", {"x": ["a"]}, param="q")
+    assert (error.param, error.code) == ("q.values", "missing_value")
+    assert "['y']" in error.message
 
 
-def test_unused_values_key_is_an_error():
-    with pytest.raises(InvalidRequestError) as caught:
-        grid("{region}{?}", {"region": ["EU"], "regoin": ["US"]})
-    assert "'regoin'" in caught.value.message
-    assert caught.value.param == "values.regoin"
+def test_all_with_an_empty_list():
+    error = error_of("{x}{?}", "all", {"x": []}, param="q")
+    assert (error.param, error.code) == ("q.values.x", "missing_value")
 
 
-def test_values_without_any_placeholder_is_an_error():
-    with pytest.raises(InvalidRequestError):
-        grid("Q{?}", {"x": ["a"]})
+def test_all_with_values_for_a_name_not_in_the_template():
+    error = error_of("{region}{?}", "all", {"region": ["EU"], "regoin": ["US"]}, param="q")
+    assert (error.param, error.code) == ("q.values", "unknown_placeholder")
+    assert "'regoin'" in error.message
 
 
-def test_duplicate_values_in_one_list():
-    with pytest.raises(InvalidRequestError) as caught:
-        expand_grid(parse_template("{x}{?}"), {"x": ["a", "b", "a"]}, max_combinations=10,
-                    param="scoring.queries.0.values")
-    assert "duplicate value 'a'" in caught.value.message
-    assert caught.value.param == "scoring.queries.0.values.x.2"
-
-
-def test_same_value_in_different_lists_is_fine():
-    assert len(grid("{x}{y}{?}", {"x": ["a"], "y": ["a"]})) == 1
+def test_all_checks_the_length_of_each_value():
+    error = error_of("{x}{?}", "all", {"x": ["ok", "v" * 257]}, param="q")
+    assert (error.param, error.code) == ("q.values.x.1", "invalid_field")
 
 
 # ---- extraction slots: prefix and stop ----------------------------------------------------
 
 
-def extraction_grid(source, values=None, cap=4096):
-    return expand_grid(parse_template(source), values or {}, max_combinations=cap)
-
-
 @pytest.mark.parametrize(("source", "prefix", "stop"), [
     ('\n\nQ: Which month?\nA: "{*}"', '\n\nQ: Which month?\nA: "', '"'),
-    ("Total: {$}\n", "Total: ", "\n"),
     ("Amount: {n}", "Amount: ", None),
     ("{n}", "", None),
+    ("Total: {$}", "Total: ", None),
     ("A: {*} (end)", "A: ", " (end)"),
-    ("JSON: {{\"v\": {n}}}", 'JSON: {"v": ', "}"),
+    ("Name: '{*}'.", "Name: '", "'."),
 ])
 def test_prefix_and_stop_of_extraction_slots(source, prefix, stop):
-    assert extraction_grid(source) == [Combination(values={}, prefix=prefix, stop=stop)]
+    assert prompts(source) == [Combination(values={}, prefix=prefix, stop=stop)]
 
 
 def test_scored_slot_has_no_stop():
-    assert extraction_grid("Q:{?} trailing")[0].stop is None
-    assert grid("Q:{?} trailing")[0].stop is None
+    assert prompts("Q:{?}")[0].stop is None
 
 
-def test_extraction_grid_fills_placeholders_before_the_slot():
-    combos = extraction_grid('When did {who} {act}? "{*}"', {"who": ["Ann", "Bo"], "act": ["go"]})
+def test_extraction_prompts_fill_placeholders_before_the_slot():
+    combos = prompts('When did {who} {act}? "{*}"', "all", {"who": ["Ann", "Bo"], "act": ["go"]})
     assert [(c.values, c.prefix, c.stop) for c in combos] == [
         ({"who": "Ann", "act": "go"}, 'When did Ann go? "', '"'),
         ({"who": "Bo", "act": "go"}, 'When did Bo go? "', '"'),
     ]
-
-
-@pytest.mark.parametrize("source", ['A: "{*}" {x}', "Total {x}: {n}{x}", "{$}{x}"])
-def test_placeholder_after_an_extraction_slot_is_an_error(source):
-    with pytest.raises(InvalidRequestError) as caught:
-        extraction_grid(source, {"x": ["a"]})
-    assert caught.value.code == "invalid_template"
-    assert "{x} appears after the extraction slot" in caught.value.message
-    assert caught.value.param == "template"
-
-
-def test_placeholder_after_extraction_slot_fails_before_the_support_check():
-    template = parse_template("A {*} {x}")
-    with pytest.raises(InvalidRequestError) as caught:
-        expand_grid(template, {"x": ["a"]}, max_combinations=10)
-    assert caught.value.code == "invalid_template"
-
-
-def test_extraction_grid_checks_values():
-    with pytest.raises(InvalidRequestError) as caught:
-        extraction_grid("{a}{b}{n}", {"a": ["1", "2"], "b": ["1", "2", "3"]}, cap=5)
-    assert caught.value.code == "grid_too_large"
