@@ -214,6 +214,10 @@ def check_combinations(template: Template, combinations: list[dict[str, str]] | 
     ``values``) against the template's placeholders; returns how many there are. The size of
     "all" is computed from the list lengths, so an oversized grid fails unbuilt."""
     names = template.placeholders
+    if values is not None and combinations != "all":
+        # the old grid shape: silently ignoring it would score other prompts than meant
+        raise InvalidRequestError('`values` is read only with `combinations: "all"`',
+                                  param=f"{param}.values", code="invalid_field")
     if combinations == "all":
         if not values:
             raise InvalidRequestError('"all" needs `values`: {name: [value, ...]}',

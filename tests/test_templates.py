@@ -336,3 +336,11 @@ def test_extraction_prompts_fill_placeholders_before_the_slot():
         ({"who": "Ann", "act": "go"}, 'When did Ann go? "', '"'),
         ({"who": "Bo", "act": "go"}, 'When did Bo go? "', '"'),
     ]
+
+
+@pytest.mark.parametrize("combinations", [None, [{"x": "a"}]])
+def test_values_without_all_are_an_error_not_ignored(combinations):
+    error = error_of("{x}{?}" if combinations else "Q{?}", combinations, {"x": ["a", "b"]},
+                     param="q")
+    assert (error.param, error.code) == ("q.values", "invalid_field")
+    assert '"all"' in error.message
