@@ -470,7 +470,7 @@ class ScoreRequest(BaseModel):
         if self.inputs is None:
             messages = (self.messages if self.messages is not None
                         else [Message(role="user", content=self.text)])
-            self._check_queries(list(shared.values()), limits, "scoring")
+            self._check_queries(list(shared.values()), limits, "scoring.queries")
             return [Document("0", messages, list(shared.values()), scoring.layout_key(), None)]
         documents, ids = [], set()
         for i, inp in enumerate(self.inputs):

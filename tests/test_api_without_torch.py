@@ -3,7 +3,7 @@
 A subprocess in which torch, numpy, tokenizers, ... cannot be imported (tests/without_extras.py)
 builds ``api.app.create_app`` on the real Redis (a key prefix of its own) and serves it with
 uvicorn on a free loopback port; this process talks to it over HTTP. No worker runs, so a valid
-/v1/score is queued (202 with its job) and a bad one is answered 400 by the API itself. At the
+/v1/score is queued (Prefer: respond-async: 202 with its job) and a bad one is answered 400 by the API itself. At the
 end the subprocess reports which of the blocked packages anything even tried to import."""
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ def test_api_serves_without_server_packages(api_server):
     with httpx.Client(base_url=base, timeout=HTTP_TIMEOUT_S) as client:
         assert wait_until_healthy(client, proc).status_code == 200
 
-        queued = client.post("/v1/score", headers={"X-Sync-Timeout": "0"},
+        queued = client.post("/v1/score", headers={"Prefer": "respond-async"},
                              json={"text": "I was charged twice, please refund one.",
                                    "scoring": {"queries": [QUERY]}})
         assert queued.status_code == 202, queued.text

@@ -39,8 +39,9 @@ def test_a_good_file_with_defaults_and_flags(tmp_path):
     assert config.name == "markets"
     wire, articles, stream = config.sources
     assert (wire.kind, wire.interval_s) == ("feed", 120)
-    assert wire.scoring["packs"] == [{"id": "spinf/support-triage"}]
-    assert wire.scoring["scoring"] == {"queries": QUERIES}          # a list is the queries
+    # a list is the queries; the packs go in the same scoring block
+    assert wire.scoring["scoring"] == {"queries": QUERIES,
+                                       "packs": [{"id": "spinf/support-triage"}]}
     assert (articles.name, articles.kind, articles.interval_s) == ("articles", "jsonl", 5)
     assert articles.target == str(tmp_path / "data/articles.jsonl")  # relative to the file
     assert (stream.name, stream.target) == ("news:articles", "news:articles")
@@ -62,9 +63,9 @@ def test_a_good_file_with_defaults_and_flags(tmp_path):
     ("feeds: [{url: http://a/f}]\nsinks: [jsonl:o]",
      "feeds.0 (a/f): nothing to score with: give a pack or queries"),
     ("feeds: [{url: http://a/f, pack: acme/nope}]\nsinks: [jsonl:o]\nqueries: q.json",
-     "feeds.0 (a/f): unknown pack 'acme/nope'"),
-    ("feeds: [{url: http://a/f, pack: {id: spinf/support-triage, categories: [nope]}}]\n"
-     "sinks: [jsonl:o]\nqueries: q.json", "pack spinf/support-triage has no category 'nope'"),
+     "feeds.0 (a/f): pack.0: no pack 'acme/nope'"),
+    ("feeds: [{url: http://a/f, pack: {id: spinf/support-triage, decision: {thresholds: {nope: 0.5}}}}]\n"
+     "sinks: [jsonl:o]\nqueries: q.json", "spinf/support-triage has no category 'nope'"),
     ("feeds: [{url: http://a/f, queries: missing.json}]\nsinks: [jsonl:o]",
      "feeds.0 (a/f): cannot read the queries file"),
     ("feeds: [{url: http://a/f, name: x}, {jsonl: f.jsonl, name: x}]\nsinks: [jsonl:o]\n"

@@ -44,7 +44,7 @@ async def test_feed_that_gains_items_is_scored_once_per_item(tmp_path, feed_serv
     assert first["feed"] == "news" and first["title"] == "Story 1"
     assert first["published"] == "2026-11-30T10:00:00+00:00"
     assert first["status"] == "succeeded" and first["error"] is None
-    options = first["response"]["queries"][0]["combinations"][0]["options"]
+    options = first["response"]["results"][0]["queries"][0]["combinations"][0]["options"]
     assert [o["text"] for o in options] == [" yes", " no"]
     conditional = [h for path, h in feed_server.requests if "If-None-Match" in h]
     assert conditional, "the stored ETag was never sent"

@@ -72,7 +72,7 @@ async def test_redis_stream_in_and_out(settings, queries_file, tiny_engine, redi
     assert sorted(fields["item_id"] for _, fields in entries) == ["s1", "s2", "s3"]
     data = next(json.loads(f["data"]) for _, f in entries if f["item_id"] == "s2")
     assert data["feed"] == "bus" and data["title"] == "Gold" and data["status"] == "succeeded"
-    assert data["response"]["queries"][0]["id"] == "markets"
+    assert data["response"]["results"][0]["queries"][0]["id"] == "markets"
     assert consumer.metrics.value("spinf_ingest_items_failed_total", feed="bus") == 1
     groups = await redis.xinfo_groups(source)
     assert groups[0]["pending"] == 0                        # every entry acknowledged
@@ -128,7 +128,7 @@ async def test_webhook_sink_is_signed_like_callbacks(settings, queries_file, tin
     event = standardwebhooks.Webhook(secret).verify(body, {k.lower(): v for k, v in headers.items()})
     assert event["type"] == "ingest.scored"
     assert event["data"]["item_id"] == "urn:test:1" and event["data"]["feed"] == "news"
-    assert event["data"]["response"]["queries"][0]["id"] == "markets"
+    assert event["data"]["response"]["results"][0]["queries"][0]["id"] == "markets"
 
 
 @pytest.mark.asyncio
