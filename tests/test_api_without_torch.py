@@ -3,8 +3,9 @@
 A subprocess in which torch, numpy, tokenizers, ... cannot be imported (tests/without_extras.py)
 builds ``api.app.create_app`` on the real Redis (a key prefix of its own) and serves it with
 uvicorn on a free loopback port; this process talks to it over HTTP. No worker runs, so a valid
-/v1/score is queued (Prefer: respond-async: 202 with its job) and a bad one is answered 400 by the API itself. At the
-end the subprocess reports which of the blocked packages anything even tried to import."""
+/v1/score with Prefer: respond-async is queued (202 with its job) and a bad one is answered 400
+by the API itself. At the end the subprocess reports which of the blocked packages anything
+even tried to import."""
 
 from __future__ import annotations
 
