@@ -1,25 +1,59 @@
-"""Calibration math on hand-computable data: metrics, fits, thresholds, the calibrated pack."""
+"""Fitting a pack's constants on hand-computable data: metrics, fits, thresholds, the fitted
+pack (it loads, its lock holds, the client decides it the same), the command without a model."""
 
 from __future__ import annotations
 
+import base64
 import json
 import math
+import random
+import struct
 
 import pytest
+from spinf_client import packs as client
 
 from spinf_worker import calibrate as cal
-from spinf_worker.packs import FittedOn, Pack, category_scores
+from spinf_worker.packs import find_pack, official_packs, pack_from_data
 
-FITTED_ON = FittedOn(name="d.jsonl", sha256="0" * 64, n=8, date="2026-11-30")
+DRAFT = {
+    "pack": "acme/topics", "version": "1.0.0", "model": "google/gemma-3-270m",
+    "contexts": {"text": "Text:\n\n{X}"},
+    "scoring": {"queries": [
+        {"id": "qa", "template": "\n\nAbout A?{?}", "options": [" yes", " no"]},
+        {"id": "qb", "template": "\n\nAbout B?{?}", "options": [" yes", " no"]},
+        {"id": "kind", "template": "\n\nKind:{?}", "options": [" a", " b", " c"]}]},
+    "reads": [
+        {"id": "qa", "query": "qa", "kind": "pair", "category": "a"},
+        {"id": "kind_a", "query": "kind", "kind": "option", "option": 0, "category": "a"},
+        {"id": "qb", "query": "qb", "kind": "pair", "category": "b"},
+        {"id": "kind_bc", "query": "kind", "kind": "set", "unsafe": [1, 2], "category": "b"},
+        {"id": "kind_any", "query": "kind", "kind": "any", "category": "topic"}],
+    "categories": {"a": {"labels": ["Alpha"]}, "b": {}, "topic": {"threshold": None}},
+    "decision": {"mode": "micro_layer", "critical": ["b"]},
+}
 
-PACK = Pack.model_validate({
-    "id": "acme/topics", "version": "1.0.0",
-    "questions": [{"id": "qa", "category": "a", "template": "A?{?}", "options": [" y", " n"],
-                   "positive": " y"},
-                  {"id": "qb", "category": "b", "template": "B?{?}", "options": [" y", " n"],
-                   "positive": " y"}],
-    "categories": [{"id": "a", "labels": ["Alpha"]}, {"id": "b"}],
-    "decision": {"rules": [{"label": "is_a", "when": {"a": 0.5}}], "default": "other"}})
+
+def result(p: dict[str, list[float]]) -> list[dict]:
+    """Result queries in the hosted shape from option probabilities."""
+    return [{"id": qid, "combinations": [{"values": {}, "options": [
+        {"text": f" o{i}", "logprob": math.log(x), "p": round(x, 6), "floor_p": None}
+        for i, x in enumerate(ps)], "residual": 0.0, "floor_residual": None}]}
+        for qid, ps in p.items()]
+
+
+def synthetic(n: int, seed: int, positive: float = 0.0) -> tuple[list[list[dict]], list[set]]:
+    """``n`` texts; a share ``positive`` of them is about A (high yes to qa, kind a)."""
+    rng = random.Random(seed)
+    out, labels = [], []
+    for _ in range(n):
+        is_a = rng.random() < positive
+        pa = min(max(rng.gauss(0.8 if is_a else 0.2, 0.1), 0.01), 0.99)
+        pb = min(max(rng.gauss(0.3, 0.1), 0.01), 0.99)
+        k = [rng.random() + (2.0 if is_a else 0.0), rng.random(), rng.random()]
+        out.append(result({"qa": [pa, 1 - pa], "qb": [pb, 1 - pb],
+                           "kind": [x / sum(k) for x in k]}))
+        labels.append({"a"} if is_a else set())
+    return out, labels
 
 
 def test_brier_ece_precision_recall_by_hand():
@@ -27,125 +61,150 @@ def test_brier_ece_precision_recall_by_hand():
     assert cal.brier(scores, labels) == pytest.approx((0.01 + 0.16 + 0.4225 + 0.04) / 4)
     # bins of 0.1: [0.1] -> |0.1 - 0|; [0.35] -> |0.35 - 1|; [0.4] -> 0.4; [0.8] -> 0.2
     assert cal.ece(scores, labels) == pytest.approx((0.1 + 0.65 + 0.4 + 0.2) / 4)
-    # two bins: [0.1, 0.4, 0.35] mean 0.28333 vs 1/3; [0.8] vs 1
-    assert cal.ece(scores, labels, bins=2) == pytest.approx((3 * abs(0.85 / 3 - 1 / 3) + 0.2) / 4)
     assert cal.reliability([1.0, 0.0], [1, 0], bins=4) == [(0.0, 0.0, 1), (1.0, 1.0, 1)]
     assert cal.precision_recall(scores, labels, 0.35) == (pytest.approx(2 / 3), 1.0)
-    assert cal.precision_recall(scores, labels, 0.5) == (1.0, 0.5)
     assert cal.precision_recall(scores, labels, 0.9) == (1.0, 0.0)   # nothing flagged
-
-
-def test_accuracy_and_pairs():
-    cats = [{"a": 0.9, "b": 0.2}, {"a": 0.6, "b": 0.7}, {"a": 0.1, "b": 0.3}, {"a": 1, "b": 1}]
-    labels = [{"a"}, {"a"}, {"b"}, {"a", "b"}]      # the last one has two: not counted
-    assert cal.accuracy(cats, labels, ["a", "b"]) == (pytest.approx(2 / 3), 3)
-    scores, ys = cal.pairs(cats[:2], labels[:2], ["a", "b"])
-    assert scores == [0.9, 0.6, 0.2, 0.7] and ys == [1, 1, 0, 0]
 
 
 def test_thresholds_meet_targets():
     scores = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8]
     labels = [0, 0, 1, 0, 1, 1, 0, 1]
-    # precision >= 0.75 first holds at t = 0.5 (3 of 4 above), the lowest such t
     assert cal.fit_threshold(scores, labels, target_precision=0.75) == 0.5
-    # recall >= 0.75: t = 0.5 keeps 3 of the 4 positives; 0.6 keeps 2
     assert cal.fit_threshold(scores, labels, target_recall=0.75) == 0.5
     assert cal.fit_threshold(scores, labels, target_recall=1.0) == 0.3
-    # best F1: t = 0.3 -> P 4/6, R 1 -> F1 0.8
-    assert cal.fit_threshold(scores, labels) == 0.3
+    assert cal.fit_threshold(scores, labels) == 0.3      # best F1: P 4/6, R 1
     with pytest.raises(ValueError):
         cal.fit_threshold(scores, labels, target_precision=0.5, target_recall=0.5)
 
 
+def test_quantile_is_numpys_linear():
+    xs = [4.0, 1.0, 3.0, 2.0]
+    assert cal.quantile(xs, 0.0) == 1.0 and cal.quantile(xs, 1.0) == 4.0
+    assert cal.quantile(xs, 0.5) == 2.5
+    assert cal.quantile(xs, 0.9) == pytest.approx(3.7)
+
+
 def test_platt_fit_recovers_a_known_map():
-    # labels drawn (deterministically) with P(y=1) = sigmoid(2 logit(s) - 1)
-    scores, labels = [], []
-    for i in range(1, 100):
-        s = i / 100
-        true = 1 / (1 + math.exp(-(2 * math.log(s / (1 - s)) - 1)))
-        positives = round(true * 40)
-        scores += [s] * 40
-        labels += [1] * positives + [0] * (40 - positives)
-    fitted = cal.fit_platt(scores, labels)
-    assert fitted.a == pytest.approx(2.0, abs=0.05) and fitted.b == pytest.approx(-1.0, abs=0.05)
-    with pytest.raises(ValueError):
+    rng = random.Random(0)
+    macros = [rng.uniform(-4, 4) for _ in range(4000)]
+    labels = [int(rng.random() < 1 / (1 + math.exp(-(1.5 * m - 0.5)))) for m in macros]
+    a, b = cal.fit_platt(macros, labels)
+    assert a == pytest.approx(1.5, abs=0.15) and b == pytest.approx(-0.5, abs=0.15)
+    with pytest.raises(ValueError, match="both positive and negative"):
         cal.fit_platt([0.1, 0.2], [1, 1])
 
 
-def test_isotonic_fit_is_monotone_and_exact_on_sorted_data():
-    fitted = cal.fit_isotonic([0.1, 0.2, 0.3, 0.4], [0, 1, 0, 1])
-    # pools the violating pair (0.2, 0.3) to 0.5
-    assert [fitted.apply(s) for s in (0.1, 0.2, 0.3, 0.4)] == pytest.approx([0, 0.5, 0.5, 1])
-    assert fitted.apply(0.0) == 0 and fitted.apply(1.0) == 1
+def test_reads_are_normalised_on_normal_traffic():
+    draft = pack_from_data(DRAFT, draft=True)
+    normal, _ = synthetic(300, seed=1)
+    raw = json.loads(json.dumps(DRAFT))
+    answers = [draft.answers(q) for q in normal]
+    cal.fit_reads(raw, answers)
+    reads = {r["id"]: r for r in raw["reads"]}
+    # a pair read: logit of the yes share; its mean and sd on this traffic
+    values = [math.log(a[("qa", None)][0] / a[("qa", None)][1]) for a in answers]
+    assert reads["qa"]["mean"] == pytest.approx(sum(values) / len(values))
+    assert reads["qa"]["sd"] == pytest.approx(cal._sd(values))
+    assert "mu" not in reads["qa"]
+    logs = [[math.log(x) for x in a[("kind", None)]] for a in answers]
+    assert reads["kind_a"]["mu"] == pytest.approx(sum(r[0] for r in logs) / len(logs))
+    assert reads["kind_bc"]["mu"] == pytest.approx([sum(c) / len(c) for c in zip(*logs, strict=True)])
+    # an option read minus its mu has mean 0 by construction
+    assert reads["kind_a"]["mean"] == pytest.approx(0.0, abs=1e-9)
 
 
-def test_calibrate_writes_a_valid_bumped_pack(tmp_path):
-    # qa's p is informative but too high; qb is never the label
-    scored = [{"qa": (p, 0.5), "qb": (0.5, 0.5)} for p in (0.9, 0.85, 0.8, 0.7, 0.95, 0.6)]
-    labels = [{"a"}, {"a"}, set(), set(), {"a"}, set()]
-    out = cal.calibrate(PACK, scored, labels, ["a"], method="isotonic", fitted_on=FITTED_ON,
-                        target={"precision": 1.0})
-    assert out.version == "1.0.1" and out.calibration.fitted_on == FITTED_ON
-    assert set(out.calibration.categories) == {"a"} and out.calibration.target == {
-        "precision": 1.0}
-    assert out.calibration.thresholds == {"a": 1.0}           # the three positives map to 1
-    assert category_scores(out, scored[0])["a"] == 1.0
-    assert category_scores(out, scored[3])["a"] == 0.0
-    again = Pack.model_validate_json(out.model_dump_json(exclude_defaults=True))
-    assert again == out
-    question = cal.calibrate(PACK, scored, labels, ["a"], level="question",
-                             fitted_on=FITTED_ON)
-    assert set(question.calibration.questions) == {"qa"} and not question.calibration.categories
+def test_calibrate_fits_a_pack_that_loads_and_decides_as_the_client():
+    draft = pack_from_data(DRAFT, draft=True)
+    normal, _ = synthetic(400, seed=2)
+    labelled, labels = synthetic(300, seed=3, positive=0.4)
+    pack, fitted = cal.calibrate(draft, normal, labelled=labelled, labels=labels,
+                                 record={"normal": {"n": 400}})
+    assert pack.lock_ok and pack.raw["calibration"] == {"normal": {"n": 400}}
+    assert fitted.platt == {"a": "labels", "b": "default", "topic": "default"}
+    assert fitted.thresholds == {"a": "labels", "b": "rate"}
+    assert fitted.layer == "labels"
+    cats = pack.raw["categories"]
+    assert cats["b"]["platt"] == list(cal.DEFAULT_PLATT)
+    assert cats["a"]["platt"][0] > 0             # more "about A" -> a higher score
+    assert cats["topic"]["threshold"] is None    # reported only, as the draft says
+    for spec in cats.values():
+        q = spec["normal_quantiles"]
+        assert q["levels"] == cal.LEVELS and q["values"] == sorted(q["values"])
+    # the default threshold flags about RATE of normal traffic
+    flagged = [pack.evaluate(q, None)["categories"]["b"]["flagged"] for q in normal]
+    assert sum(flagged) / len(flagged) == pytest.approx(cal.RATE, abs=0.01)
+    modes = set(pack.modes)
+    assert modes == {"max", "per_category", "micro_layer"}
+    for q in labelled[:50]:
+        for mode in modes:
+            want = client.evaluate(pack.raw, client.answers_from_result(q, pack.raw), mode)
+            got = pack.evaluate(q, {"mode": mode})
+            assert got["decision"]["unsafe"] == want["decision"]["unsafe"]
+            assert got["categories"]["a"]["score"] == round(want["categories"]["a"]["score"], 6)
+    # the labelled part separates A: precision and recall well above chance
+    rep = cal.report(pack, labelled, labels)
+    assert rep["categories"]["a"]["precision"] > 0.8 and rep["categories"]["a"]["recall"] > 0.8
+    assert "Platt maps fitted on labels: a" in cal.format_report(rep, fitted)
 
 
-def test_read_labelled_and_split(tmp_path):
-    path = tmp_path / "d.jsonl"
-    rows = [{"title": "T", "description": "D", "label_name": "Alpha"},
-            {"text": "x", "label_name": ["b", "zz"]}, {"text": "y"}]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    data = cal.read_labelled(path, cal.label_map(PACK), label_field="label_name")
-    assert data.texts == ["T\n\nD", "x", "y"]
-    assert data.labels == [{"a"}, {"b"}, set()] and data.unmapped == {"zz": 1}
-    assert len(data.sha256) == 64 and data.name == "d.jsonl"
-    assert cal.read_labelled(path, cal.label_map(PACK, {"zz": "a"}),
-                             label_field="label_name", limit=2).labels == [{"a"}, {"a", "b"}]
-    fit, held = cal.split(10, 0.5, seed=1)
-    assert len(fit) == 5 and sorted(fit + held) == list(range(10))
-    assert cal.split(10, 0.5, seed=1) == (fit, held)
+def test_without_labels_the_micro_layer_is_equal_weights():
+    draft = pack_from_data(DRAFT, draft=True)
+    normal, _ = synthetic(200, seed=4)
+    pack, fitted = cal.calibrate(draft, normal)
+    assert fitted.layer == "equal weights" and set(fitted.platt.values()) == {"default"}
+    ml = pack.raw["decision"]["micro_layer"]
+    raw = base64.b64decode(ml["weights"])
+    weights = struct.unpack(f"<{len(raw) // 4}f", raw)
+    assert ml["inputs"] == ["c:a", "c:b"]
+    assert weights[:3] == (0.5, 0.5, 0.0) and "not fitted on labels" in ml["description"]
+    values = sorted(client.evaluate(pack.raw, client.answers_from_result(q, pack.raw))
+                    ["decision"]["score"] for q in normal)
+    assert weights[3] == pytest.approx(cal.quantile(values, 1 - cal.RATE), rel=1e-5)
+    assert client.lock_of(pack.raw) == ml["lock"]
 
 
-def test_reliability_plot_and_report(tmp_path):
-    scored = [{"qa": (p, 0.5), "qb": (1 - p, 0.5)} for p in (0.9, 0.2, 0.8, 0.3, 0.7, 0.1)]
-    labels = [{"a"}, {"b"}, {"a"}, {"b"}, {"b"}, {"b"}]
-    out = cal.calibrate(PACK, scored, labels, ["a", "b"], fitted_on=FITTED_ON)
-    report = cal.before_after(PACK, out, scored, labels, ["a", "b"])
-    assert report["before"]["accuracy"] == pytest.approx(5 / 6)
-    assert report["after"]["brier"] < report["before"]["brier"]
-    assert "accuracy (top-1)" in cal.format_report(report)
-    png = cal.reliability_plot(report, tmp_path / "r" / "plot.png")
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+def test_unfitted_constants_make_a_score_the_answers_p():
+    draft = pack_from_data({**DRAFT, "categories": {
+        "a": {"threshold": 0.7}, "b": {}, "topic": {"threshold": None}}}, draft=True)
+    pack = cal.unfitted(draft)
+    assert pack.file.decision.mode == "per_category" and pack.file.decision.micro_layer is None
+    q = result({"qa": [0.9, 0.1], "qb": [0.2, 0.8], "kind": [0.5, 0.25, 0.25]})
+    out = pack.evaluate(q, None)
+    # a: the mean of logit(0.9) and ln 0.5 (an option read minus mu 0)
+    macro = (math.log(9) + math.log(0.5)) / 2
+    assert out["categories"]["a"]["score"] == round(1 / (1 + math.exp(-macro)), 6)
+    assert out["categories"]["a"]["percentile"] is None
+    assert [pack.file.categories[c].threshold for c in ("a", "b", "topic")] == [0.7, 0.5, None]
 
 
-def test_cli_calibrates_a_pack_file(tmp_path, tiny_dir, capsys):
-    """spinf-serve calibrate end to end on the tiny model: the calibrated pack loads, the
-    report and the plot are written."""
+def test_official_packs_record_what_was_fitted():
+    for versions in official_packs().values():
+        for pack in versions.values():
+            record = pack.raw["calibration"]
+            assert record["model"] == pack.model
+            assert ("normal" in record) == any(
+                "normal_quantiles" in c for c in pack.raw["categories"].values())
+    moderation = find_pack(official_packs(), "spinf/moderation")
+    assert "equal weights" in moderation.raw["decision"]["micro_layer"]["description"]
+
+
+def test_the_command_fits_stored_results_without_a_model(tmp_path, capsys):
     from spinf_worker.cli import main
-    from spinf_worker.packs import load_pack
 
-    pack_path = tmp_path / "topics.json"
-    pack_path.write_text(PACK.model_dump_json())
-    data = tmp_path / "labelled.jsonl"
-    data.write_text("".join(json.dumps({"text": f"document number {i} about {'ab'[i % 2]}",
-                                        "label": "Alpha" if i % 2 == 0 else "b"}) + "\n"
-                            for i in range(12)))
-    out = tmp_path / "calibrated.json"
-    assert main(["calibrate", "--pack", str(pack_path), "--data", str(data), "--model",
-                 str(tiny_dir), "--device", "cpu", "--target-recall", "0.5", "-o", str(out),
-                 "--report-dir", str(tmp_path / "report")]) == 0
-    calibrated = load_pack(out)
-    assert calibrated.version == "1.0.1" and calibrated.calibration.fitted_on.n == 6
-    assert calibrated.calibration.target == {"recall": 0.5}
-    report = json.loads((tmp_path / "report" / "report.json").read_text())
-    assert report["held_out_docs"] == 6 and set(report["categories"]) == {"a", "b"}
-    assert (tmp_path / "report" / "reliability.png").stat().st_size > 1000
-    assert "Brier" in capsys.readouterr().out
+    normal, _ = synthetic(100, seed=5)
+    (tmp_path / "draft.json").write_text(json.dumps(DRAFT))
+    (tmp_path / "normal.jsonl").write_text("".join(
+        json.dumps({"id": i, "text": f"text {i}"}) + "\n" for i in range(100)))
+    (tmp_path / "scores.jsonl").write_text("".join(
+        json.dumps({"queries": q}) + "\n" for q in normal))
+    out = tmp_path / "fitted.json"
+    assert main(["calibrate", "--pack", str(tmp_path / "draft.json"), "--normal",
+                 str(tmp_path / "normal.jsonl"), "--scores", str(tmp_path / "scores.jsonl"),
+                 "-o", str(out)]) == 0
+    assert "acme/topics@1.0.0: fitted on 100 normal texts" in capsys.readouterr().out
+    fitted = pack_from_data(json.loads(out.read_text()))
+    assert fitted.lock_ok and fitted.raw["calibration"]["normal"]["n"] == 100
+    assert fitted.raw["calibration"]["context"] == "text"
+    assert main(["calibrate", "--pack", "acme/nope", "--normal",
+                 str(tmp_path / "normal.jsonl"), "-o", str(out)]) == 2
+    assert "no pack 'acme/nope'" in capsys.readouterr().err
