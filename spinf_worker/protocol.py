@@ -55,6 +55,8 @@ _OUR_ERROR = "spinf_invalid_request"
 # Union branch labels that pydantic puts into error locations; they are not request fields.
 _CONTENT_TAGS = {"string_content", "part_list"}
 _PART_TAGS = {"text_part", "image_url_part", "input_audio_part", "video_part"}
+_VALUE_TAGS = {"combinations:list", "combinations:all", "generate:flag", "generate:spec",
+               "parameter:bool", "parameter:int", "parameter:float", "parameter:str"}
 
 
 def _invalid(message: str, *, param: str | None = None,
@@ -151,8 +153,8 @@ class Calibration(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    a: StrictFloat | StrictInt = 1.0
-    b: StrictFloat | StrictInt = 0.0
+    a: StrictFloat = 1.0
+    b: StrictFloat = 0.0
 
 
 class GenerateSpec(BaseModel):
@@ -162,8 +164,8 @@ class GenerateSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    temperature: StrictFloat | StrictInt = 0.0
-    top_p: StrictFloat | StrictInt = 1.0
+    temperature: StrictFloat = 0.0
+    top_p: StrictFloat = 1.0
     top_k: StrictInt | None = None
     seed: StrictInt = 0
     n: StrictInt = 1
@@ -183,6 +185,34 @@ class GenerateSpec(BaseModel):
 
 _EXTRACTION_FIELDS = ("max_tokens", "top_k", "calibration", "generate")
 
+# Like Content, the unions below are validated by the one branch that fits the value, so an
+# error is that branch's and its path the field's (plain unions report every branch, under
+# labels such as "bool" or "list[dict[str,str]]" in the path).
+Combinations = Annotated[
+    Annotated[list[dict[str, str]], Tag("combinations:list")]
+    | Annotated[Literal["all"], Tag("combinations:all")],
+    Discriminator(lambda v: "combinations:all" if isinstance(v, str) else "combinations:list"),
+]
+Generate = Annotated[
+    Annotated[bool, Tag("generate:flag")] | Annotated[GenerateSpec, Tag("generate:spec")],
+    Discriminator(lambda v: "generate:flag" if isinstance(v, bool) else "generate:spec"),
+]
+
+
+def _parameter_tag(value: Any) -> str | None:
+    for kind in (bool, int, float, str):   # bool first: it is an int too
+        if isinstance(value, kind):
+            return f"parameter:{kind.__name__}"
+    return None
+
+
+ParameterValue = Annotated[
+    Annotated[bool, Tag("parameter:bool")] | Annotated[StrictInt, Tag("parameter:int")]
+    | Annotated[StrictFloat, Tag("parameter:float")] | Annotated[StrictStr, Tag("parameter:str")],
+    Discriminator(_parameter_tag, custom_error_type="invalid_field",
+                  custom_error_message="a parameter is a string, a number or a boolean"),
+]
+
 
 class Query(BaseModel):
     """One question. Its template and combinations are checked at parse time, so a bad query
@@ -198,7 +228,7 @@ class Query(BaseModel):
     id: str = Field(min_length=1, max_length=MAX_ID_LENGTH)
     template: str
     options: list[str] | None = None
-    combinations: list[dict[str, str]] | Literal["all"] | None = None
+    combinations: Combinations | None = None
     values: dict[str, list[str]] | None = None
     empty_floor: bool | None = None   # None: the scoring block's
     # a named group (a pack's "<id>@<version>"): laid out after the ungrouped queries
@@ -206,7 +236,7 @@ class Query(BaseModel):
     max_tokens: StrictInt | None = None
     top_k: StrictInt | None = None
     calibration: Calibration | None = None
-    generate: bool | GenerateSpec | None = None
+    generate: Generate | None = None
 
     _parsed: templates.Template | None = PrivateAttr(default=None)
 
@@ -410,7 +440,7 @@ class Input(BaseModel):
     messages: list[Message] = Field(min_length=1)
     query_ids: list[str] | None = None
     queries: list[Query] | None = None
-    parameters: dict[str, StrictStr | StrictInt | StrictFloat | bool] | None = None
+    parameters: dict[str, ParameterValue] | None = None
 
 
 @dataclass(frozen=True)
@@ -568,7 +598,8 @@ def _to_invalid_request(error: ValidationError) -> InvalidRequestError:
     """Report the first validation problem; the OpenAI error shape holds one param."""
     problems = error.errors(include_url=False)
     first = problems[0]
-    path = [str(step) for step in first["loc"] if step not in _CONTENT_TAGS | _PART_TAGS]
+    path = [str(step) for step in first["loc"]
+            if step not in _CONTENT_TAGS | _PART_TAGS | _VALUE_TAGS]
     carried = (first.get("ctx") or {}).get(_CARRIED) if first["type"] == _OUR_ERROR else None
     if carried is not None and carried.param:
         path.append(carried.param)
