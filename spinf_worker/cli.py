@@ -284,12 +284,21 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _with_token(settings, args: argparse.Namespace):
+    """``--token`` over $SPINF_TOKEN: the bearer token of /v1 and the trusted one of /v0."""
+    return settings.model_copy(update={"token": args.token}) if args.token else settings
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from .serve import serve
 
+    if args.model and args.model_arg and args.model != args.model_arg:
+        print(f"spinf-serve serve: two models given ({args.model_arg!r} and --model "
+              f"{args.model!r}); name one", file=sys.stderr)
+        return 2
     _start_logging(args)
-    serve(_service_settings(args), host=args.host, port=args.port, model=args.model,
-          device=args.device, state_dir=args.state_dir)
+    serve(_with_token(_service_settings(args), args), host=args.host, port=args.port,
+          model=args.model_arg or args.model, device=args.device, state_dir=args.state_dir)
     return 0
 
 
@@ -297,7 +306,7 @@ def cmd_api(args: argparse.Namespace) -> int:
     from .serve import Tiers, run_tiers
 
     _start_logging(args)
-    settings = _service_settings(args)
+    settings = _with_token(_service_settings(args), args)
     _needs(settings)
     asyncio.run(run_tiers(settings, Tiers(api=(args.host, args.port))))
     return 0
@@ -366,6 +375,10 @@ def _service_options(redis_help: str) -> argparse.ArgumentParser:
 def _http_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    parser.add_argument("--token", default=None, metavar="T",
+                        help="require 'Authorization: Bearer T' on /v1 (besides any API key) "
+                             "and on the operators' /v0 (default: $SPINF_TOKEN; none: /v1 "
+                             "open unless API keys are set, /v0 for local callers only)")
 
 
 def _model_options(parser: argparse.ArgumentParser) -> None:
@@ -384,6 +397,8 @@ def build_parser() -> argparse.ArgumentParser:
         "serve", parents=[_service_options(
             "Redis URL (default: $SPINF_REDIS_URL; none: start a private redis-server)")],
         help="the whole service on this machine: API, one worker, callbacks")
+    serve.add_argument("model_arg", nargs="?", default=None, metavar="MODEL",
+                       help="model id, HF directory or .gguf path (same as --model)")
     _http_options(serve)
     _model_options(serve)
     serve.add_argument("--state-dir", default=None, type=Path,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -21,6 +22,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -269,20 +271,75 @@ def load_engine(spec: WorkerSpec, settings: ServiceSettings):
     return engine
 
 
+def _worker_name() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _registration(spec: WorkerSpec, started_ms: int, status: str, **more) -> str:
+    """A worker's entry in ``keys.workers`` before it has an engine (queue/worker.py writes
+    the loaded one)."""
+    from .model_names import DEFAULT_MODEL
+
+    return json.dumps({"model": spec.model or DEFAULT_MODEL, "device": spec.device,
+                       "pid": os.getpid(), "host": socket.gethostname(),
+                       "heartbeat_ms": _now_ms(), "status": status, "started_ms": started_ms,
+                       **more})
+
+
+async def _register_loading(redis, keys: Keys, settings: ServiceSettings, name: str,
+                            spec: WorkerSpec, started_ms: int) -> None:
+    """Heartbeat a "loading" registration until cancelled, so the API can answer 503
+    ``warming_up`` (and /v1/models ``status: loading``) while the model loads. The Worker
+    replaces it under the same name once the engine is there."""
+    from redis.exceptions import RedisError
+
+    while True:
+        try:
+            await redis.hset(keys.workers, name, _registration(spec, started_ms, "loading"))
+        except RedisError as err:
+            log.warning("could not register the worker as loading", error=str(err))
+        await asyncio.sleep(settings.heartbeat_s)
+
+
 async def _run_worker(spec: WorkerSpec, settings: ServiceSettings, redis, keys: Keys,
                       stop: asyncio.Event) -> None:
+    from redis.exceptions import RedisError
+
     log.info("loading the model", model=spec.model or "default", device=spec.device or "auto")
+    name = spec.name or _worker_name()
+    started_ms = _now_ms()
+    registering = asyncio.create_task(
+        _register_loading(redis, keys, settings, name, spec, started_ms), name="registration")
     # On the thread that will run every pass (queue/engine_thread.py).
     loading = ENGINE_THREAD.run(load_engine, spec, settings)
     stopping = asyncio.ensure_future(stop.wait())
-    await asyncio.wait([loading, stopping], return_when=asyncio.FIRST_COMPLETED)
-    stopping.cancel()
+    try:
+        await asyncio.wait([loading, stopping], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+        registering.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await registering
+    failed = loading.done() and not loading.cancelled() and loading.exception() is not None
+    try:
+        if not loading.done():              # asked to stop while loading
+            await redis.hdel(keys.workers, name)
+        elif failed:                        # seen as "error" until its heartbeat is stale
+            error = loading.exception()
+            await redis.hset(keys.workers, name, _registration(
+                spec, started_ms, "error", error=f"{type(error).__name__}: {error}"))
+    except RedisError as err:
+        log.warning("could not update the worker's registration", error=str(err))
     if not loading.done():
-        return                              # asked to stop while loading
-    engine = loading.result()
+        return
+    engine = loading.result()               # raises the load's error
     from .queue.worker import Worker
 
-    await Worker(engine, redis, keys, settings, name=spec.name).run(stop)
+    await Worker(engine, redis, keys, settings, name=name, started_ms=started_ms).run(stop)
 
 
 def _api_server(settings: ServiceSettings, host: str, port: int):

@@ -67,12 +67,16 @@ class Entry:
 
 class Worker:
     def __init__(self, engine, redis: Redis, keys: Keys, settings: ServiceSettings,
-                 name: str | None = None):
+                 name: str | None = None, started_ms: int | None = None):
         self.engine = engine
         self.redis = redis
         self.keys = keys
         self.settings = settings
         self.name = name or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        # registered with every heartbeat: when loading the model began (started_ms, from
+        # whoever loaded it) and ended (the engine is loaded once a Worker exists)
+        self.loaded_ms = now_ms()
+        self.started_ms = started_ms if started_ms is not None else self.loaded_ms
         self.passes = 0                       # score_batch calls made
         self.log = log.bind(worker=self.name)
         # entry ids this worker holds (read, not yet acked or given up on): kept looking busy
@@ -502,10 +506,15 @@ class Worker:
                 await asyncio.wait_for(stop.wait(), interval)
 
     async def _beat(self) -> None:
+        # status "available": the API tells a loaded model from one still loading (serve.py
+        # registers "loading" under the same name until this worker exists)
+        config = getattr(getattr(self.engine, "checkpoint", None), "config", None)
         await self.redis.hset(self.keys.workers, self.name, json.dumps({
             "model": self.engine.model_name, "fingerprint": self.engine.fingerprint,
             "device": str(self.engine.device), "pid": os.getpid(),
-            "host": socket.gethostname(), "heartbeat_ms": now_ms(), "passes": self.passes}))
+            "host": socket.gethostname(), "heartbeat_ms": now_ms(), "passes": self.passes,
+            "status": "available", "started_ms": self.started_ms, "loaded_ms": self.loaded_ms,
+            "family": config.get("model_type") if isinstance(config, dict) else None}))
 
     async def _touch_held(self) -> None:
         """Reset the idle time of entries held (queued here or in a pass), so a pass longer

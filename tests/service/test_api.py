@@ -145,7 +145,7 @@ def test_bad_input_is_answered_4xx_and_never_queued(tiny_engine, settings, tmp_p
         assert_error(client.post(score, json=bad_template), 400,
                             param="scoring.queries.0.template")
         no_options = {**REFUND, "scoring": {"queries": [{"id": "q", "template": "A:{?}"}]}}
-        assert_error(client.post(score, json=no_options), 400, "missing_options")
+        assert_error(client.post(score, json=no_options), 400, "missing_value")
         assert_error(client.post(score, json={**REFUND, "text": "x" * 5000}), 413,
                      "body_too_large")
         assert_error(client.post(score, json=REFUND,
