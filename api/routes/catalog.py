@@ -8,6 +8,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from spinf_worker.model_names import aliases, served_names
+from spinf_worker.protocol import DEFAULT_LIMITS
 
 from ..auth import V1_AUTH
 from ..errors import NotFoundError
@@ -21,15 +22,6 @@ CAPABILITIES = ["score", "extract"]
 MEDIA: list[str] = []
 
 
-def _request_limits() -> dict[str, int]:
-    """The request limits the engine applies (protocol.Limits), where it defines them."""
-    try:
-        from spinf_worker.protocol import Limits
-    except ImportError:
-        return {}
-    return Limits().model_dump()
-
-
 def _status(workers: list[WorkerInfo]) -> ModelStatus:
     statuses = {w.status for w in workers}
     return next(s for s in ("available", "loading", "error") if s in statuses)
@@ -39,7 +31,7 @@ def _catalog(live: list[WorkerInfo]) -> list[ModelObject]:
     by_model: dict[str, list[WorkerInfo]] = {}
     for worker in live:
         by_model.setdefault(worker.model, []).append(worker)
-    limits = _request_limits()
+    limits = DEFAULT_LIMITS.model_dump()    # what the engine applies to every request
     return [ModelObject(id=model, name=model.rsplit("/", 1)[-1], status=_status(workers),
                         base_model=model, aliases=aliases(model),
                         family=next((w.family for w in workers if w.family), None),

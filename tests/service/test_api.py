@@ -155,7 +155,7 @@ def test_bad_input_is_answered_4xx_and_never_queued(tiny_engine, settings, tmp_p
         chat = f"{server.v1}/chat/completions"
         messages = [{"role": "user", "content": "hello"}]
         assert_error(client.post(chat, json={"model": "m", "messages": messages}),
-                            400, "generation_not_supported", "scoring")
+                            400, "scoring_required", "scoring")
         assert_error(client.post(chat, json={"messages": messages, "stream": True,
                                                     "scoring": REFUND["scoring"]}),
                             400, param="stream")
@@ -247,7 +247,7 @@ def test_ready_models_and_metrics(tiny_engine, tiny_dir, api_server, settings):
     not_ready = client.get("/ready")
     assert_error(not_ready, 503, "no_live_worker")
     assert client.get("/v1/models").json() == {"models": [], "object": "list", "data": []}
-    packs = client.get("/v1/packs").json()["data"]
+    packs = client.get("/v1/packs").json()["packs"]
     assert "spinf/support-triage" in {p["id"] for p in packs}
 
     with InProcessWorker(tiny_engine, settings):

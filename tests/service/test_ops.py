@@ -21,6 +21,7 @@ from api.models import ErrorEnvelope, Info, ModelList, Readyz
 from spinf_worker import cli
 from spinf_worker.errors import ModelNotFoundError, SpinfError, error_type
 from spinf_worker.model_names import HOSTED_ALIASES, aliases, is_default, served_names
+from spinf_worker.protocol import DEFAULT_LIMITS
 from spinf_worker.queue.keys import Keys
 from spinf_worker.queue.redis_client import connect
 
@@ -288,6 +289,7 @@ def test_models_in_the_hosted_and_openai_shapes(tiny_engine, api_server, setting
         assert {"spinf-12b", "spinf-31b"} <= set(model.aliases)
         assert model.family == tiny_engine.checkpoint.config.get("model_type")
         assert "score" in model.capabilities and model.features.extraction
+        assert model.limits == DEFAULT_LIMITS.model_dump()
         assert set(reply["models"][0]) >= {"id", "name", "status", "base_model", "aliases",
                                            "family", "capabilities", "media", "limits",
                                            "features"}
