@@ -217,8 +217,8 @@ def test_sync_timeout_answers_202_then_a_worker_finishes_the_job(tiny_engine, se
 def test_backlog_over_the_limit_is_429_with_retry_after(settings):
     settings = settings.model_copy(update={"max_backlog": 0})
     with LiveServer(settings) as server:
-        first = httpx.post(f"{server.v1}/score", json=REFUND, headers={"X-Sync-Timeout": "0"},
-                           timeout=WAIT_S)
+        first = httpx.post(f"{server.v1}/score", json=REFUND,
+                           headers={"Prefer": "respond-async"}, timeout=WAIT_S)
         assert first.status_code == 202
         second = httpx.post(f"{server.v1}/score", json=REFUND, timeout=WAIT_S)
         assert_error(second, 429, "concurrency_limit")
