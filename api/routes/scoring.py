@@ -95,6 +95,7 @@ async def submit_and_wait(services: Services, request: ScoreRequest, *,
                           idempotency_key: str | None, timeout: float
                           ) -> tuple[str, JobResult | None]:
     """(job id, its result or None when not finished within ``timeout``)."""
+    await services.check_serving()
     await check_model(services, request.model)
     await check_packs(services, request)
     await check_backlog(services)

@@ -218,8 +218,6 @@ def test_workers_still_loading(api_server, settings):
     assert_envelope(client.get("/v0/info"), 503, "model_unavailable")
 
 
-@pytest.mark.xfail(strict=True, reason="api/routes/scoring.py does not yet call "
-                                       "services.check_serving() before queueing")
 def test_score_answers_warming_up_while_the_only_workers_load(api_server, settings):
     register(settings, "loader", status="loading", started_ms=int(time.time() * 1000))
     reply = httpx.post(f"{api_server.v1}/score", json={"messages": MESSAGES, "scoring": SCORING},
