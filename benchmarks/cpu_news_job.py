@@ -13,6 +13,10 @@ edits in the checkout cannot slip into a run); ``--worktree`` measures the worki
 
     python benchmarks/cpu_news_job.py --docs 24 --baseline-docs 3 --max-pass-tokens 8192 \
         --out benchmarks/results
+
+Options are scored exactly as given (``"case_insensitive": false``: the work the figures in
+RESULTS.md measure); ``--case-insensitive`` sends the hosted default instead (each option
+also scored as its single-token case and leading-space spellings). The JSON says which ran.
 """
 
 from __future__ import annotations
@@ -68,6 +72,29 @@ def load_articles(engine: Engine, n: int) -> list[str]:
             for t in texts]
 
 
+def scoring_block(case_insensitive: bool = False) -> dict:
+    """The 56 questions as a request's ``scoring`` block."""
+    return {**json.loads(QUESTIONS.read_text()), "case_insensitive": case_insensitive}
+
+
+def option_logprobs(response) -> list[list[float]]:
+    """Per scored query of the response's one input, the options' logprobs (its first
+    combination); extraction queries are left out."""
+    return [[o.logprob for o in q.combinations[0].options] for q in response.results[0].queries
+            if getattr(q, "kind", None) is None]
+
+
+def doc_layouts(engine: Engine, requests: list[dict]) -> list:
+    """The laid-out inputs (FlatDoc) of the requests, as score_batch packs them."""
+    from spinf_worker.errors import SpinfError
+
+    prepared = engine.preparer.prepare_batch(requests)
+    for p in prepared:
+        if isinstance(p, SpinfError):
+            raise p
+    return [d.flat for p in prepared for d in p.docs]
+
+
 def run_engine(engine: Engine, docs: list[str], block: dict) -> dict:
     from spinf_worker.engine.packer import pack
     from spinf_worker.protocol import ScoreResponse
@@ -85,12 +112,12 @@ def run_engine(engine: Engine, docs: list[str], block: dict) -> dict:
             raise RuntimeError(f"engine returned an error: {r!r}")
 
     # passes, and fill = real tokens / rows run (each document is padded to a 128-row tile)
-    flats = [p.flat for p in engine.preparer.prepare_batch(requests)]   # the same layout score_batch packed
+    flats = doc_layouts(engine, requests)   # the same layout score_batch packed
     passes = pack(flats, engine.settings.max_pass_tokens)
-    logprobs = [[[o.logprob for o in q.combinations[0].options] for q in r.queries]
-                for r in responses]
+    logprobs = [option_logprobs(r) for r in responses]
+    # processed_tokens: the rows laid out (content once plus the query tree, no floors)
     return dict(seconds=seconds, cpu_s=cpu_s, warmup_s=warmup_s, logprobs=logprobs,
-                tokens=sum(r.usage.prompt_tokens for r in responses), passes=len(passes),
+                tokens=sum(r.usage.processed_tokens for r in responses), passes=len(passes),
                 fill=sum(f.tokens for f in flats) / sum(p.rows for p in passes))
 
 
@@ -98,13 +125,12 @@ def run_engine(engine: Engine, docs: list[str], block: dict) -> dict:
 def run_baseline(engine: Engine, docs: list[str], block: dict) -> dict:
     from transformers import Gemma3ForCausalLM
 
-    from spinf_worker.templates import scored_prefix_combinations
+    from spinf_worker.templates import expand, parse_template
 
     model = Gemma3ForCausalLM.from_pretrained(engine.checkpoint.path, dtype=torch.float32).eval()
     enc, bos, pad = engine.presenter.encode, engine.checkpoint.bos_token_id, engine.pad_id
     queries = block["queries"]
-    prefixes = [scored_prefix_combinations(q["template"], {}, max_combinations=1)[0].prefix
-                for q in queries]
+    prefixes = [expand(parse_template(q["template"]), None, None)[0].prefix for q in queries]
     option_ids = []
     for q in queries:
         ids = [enc(o) for o in q["options"]]
@@ -148,6 +174,10 @@ def markdown(r: dict, command: str) -> str:
         f"- machine: {r['machine']}, torch {r['torch']}, {r['threads']} threads "
         f"(1-min load average at start: {r['load_avg_1m_at_start']:.2f})",
         f"- command: `{command}`",
+        "- options scored " + ("case-insensitively (the hosted default: the engine's logprob "
+                               "sums the spellings, the baseline's does not)"
+                               if r["case_insensitive"] else
+                               "exactly as given (case_insensitive false)"),
         "",
         *table,
         "",
@@ -168,12 +198,17 @@ def main() -> None:
     ap.add_argument("--max-pass-tokens", type=int, default=8192)
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--worktree", action="store_true", help="measure uncommitted code too")
+    ap.add_argument("--no-results-md", action="store_true",
+                    help="write the JSON only, not a section of RESULTS.md (trial runs)")
+    ap.add_argument("--case-insensitive", action="store_true",
+                    help="send the hosted default (options scored over their case and "
+                         "leading-space spellings); default: the options exactly as given")
     args = ap.parse_args()
     load_at_start = os.getloadavg()[0]   # other work on the machine skews every figure
     commit = use_code(args.worktree)
     from spinf_worker.engine import Engine, EngineSettings
 
-    block = json.loads(QUESTIONS.read_text())
+    block = scoring_block(args.case_insensitive)
     engine = Engine.load(None, device="cpu",
                          settings=EngineSettings(max_pass_tokens=args.max_pass_tokens))
     docs = load_articles(engine, args.docs)
@@ -211,6 +246,7 @@ def main() -> None:
         questions_per_doc=n_q,
         baseline_subset_docs=min(args.baseline_docs, len(docs)),
         max_pass_tokens=args.max_pass_tokens,
+        case_insensitive=args.case_insensitive,
         commit=commit,
         dirty=args.worktree and bool(sh("git status --porcelain -- spinf_worker")),
         date=datetime.date.today().isoformat(),
@@ -227,8 +263,13 @@ def main() -> None:
     path.write_text(json.dumps(r, indent=1) + "\n")
     command = (f"python benchmarks/cpu_news_job.py --docs {args.docs} --baseline-docs "
                f"{args.baseline_docs} --max-pass-tokens {args.max_pass_tokens} --out {args.out}"
-               + (" --worktree" if args.worktree else ""))
+               + (" --worktree" if args.worktree else "")
+               + (" --case-insensitive" if args.case_insensitive else ""))
     section = markdown(r, command)
+    if args.no_results_md:
+        print(section)
+        print(f"wrote {path}")
+        return
     results_md = ROOT / "benchmarks" / "RESULTS.md"
     if not results_md.exists():
         results_md.write_text("# Benchmark results\n\nOne dated section per run, oldest first.\n\n")

@@ -8,6 +8,17 @@ Models: a Gemma-3-12B-shaped stack with random weights, and the 270M (real weigh
 --model270, else random weights of its shape); stage ``qwen3``: a Qwen3-8B-shaped stack with
 random weights, fused CUDA forward against module by module. Stages: ``--only``. Prints a
 table; writes one flat JSON per run.
+
+Options are scored exactly as given (``"case_insensitive": false``: the work of the figures in
+RESULTS.md); ``--case-insensitive`` sends the hosted default (each option also scored as its
+single-token case and leading-space spellings); the JSON's ``case_insensitive`` says which.
+Tokens read are the responses' ``usage.processed_tokens`` (content once plus the query tree).
+
+Without a GPU, ``--cpu-check N`` runs the request building, the response parsing and the
+invariance check of the engine stages on N documents with the default model on the CPU
+(no figures are measured):
+
+    python benchmarks/gpu_bench.py --cpu-check 3
 """
 
 from __future__ import annotations
@@ -134,6 +145,48 @@ def linear_flops(cfg: dict, tokens: int) -> float:
     return 2.0 * tokens * per_layer * cfg["num_hidden_layers"]
 
 
+def build_requests(docs: list[str], questions: dict, case_insensitive: bool = False
+                   ) -> list[dict]:
+    """One request per document, all asking the question set."""
+    scoring = {**questions, "case_insensitive": case_insensitive}
+    return [{"text": d, "scoring": scoring} for d in docs]
+
+
+def checked(responses: list) -> list:
+    for r in responses:
+        if isinstance(r, Exception):
+            raise r
+    return responses
+
+
+def tokens_read(responses: list) -> int:
+    """The rows the engine laid out: content once plus the query tree (no floors)."""
+    return sum(r.usage.processed_tokens for r in responses)
+
+
+def questions_answered(responses: list) -> int:
+    """(query, combination) pairs over every input of every response."""
+    return sum(len(q.combinations) for r in responses for res in r.results for q in res.queries)
+
+
+def bits(response) -> list[float]:
+    """Every option logprob of a response, over its inputs, queries and combinations."""
+    return [o.logprob for res in response.results for q in res.queries
+            for c in q.combinations for o in c.options]
+
+
+def doc_layouts(engine: Engine, requests: list[dict]) -> list:
+    """The laid-out inputs (FlatDoc) of the requests, as score_batch packs them."""
+    return [d.flat for p in checked(engine.preparer.prepare_batch(requests)) for d in p.docs]
+
+
+def invariance(engine: Engine, requests: list[dict], reference: list, k: int) -> bool:
+    """Document k alone and packed in reverse order score the same bits as in ``reference``."""
+    alone = engine.score_batch([requests[k]])[0]
+    reverse = engine.score_batch(requests[::-1])[len(requests) - 1 - k]
+    return bits(alone) == bits(reference[k]) == bits(reverse)
+
+
 def run_engine(name: str, ckpt: Checkpoint, scheme: str, requests: list[dict],
                max_pass_tokens: int | None = None, cuda_graphs: bool = True, fuse: bool = True
                ) -> tuple[dict, list]:
@@ -143,24 +196,21 @@ def run_engine(name: str, ckpt: Checkpoint, scheme: str, requests: list[dict],
                     settings=EngineSettings(scheme=scheme, max_pass_tokens=max_pass_tokens,
                                             cuda_graphs=cuda_graphs, fuse=fuse))
     t0 = time.perf_counter()
-    first = engine.score_batch(requests)          # compiles masks/kernels, fills the floor cache
+    first = checked(engine.score_batch(requests))  # compiles masks/kernels, fills the floor cache
     warm = time.perf_counter() - t0
     for _ in range(2):   # later calls pack without the floors: their pass sizes compile here
         engine.score_batch(requests)
     seconds = cuda_time(lambda: engine.score_batch(requests), repeat=5)
-    responses = engine.score_batch(requests)
-    tokens = sum(r.usage.prompt_tokens for r in responses)
-    questions = sum(len(q.combinations) for r in responses for q in r.queries)
-    flats = [p.flat for p in engine.preparer.prepare_batch(requests)]
+    responses = checked(engine.score_batch(requests))
+    tokens = tokens_read(responses)
+    questions = questions_answered(responses)
+    flats = doc_layouts(engine, requests)
     from spinf_worker.engine.packer import pack
     from spinf_worker.engine.runner import PASS_BUCKET
     passes = pack(flats, engine.settings.max_pass_tokens)
     padded = sum(-(-p.rows // PASS_BUCKET) * PASS_BUCKET for p in passes)
     # Invariance: document 5 alone vs packed with the other 23 (and in reverse order).
-    alone = engine.score_batch([requests[5]])[0]
-    reverse = engine.score_batch(requests[::-1])[len(requests) - 1 - 5]
-    bits = lambda r: [o.logprob for q in r.queries for c in q.combinations for o in c.options]  # noqa: E731
-    identical = bits(alone) == bits(responses[5]) == bits(reverse) == bits(first[5])
+    identical = invariance(engine, requests, responses, 5) and bits(first[5]) == bits(responses[5])
     # Mask build cost of one full pass.
     docs = [flats[i] for i in passes[0].docs]
     rows = -(-passes[0].rows // PASS_BUCKET) * PASS_BUCKET
@@ -232,17 +282,42 @@ def run_baseline(name: str, ckpt: Checkpoint, docs: list[str], questions: dict,
 
 
 def delta_p(a: list, b: list) -> tuple[float, float]:
-    diffs = [abs(oa.p - ob.p) for ra, rb in zip(a, b, strict=True) for qa, qb in zip(ra.queries, rb.queries, strict=True)
+    """Mean and max |Δp| over every option of two runs' responses."""
+    diffs = [abs(oa.p - ob.p) for ra, rb in zip(a, b, strict=True)
+             for ia, ib in zip(ra.results, rb.results, strict=True)
+             for qa, qb in zip(ia.queries, ib.queries, strict=True)
              for ca, cb in zip(qa.combinations, qb.combinations, strict=True)
              for oa, ob in zip(ca.options, cb.options, strict=True)]
     return sum(diffs) / len(diffs), max(diffs)
+
+
+def cpu_check(args: argparse.Namespace) -> None:
+    """The engine stages' request building and response parsing on the CPU (no GPU needed):
+    the default model, ``--cpu-check`` documents, the same figures' inputs, no timing."""
+    engine = Engine.load(None, device="cpu")
+    questions = json.loads(args.questions.read_text())
+    docs = load_docs(args.data, engine.checkpoint.tokenizer, args.cpu_check, args.doc_tokens)
+    requests = build_requests(docs, questions, args.case_insensitive)
+    responses = checked(engine.score_batch(requests))
+    flats = doc_layouts(engine, requests)
+    mean_dp, max_dp = delta_p(responses, responses)
+    out = {"device": "cpu", "docs": len(docs), "case_insensitive": args.case_insensitive,
+           "questions": questions_answered(responses), "tokens_read": tokens_read(responses),
+           "real_rows": sum(f.tokens for f in flats), "rows": sum(f.length for f in flats),
+           "options_scored": sum(len(bits(r)) for r in responses),
+           "bit_identical": invariance(engine, requests, responses, len(requests) // 2),
+           "delta_p_self": [mean_dp, max_dp]}
+    print(json.dumps(out))
+    assert out["questions"] == len(docs) * len(questions["queries"]), out
+    assert out["tokens_read"] == out["real_rows"], out
+    assert out["bit_identical"] and out["delta_p_self"] == [0.0, 0.0], out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
     parser.add_argument("--questions", type=Path, default=ROOT / "benchmarks" / "news_questions.json")
-    parser.add_argument("--tokenizer", type=Path, required=True, help="dir with tokenizer.json")
+    parser.add_argument("--tokenizer", type=Path, help="dir with tokenizer.json (required)")
     parser.add_argument("--model270", default=None, help="real 270M (HF dir or default id)")
     parser.add_argument("--docs", type=int, default=24)
     parser.add_argument("--doc-tokens", type=int, default=470)
@@ -255,7 +330,16 @@ def main() -> None:
                         help="also run the 270M in fp8 with these pass budgets")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--commit", default=None, help="when the checkout has no .git")
+    parser.add_argument("--case-insensitive", action="store_true",
+                        help="the hosted default: options over their case spellings")
+    parser.add_argument("--cpu-check", type=int, default=0, metavar="N",
+                        help="no GPU: check request building and response parsing on N docs")
     args = parser.parse_args()
+    if args.cpu_check:
+        cpu_check(args)
+        return
+    if args.tokenizer is None:
+        parser.error("--tokenizer is required")
     only = set(args.only.split(","))
     args.out.mkdir(parents=True, exist_ok=True)
 
@@ -263,13 +347,14 @@ def main() -> None:
     tokenizer = Tokenizer.from_file(str(args.tokenizer / "tokenizer.json"))
     questions = json.loads(args.questions.read_text())
     docs = load_docs(args.data, tokenizer, args.docs, args.doc_tokens)
-    requests = [{"text": d, "scoring": questions} for d in docs]
+    requests = build_requests(docs, questions, args.case_insensitive)
     commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
                                            capture_output=True, text=True,
                                            cwd=ROOT).stdout.strip() or "unknown"
     row = {"date": time.strftime("%Y-%m-%d"), "commit": commit,
            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "docs": len(docs), "questions_per_doc": len(questions["queries"])}
+           "docs": len(docs), "questions_per_doc": len(questions["queries"]),
+           "case_insensitive": args.case_insensitive}
     if "ceilings" in only:
         row.update(gemm_ceilings([(16384, 15360, 3840), (16384, 3840, 15360),
                                   (16384, 2048, 640), (1000, 15360, 3840)]))

@@ -3,7 +3,10 @@ or with ``--host``: wall time of consecutive calls, the host's share (laying out
 one replay or launch per pass), and a cProfile of one call.
 
     python benchmarks/gpu_profile.py --tokenizer DIR --data DIR [--model 12b|270m] \
-        [--scheme bf16|fp8] [--host] [--no-graphs]
+        [--scheme bf16|fp8] [--host] [--no-graphs] [--case-insensitive]
+
+Options are scored exactly as given (``"case_insensitive": false``) unless
+``--case-insensitive`` (the hosted default: each option also as its case spellings).
 """
 
 from __future__ import annotations
@@ -20,7 +23,15 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_bench import GEMMA_12B, GEMMA_270M, ROOT, cuda_time, load_docs  # noqa: E402
+from gpu_bench import (  # noqa: E402
+    GEMMA_12B,
+    GEMMA_270M,
+    ROOT,
+    build_requests,
+    cuda_time,
+    doc_layouts,
+    load_docs,
+)
 
 from spinf_worker.engine import Engine, EngineSettings  # noqa: E402
 from spinf_worker.models.loader import Checkpoint  # noqa: E402
@@ -35,12 +46,14 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=30)
     parser.add_argument("--host", action="store_true")
     parser.add_argument("--no-graphs", action="store_true")
+    parser.add_argument("--case-insensitive", action="store_true")
     args = parser.parse_args()
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(args.tokenizer / "tokenizer.json"))
     questions = json.loads((ROOT / "benchmarks" / "news_questions.json").read_text())
-    requests = [{"text": d, "scoring": questions} for d in load_docs(args.data, tokenizer, 24, 470)]
+    requests = build_requests(load_docs(args.data, tokenizer, 24, 470), questions,
+                              args.case_insensitive)
     cfg = GEMMA_12B if args.model == "12b" else GEMMA_270M
     ckpt = Checkpoint(name="random", config=cfg, weights=None, tokenizer=tokenizer,
                       bos_token_id=2, eos_token_id=1, chat_template=None,
@@ -67,7 +80,7 @@ def host_profile(engine: Engine, requests: list[dict], rows: int) -> None:
                              for _ in range(6)])
     print("layout s:", [round(cuda_time(lambda: engine.preparer.prepare_batch(requests), 1), 4)
                         for _ in range(3)])
-    flats = [p.flat for p in engine.preparer.prepare_batch(requests)]
+    flats = doc_layouts(engine, requests)
     passes = [[flats[i] for i in p.docs] for p in pack(flats, engine.settings.max_pass_tokens)]
     runner = engine.runner
     for docs in passes:

@@ -1,15 +1,20 @@
 """AG News topic accuracy of the news-signals pack before and after calibration (CPU).
 
-The pack's four topic categories (world, sports, business, sci_tech: one question each) are
-scored on labelled AG News items; the topic is the category with the highest score. A seeded
-half of the items fits the calibration (Platt and isotonic, per category) and the other half
-measures accuracy, Brier, ECE and per-category precision/recall, before and after. The
-documents are scored once; both methods fit on the same scores.
+The pack's four topic categories (world, sports, business, sci_tech: one four-way question
+read once per topic) are scored on labelled AG News items; the topic is the category with the
+highest score. Every item is scored once, the pack run as the API runs it
+(``scoring.packs: [{id, version, context, include_queries: true}]``): "before" is the pack as
+shipped, its categories read from ``results[0].packs`` (the server's own evaluation, checked
+against the pack file's evaluator on the returned queries). A seeded half of the items is the
+normal traffic and the labelled set that ``spinf_worker.calibrate`` fits the constants on
+(reads, Platt maps, thresholds, percentiles); "after" is the calibrated pack evaluated on the
+other half's queries. On the held-out half, before and after: topic accuracy, Brier, ECE and
+per-category precision / recall at the thresholds.
 
     python benchmarks/pack_calibration.py --docs 300 --out benchmarks/results
 
-Prints the report, writes ``<date>-pack-calibration-<commit>.json`` and a reliability plot
-per method to ``--out``.
+Prints the report, writes ``<date>-pack-calibration-<commit>.json``, the calibrated pack file
+(``...-pack.json``) and a reliability plot (before and after) to ``--out``.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import subprocess
@@ -28,7 +34,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 DATA = ROOT.parent / "shared" / "data" / "ag_news_sample.jsonl"
+PACK = "spinf/news-signals"
 TOPICS = ["world", "sports", "business", "sci_tech"]
+CHUNK = 32          # requests per score_batch call
 
 
 def commit() -> str:
@@ -37,6 +45,59 @@ def commit() -> str:
                               capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def pack_request(pack, text: str, context: str) -> dict:
+    """One input and the pack as a request names it, its queries returned too."""
+    return {"messages": [{"role": "user", "content": text}],
+            "scoring": {"packs": [{"id": pack.id, "version": pack.version, "context": context,
+                                   "include_queries": True}]}}
+
+
+def score(engine, pack, texts: list[str], context: str, progress) -> tuple[list[dict], int]:
+    """Per text its one ``results[0]`` (queries and packs) as plain data; the tokens
+    processed (``usage.processed_tokens``) over all of them."""
+    out, tokens = [], 0
+    for start in range(0, len(texts), CHUNK):
+        batch = [pack_request(pack, t, context) for t in texts[start:start + CHUNK]]
+        for response in engine.score_batch(batch):
+            if isinstance(response, Exception):
+                raise response
+            out.append(response.model_dump(mode="json")["results"][0])
+            tokens += response.usage.processed_tokens
+        progress(len(batch))
+    return out, tokens
+
+
+def topic_figures(category_scores: list[dict], labels: list[set[str]]) -> dict:
+    """Topic accuracy (the highest-scoring topic category against the label) and, per topic,
+    how often it is predicted."""
+    predicted = [max(TOPICS, key=lambda c: s[c]["score"]) for s in category_scores]
+    right = sum(p in y for p, y in zip(predicted, labels, strict=True))
+    return {"accuracy": right / len(labels),
+            "predicted": {c: predicted.count(c) for c in TOPICS}}
+
+
+def reliability_plot(before: list[tuple], after: list[tuple], path: Path, title: str) -> bool:
+    """Fraction positive against mean score per bin, before and after (False: no matplotlib)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(4.5, 4.5))
+    ax.plot([0, 1], [0, 1], color="grey", linewidth=0.8, linestyle="--")
+    for name, bins in (("before", before), ("after", after)):
+        ax.plot([b[0] for b in bins], [b[1] for b in bins], marker="o", label=name)
+    ax.set_xlabel("mean score")
+    ax.set_ylabel("fraction of the topic")
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,16 +116,16 @@ def main(argv: list[str] | None = None) -> int:
 
     from spinf_worker import calibrate as cal
     from spinf_worker.engine import Engine
-    from spinf_worker.packs import official_packs
+    from spinf_worker.packs import find_pack, official_packs
 
     if args.threads:
         torch.set_num_threads(args.threads)
     if not args.data.exists():
         parser.error(f"{args.data} not found (the shared data lives in ../shared/data)")
-    pack = official_packs()["spinf/news-signals"]
-    data = cal.read_labelled(args.data, cal.label_map(pack), label_field="label_name",
-                             limit=args.docs)
-    questions = [q for q in pack.questions if q.category in TOPICS]
+    pack = find_pack(official_packs(), PACK)
+    context = next(iter(pack.contexts))
+    data = cal.read_texts(args.data, cal.label_map(pack), label_field="label_name",
+                          limit=args.docs)
     load_avg = os.getloadavg()[0]
     started = time.perf_counter()
     engine = Engine.load(args.model, device=args.device)
@@ -78,43 +139,71 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {done}/{len(data.texts)} documents, {time.perf_counter() - started:.0f} s",
               file=sys.stderr, flush=True)
 
-    scored = cal.score_questions(engine, questions, data.texts, progress=progress)
+    results, processed = score(engine, pack, data.texts, context, progress)
     score_s = time.perf_counter() - started
-    keep = [i for i, s in enumerate(scored) if s is not None]
-    scored, labels = [scored[i] for i in keep], [data.labels[i] for i in keep]
-    fit, held = cal.split(len(scored), args.fit_fraction, args.seed)
-    fitted_on = cal.fitted_on_record(data, len(fit), engine.model_name)
+    queries = [r["queries"] for r in results]
+    served = [r["packs"][0]["categories"] for r in results]
+    # the server's evaluation is the pack file's, on the queries it returned
+    worst = max(abs(pack.evaluate(q, None)["categories"][c]["score"] - s[c]["score"])
+                for q, s in zip(queries, served, strict=True) for c in TOPICS)
+    fit, held = cal.split(len(results), args.fit_fraction, args.seed)
     stamp = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+    record = {"model": engine.model_name, "context": context, "date": stamp,
+              "normal": {"name": data.name, "sha256": data.sha256, "n": len(fit),
+                         "seed": args.seed},
+              "labelled": {"name": data.name, "sha256": data.sha256, "n": len(fit),
+                           "seed": args.seed}}
+    calibrated, fitted = cal.calibrate(pack, [queries[i] for i in fit],
+                                       labelled=[queries[i] for i in fit],
+                                       labels=[data.labels[i] for i in fit], record=record)
+    held_labels = [data.labels[i] for i in held]
     sha = commit()
     args.out.mkdir(parents=True, exist_ok=True)
-    results = {"date": stamp, "commit": sha, "pack": f"{pack.id}@{pack.version}",
-               "model": engine.model_name, "device": args.device,
-               "threads": torch.get_num_threads(), "torch": torch.__version__,
-               "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-               "load_average_at_start": round(load_avg, 2),
-               "data": {"name": data.name, "sha256": data.sha256, "docs": len(scored)},
-               "fit_docs": len(fit), "held_out_docs": len(held), "seed": args.seed,
-               "questions": len(questions), "model_load_s": round(load_s, 2),
-               "scoring_s": round(score_s, 2),
-               "questions_per_s": round(len(scored) * len(questions) / score_s, 2),
-               "methods": {}}
-    for method in ("platt", "isotonic"):
-        calibrated = cal.calibrate(pack, [scored[i] for i in fit], [labels[i] for i in fit],
-                                   TOPICS, method=method, fitted_on=fitted_on)
-        report = cal.before_after(pack, calibrated, [scored[i] for i in held],
-                                  [labels[i] for i in held], TOPICS)
-        report["calibration"] = calibrated.calibration.model_dump(mode="json")
-        results["methods"][method] = report
-        png = args.out / f"{stamp}-pack-calibration-{sha}-{method}.png"
-        cal.reliability_plot(report, png, title=f"AG News held-out ({len(held)}), {method}")
-        print(f"== {method}: fit on {len(fit)}, measured on {len(held)} AG News items")
-        print(cal.format_report(report))
+    out: dict = {
+        "date": stamp, "commit": sha, "pack": pack.group, "model": engine.model_name,
+        "device": args.device, "threads": torch.get_num_threads(), "torch": torch.__version__,
+        "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+        "load_average_at_start": round(load_avg, 2),
+        "case_insensitive": pack.case_insensitive,      # the pack's rule
+        "data": {"name": data.name, "sha256": data.sha256, "docs": len(results)},
+        "fit_docs": len(fit), "held_out_docs": len(held), "seed": args.seed,
+        "queries_per_doc": len(queries[0]), "model_load_s": round(load_s, 2),
+        "scoring_s": round(score_s, 2),
+        "docs_per_s": round(len(results) / score_s, 3),
+        "processed_tokens": processed,
+        "served_vs_file_max_abs_dscore": worst,
+        "fitted": {"platt": fitted.platt, "thresholds": fitted.thresholds,
+                   "layer": fitted.layer},
+    }
+    bins = {}
+    for name, evaluated, how in (
+            ("before", [served[i] for i in held], cal.Fitted()),
+            ("after", [calibrated.evaluate(queries[i], None)["categories"] for i in held],
+             fitted)):
+        version = pack if name == "before" else calibrated
+        rep = cal.report(version, [queries[i] for i in held], held_labels)
+        rep["categories"] = {c: rep["categories"][c] for c in TOPICS if c in rep["categories"]}
+        rep.update(topic_figures(evaluated, held_labels))
+        out[name] = rep
+        pairs = [(s[c]["score"], int(c in y)) for s, y in zip(evaluated, held_labels, strict=True)
+                 for c in TOPICS]
+        bins[name] = cal.reliability([s for s, _ in pairs], [y for _, y in pairs])
+        print(f"== {name} ({'as shipped' if name == 'before' else 'calibrated'} on "
+              f"{len(fit)} items), measured on {len(held)} AG News items: topic accuracy "
+              f"{rep['accuracy']:.3f}")
+        print(cal.format_report(rep, how))
         print()
     path = args.out / f"{stamp}-pack-calibration-{sha}.json"
-    path.write_text(json.dumps(results, indent=1) + "\n")
-    print(f"scored {len(scored)} x {len(questions)} questions in {score_s:.1f} s "
-          f"({results['questions_per_s']} questions/s); wrote {path}")
-    return 0
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    (args.out / f"{stamp}-pack-calibration-{sha}-pack.json").write_text(
+        json.dumps(calibrated.raw, indent=1, ensure_ascii=False) + "\n")
+    png = args.out / f"{stamp}-pack-calibration-{sha}.png"
+    plotted = reliability_plot(bins["before"], bins["after"], png,
+                               f"{pack.group}, AG News held out ({len(held)})")
+    print(f"scored {len(results)} documents in {score_s:.1f} s ({out['docs_per_s']} docs/s); "
+          f"served vs file evaluation: max |Δscore| {worst:.2e}; wrote {path}"
+          + (f" and {png}" if plotted else ""))
+    return 0 if math.isfinite(worst) else 1
 
 
 if __name__ == "__main__":

@@ -8,6 +8,9 @@ and |Δfloor_p|, and writes them as JSON (the calibration record of a quantisati
 
     python benchmarks/quant_agreement.py --docs 8 --scheme int8 \
         --out quantizations/google--gemma-3-270m/calibration.json
+
+Options are scored exactly as given (``"case_insensitive": false``, as the recorded
+calibrations were) unless ``--case-insensitive`` (the hosted default); the JSON says which.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ def main() -> None:
     parser.add_argument("--docs", type=int, default=8)
     parser.add_argument("--scheme", default="int8")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--case-insensitive", action="store_true",
+                        help="the hosted default: options over their case spellings")
     args = parser.parse_args()
 
     ckpt = load_checkpoint(args.model)
@@ -44,7 +49,7 @@ def main() -> None:
     lines = ARTICLES.read_text(encoding="utf-8").splitlines()[: args.docs]
     docs = [ckpt.tokenizer.decode(list(ref.presenter.encode(json.loads(x)["text"])[:DOC_TOKENS]))
             for x in lines]
-    block = json.loads(QUESTIONS.read_text())
+    block = {**json.loads(QUESTIONS.read_text()), "case_insensitive": args.case_insensitive}
     requests = [{"text": d, "scoring": block} for d in docs]
 
     seconds = {}
@@ -52,11 +57,14 @@ def main() -> None:
     for name, engine in (("fp32", ref), (args.scheme, quant)):
         t0 = time.perf_counter()
         responses[name] = engine.score_batch(requests)
+        for r in responses[name]:
+            if isinstance(r, Exception):
+                raise r
         seconds[name] = round(time.perf_counter() - t0, 2)
 
     dp, dlp, dfloor, top1 = [], [], [], []
     for a, b in zip(responses[args.scheme], responses["fp32"], strict=True):
-        for qa, qb in zip(a.queries, b.queries, strict=True):
+        for qa, qb in zip(a.results[0].queries, b.results[0].queries, strict=True):
             for ca, cb in zip(qa.combinations, qb.combinations, strict=True):
                 pa, pb = [o.p for o in ca.options], [o.p for o in cb.options]
                 dp += [abs(x - y) for x, y in zip(pa, pb, strict=True)]
@@ -75,7 +83,8 @@ def main() -> None:
         "device": "cpu",
         "threads": torch.get_num_threads(),
         "job": {"documents": len(docs), "doc_tokens": DOC_TOKENS,
-                "questions": len(block["queries"]), "source": "news_articles.jsonl"},
+                "questions": len(block["queries"]), "source": "news_articles.jsonl",
+                "case_insensitive": args.case_insensitive},
         "pairs": len(top1),
         "p_abs_diff_mean": round(sum(dp) / len(dp), 5),
         "p_abs_diff_max": round(max(dp), 5),
