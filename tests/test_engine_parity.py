@@ -27,7 +27,7 @@ QUERIES = [
      "options": [" yes", " no"]},
     # multi-token options (each option a sub-branch of its own; at most 5 tokens)
     {"id": "actor", "template": "\n\nWho acted? The{?}",
-     "options": [" central bank", " regional lenders", " the markets", " government"]},
+     "options": [" central bank", " regional lenders", " the markets"]},
     # a placeholder grid: 2 x 2 combinations
     {"id": "about", "template": "\n\nDoes the article mention {thing} in {place}?{?}",
      "combinations": "all",

@@ -198,7 +198,7 @@ def test_chat_presentation(family_dirs):
     text = engine.presenter.present([{"role": "user", "content": "hello"}])
     assert text == "<user>hello\n"       # BOS comes as an id, never as text
     assert engine.score({"messages": [{"role": "user", "content": "hello"}],
-                         "scoring": {"queries": QUERIES[1:2]}}).queries
+                         "scoring": {"queries": QUERIES[1:2]}}).results[0].queries
 
 
 def test_unsupported_architecture(family_dirs, tmp_path):
@@ -215,7 +215,8 @@ def test_unsupported_architecture(family_dirs, tmp_path):
     assert "'mistral' is not supported" in err.value.message
     for name in ("Gemma 3", "Gemma 4", "Llama", "Qwen3"):
         assert name in err.value.message
-    assert isinstance(err.value, ModelNotFoundError) and err.value.status == 404
+    assert isinstance(err.value, ModelNotFoundError) and err.value.status == 400
+    assert err.value.code == "model_not_supported"
     with pytest.raises(UnsupportedModelError, match="mixture-of-experts"):
         family_for({"model_type": "gemma4_text"}).config(
             {"model_type": "gemma4_text", "enable_moe_block": True})
@@ -265,7 +266,7 @@ def _max_deltas(a, b) -> tuple[float, float, bool]:
     """(max |Δlogprob|, max |Δp|, same top-1 everywhere) between two responses."""
     dlp = dp = 0.0
     same = True
-    for qa, qb in zip(a.queries, b.queries, strict=True):
+    for qa, qb in zip(a.results[0].queries, b.results[0].queries, strict=True):
         for ca, cb in zip(qa.combinations, qb.combinations, strict=True):
             for oa, ob in zip(ca.options, cb.options, strict=True):
                 dlp, dp = max(dlp, abs(oa.logprob - ob.logprob)), max(dp, abs(oa.p - ob.p))
@@ -274,7 +275,9 @@ def _max_deltas(a, b) -> tuple[float, float, bool]:
     return dlp, dp, same
 
 
-REQUEST = {"messages": [{"role": "user", "content": NEWS}], "scoring": {"queries": QUERIES}}
+# the options as written: the tolerances below were measured on them
+REQUEST = {"messages": [{"role": "user", "content": NEWS}],
+           "scoring": {"queries": QUERIES, "case_insensitive": False}}
 
 
 def test_int8_tiny_close_and_batch_invariant(tiny_dir, tiny_engine):
@@ -292,7 +295,7 @@ def test_int8_tiny_close_and_batch_invariant(tiny_dir, tiny_engine):
     others = [{"text": f"Report {i}: " + NEWS[i * 7:], "scoring": {"queries": QUERIES[:2]}}
               for i in range(5)]
     packed = engine.score_batch([*others[:3], REQUEST, *others[3:]])[3]
-    assert alone.model_dump()["queries"] == packed.model_dump()["queries"]   # bit-identical
+    assert alone.model_dump()["results"] == packed.model_dump()["results"]   # bit-identical
 
 
 def test_int8_other_stacks(family_dirs):
@@ -302,7 +305,7 @@ def test_int8_other_stacks(family_dirs):
     from spinf_worker.models.layers import Linear
     from spinf_worker.quant.int8 import quantize_weight_int8
 
-    request = {"text": NEWS, "scoring": {"queries": QUERIES[:3]}}
+    request = {"text": NEWS, "scoring": {"queries": QUERIES[:3], "case_insensitive": False}}
     for name in ("llama", "gemma4"):
         ref = Engine.load(str(family_dirs[name]), device="cpu")
         with torch.no_grad():
@@ -354,7 +357,8 @@ def test_cli_score_quant(tiny_dir, tmp_path):
                  "--quant", "int8", "--queries", str(tmp_path / "q.json"),
                  "-o", str(out)]) == 0
     row = json.loads(out.read_text())
-    assert row["custom_id"] == "a" and len(row["queries"][0]["combinations"][0]["options"]) == 2
+    assert row["custom_id"] == "a"
+    assert len(row["results"][0]["queries"][0]["combinations"][0]["options"]) == 2
 
 
 # --- Llama / Qwen3 GGUFs (byte-level BPE vocabularies) -----------------------------------------
@@ -486,7 +490,7 @@ def test_bpe_gguf_round_trip(arch, pre, tmp_path):
     request = {"text": NEWS, "scoring": {"queries": QUERIES[:3]}}
     got = Engine(ckpt, device="cpu").score(request)
     want = Engine(reference, device="cpu").score(request)
-    assert got.model_dump()["queries"] == want.model_dump()["queries"]
+    assert got.model_dump()["results"] == want.model_dump()["results"]
 
 
 def test_gemma4_released_config_shape():
