@@ -1,0 +1,147 @@
+"""The score response as the engine builds it: ids and fingerprints in the hosted formats, the
+model and endpoint echoed, floors on or off per call and per query, combinations listed or
+"all", and usage counts that add up."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from spinf_worker.model_names import HOSTED_ALIASES
+from spinf_worker.protocol import ScoredQuery
+
+from .test_engine_parity import NEWS, QUERIES
+
+ULID = re.compile(r"[0-9A-HJKMNP-TV-Z]{26}")   # Crockford base32: no I, L, O, U
+
+
+def score(engine, **fields):
+    return engine.score({"messages": [{"role": "user", "content": NEWS}],
+                         "scoring": {"queries": QUERIES}, **fields})
+
+
+def combos(response):
+    return [c for r in response.results for q in r.queries for c in q.combinations]
+
+
+def test_id_and_fingerprint_formats(tiny_engine):
+    first, second = score(tiny_engine), score(tiny_engine)
+    for response in (first, second):
+        assert response.id.startswith("scr_") and ULID.fullmatch(response.id[4:])
+        assert re.fullmatch(r"fp_[0-9a-f]{10}", response.system_fingerprint)
+        assert response.object == "score"
+    assert first.id != second.id                       # a new id per response
+    assert first.system_fingerprint == second.system_fingerprint == tiny_engine.fingerprint
+    dumped = first.model_dump(mode="json")
+    assert dumped["id"] == first.id and dumped["system_fingerprint"] == first.system_fingerprint
+
+
+def test_the_model_is_echoed_as_sent(tiny_engine):
+    assert score(tiny_engine).model == tiny_engine.model_name          # not sent: the served
+    bare = tiny_engine.model_name.rsplit("/", 1)[-1]
+    alias = sorted(HOSTED_ALIASES)[0]
+    for name in (tiny_engine.model_name, bare, alias):
+        response = score(tiny_engine, model=name)
+        assert response.model == name
+        # another name of the same model: the same scores
+        assert response.results == score(tiny_engine).results
+
+
+def test_the_endpoint_is_echoed(tiny_engine):
+    response = score(tiny_engine, endpoint="support-triage")
+    assert response.endpoint == "support-triage"
+    assert response.model_dump(mode="json")["endpoint"] == "support-triage"
+    assert "endpoint" not in score(tiny_engine).model_dump(mode="json")
+
+
+def test_a_listed_grid_scores_as_the_same_grid_asked_as_all(tiny_engine):
+    about = QUERIES[3]
+    listed = [{"thing": t, "place": p} for t in about["values"]["thing"]
+              for p in about["values"]["place"]]
+    as_list = {k: v for k, v in about.items() if k != "values"} | {"combinations": listed}
+    grid, explicit = (tiny_engine.score({"text": NEWS, "scoring": {"queries": [q]}})
+                      for q in (about, as_list))
+    assert explicit.results == grid.results
+    # a list is scored in its own order, and may pick a few of the grid's combinations
+    picked = [listed[3], listed[0]]
+    few = tiny_engine.score({"text": NEWS, "scoring": {"queries": [
+        as_list | {"combinations": picked}]}})
+    [all_combos], [few_combos] = ([q.combinations for q in r.results[0].queries]
+                                  for r in (grid, few))
+    assert [c.values for c in few_combos] == picked
+    assert few_combos == [all_combos[3], all_combos[0]]
+
+
+def test_no_floor_for_the_call(tiny_engine):
+    with_floor, without = score(tiny_engine), score(tiny_engine, scoring={
+        "queries": QUERIES, "empty_floor": False})
+    for a, b in zip(combos(with_floor), combos(without), strict=True):
+        assert b.floor_residual is None and all(o.floor_p is None for o in b.options)
+        assert a.floor_residual is not None and all(o.floor_p is not None for o in a.options)
+        assert [(o.logprob, o.p) for o in a.options] == [(o.logprob, o.p) for o in b.options]
+        assert a.residual == b.residual
+    assert without.usage.scoring["floor_prompts"] == 0
+    assert without.usage.prompt_tokens_details["floor_tokens"] == 0
+    assert with_floor.usage.scoring["floor_prompts"] == len(combos(with_floor))
+
+
+@pytest.mark.parametrize(("call", "query", "floored"), [
+    (True, False, False), (False, True, True), (None, False, False), (None, None, True)])
+def test_a_querys_floor_overrides_the_calls(tiny_engine, call, query, floored):
+    tone = QUERIES[1] if query is None else QUERIES[1] | {"empty_floor": query}
+    scoring = {"queries": [tone, QUERIES[0]]}
+    if call is not None:
+        scoring["empty_floor"] = call
+    response = tiny_engine.score({"text": NEWS, "scoring": scoring})
+    tone_result, topic_result = response.results[0].queries
+    [combo] = tone_result.combinations
+    assert (combo.floor_residual is not None) is floored
+    assert all((o.floor_p is not None) is floored for o in combo.options)
+    # the other query follows the call
+    assert (topic_result.combinations[0].floor_residual is not None) is (call is not False)
+    if floored:
+        reference = score(tiny_engine).results[0].queries[1].combinations[0]
+        assert [o.floor_p for o in combo.options] == [o.floor_p for o in reference.options]
+        assert combo.floor_residual == reference.floor_residual
+
+
+def test_usage_adds_up(tiny_engine):
+    extraction = {"id": "month", "template": '\n\nQ: Which month?\nA: "{*}"', "max_tokens": 4}
+    inputs = [{"id": "a", "messages": [{"content": NEWS}]},
+              {"id": "b", "messages": [{"content": NEWS[:60]}], "query_ids": ["tone", "about"]},
+              {"id": "c", "messages": [{"content": "Short."}], "query_ids": [],
+               "queries": [extraction]}]
+    response = tiny_engine.score({"inputs": inputs, "scoring": {"queries": QUERIES}})
+    usage = response.usage
+    assert usage.inputs == 3
+    scored = [q for r in response.results for q in r.queries if isinstance(q, ScoredQuery)]
+    assert usage.scoring["queries"] == len(QUERIES) + 2 == len(scored)
+    assert usage.scoring["prompts"] == sum(len(q.combinations) for q in scored)
+    assert usage.scoring["combinations"] == usage.scoring["prompts"]
+    assert usage.scoring["options"] == sum(len(q.combinations[0].options) for q in scored)
+    assert usage.extraction == {"slots": 1, "text": 1, "number": 0, "currency": 0}
+    details = usage.prompt_tokens_details
+    assert details["content_tokens"] == usage.content["tokens"] == sum(
+        len(tiny_engine.presenter.encode(tiny_engine.presenter.present(
+            [{"role": "user", "content": i["messages"][0]["content"]}]))) for i in inputs)
+    assert usage.prompt_tokens == (details["content_tokens"] + details["query_tokens"]
+                                   + details["floor_tokens"])
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert 0 < usage.completion_tokens <= extraction["max_tokens"] * 6   # the search's beams
+    assert usage.processed_tokens >= usage.content["tokens"] + usage.completion_tokens
+    assert usage.billed_tokens == 0
+    # one input more, the same content: its share of every count again
+    more = tiny_engine.score({"inputs": [*inputs, {**inputs[0], "id": "d"}],
+                              "scoring": {"queries": QUERIES}}).usage
+    alone = tiny_engine.score({"inputs": [inputs[0]], "scoring": {"queries": QUERIES}}).usage
+    assert more.inputs == 4
+    for key in ("queries", "prompts", "options", "floor_prompts", "query_tokens"):
+        assert more.scoring[key] == usage.scoring[key] + alone.scoring[key], key
+    assert more.content["tokens"] == usage.content["tokens"] + alone.content["tokens"]
+
+
+def test_timing_is_whole_milliseconds(tiny_engine):
+    timing = score(tiny_engine).timing
+    assert all(isinstance(v, int) and v >= 0 for v in timing.model_dump().values())
+    assert timing.score_ms <= timing.wall_ms
