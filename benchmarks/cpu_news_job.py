@@ -218,7 +218,7 @@ def main() -> None:
     b = run_baseline(engine, docs[: args.baseline_docs], block)
 
     diffs, same = [], []
-    for e_doc, b_doc in zip(e["logprobs"], b["logprobs"], strict=True):
+    for e_doc, b_doc in zip(e["logprobs"][: len(b["logprobs"])], b["logprobs"], strict=True):
         for e_q, b_q in zip(e_doc, b_doc, strict=True):
             diffs += [abs(x - y) for x, y in zip(e_q, b_q, strict=True)]
             same.append(max(range(len(e_q)), key=e_q.__getitem__)
