@@ -66,7 +66,7 @@ def build_response(p: PreparedRequest, scores: list[DocScores], floors: dict[tup
             else:
                 extraction["slots"] += len(grid)
                 extraction[q.kind] += len(grid)
-        decoded += sum(len(f.tokens) for found in doc_scores.found.values() for f in found)
+        decoded += _decoded_tokens(doc, doc_scores)
     prompt_tokens = content_tokens + query_tokens + floor_tokens
     usage = {
         "prompt_tokens": prompt_tokens, "completion_tokens": decoded,
@@ -94,6 +94,21 @@ def build_response(p: PreparedRequest, scores: list[DocScores], floors: dict[tup
         "usage": usage, "timing": {"wall_ms": elapsed_ms, "score_ms": elapsed_ms}})
     response._rows, response._padded_rows = rows, padded
     return response
+
+
+def _decoded_tokens(doc: Prepared, scores: DocScores) -> int:
+    """Tokens decoded for an input's slots: every generated sequence's, and for a searched
+    slot the decoding steps it ran (its longest answer; its beams ran side by side)."""
+    total, b = 0, 0
+    for q, grid in zip(doc.queries, doc.query_set.grids, strict=True):
+        for k in range(len(grid)):
+            found = scores.found.get(b + k, [])
+            if q.generation is not None:
+                total += sum(len(f.tokens) for f in found)
+            elif found:
+                total += max(len(f.tokens) for f in found)
+        b += len(grid)
+    return total
 
 
 def _query_results(doc: Prepared, scores: DocScores, floors: dict[tuple, DocScores],
