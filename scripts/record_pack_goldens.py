@@ -1,15 +1,12 @@
 """Records the official packs' golden outputs on the default model (CPU, fp32).
 
 For each ``fixtures/packs/<name>/docs.jsonl`` (``{"id", "text"}`` lines), scores every document
-with the pack ``spinf/<name>`` in the request, the way the service does, and writes
-``fixtures/packs/<name>/golden.json``: per document the pack's question scores, category
-scores and decision. ``tests/test_pack_goldens.py`` checks them. Re-record after changing a
-pack (its version is in the golden) or the model:
+in the pack ``spinf/<name>``'s first context with the pack's queries, the way the API runs a
+hosted pack, and writes ``fixtures/packs/<name>/golden.json``: per document the pack's result
+queries (hosted shape) and its categories and decision. ``tests/test_pack_goldens.py`` checks
+both. Re-record after changing a pack (its version is in the golden) or the model:
 
     .venv/bin/python scripts/record_pack_goldens.py [NAME ...]
-
-Each pack takes a minute or more on 2 CPU cores (the floors of every question, then the
-documents); record the packs that changed, not all of them.
 """
 
 from __future__ import annotations
@@ -29,23 +26,11 @@ def read_docs(name: str) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def requests(pack, docs: list[dict]) -> list[dict]:
-    """A request needs one query of its own: the pack's first question, whose floor is the
-    same cached value as the pack's, so it adds one branch and nothing else."""
-    first = pack.questions[0]
-    own = {"id": "first", "template": first.template, "options": first.options}
-    return [{"text": d["text"], "scoring": {"queries": [own]}, "packs": [{"id": pack.id}]}
-            for d in docs]
-
-
-def outputs(responses, docs: list[dict]) -> list[dict]:
-    out = []
-    for doc, response in zip(docs, responses, strict=True):
-        result = response.packs[0]
-        out.append({"id": doc["id"],
-                    "questions": {q["id"]: [q["p"], q["floor_p"]] for q in result["questions"]},
-                    "categories": result["categories"], "decision": result["decision"]})
-    return out
+def golden(pack, docs: list[dict], results: list[list[dict]], model: str) -> dict:
+    return {"pack": pack.id, "version": pack.version, "model": model,
+            "context": next(iter(pack.contexts)), "device": "cpu",
+            "docs": [{"id": d["id"], "queries": q, "packs": pack.evaluate(q, None)}
+                     for d, q in zip(docs, results, strict=True)]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,26 +38,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("names", nargs="*", help="fixture folders (default: all)")
     args = parser.parse_args(argv)
 
-    import torch
-
+    from spinf_worker.calibrate import engine_scorer, score_texts
     from spinf_worker.engine import Engine
-    from spinf_worker.packs import official_packs
+    from spinf_worker.packs import find_pack, official_packs
 
     names = args.names or sorted(p.name for p in FIXTURES.iterdir() if p.is_dir())
     engine = Engine.load(None, device="cpu")
-    packs = official_packs()
+    score = engine_scorer(engine)
     for name in names:
-        pack = packs[f"spinf/{name}"]
+        pack = find_pack(official_packs(), f"spinf/{name}")
         docs = read_docs(name)
-        responses = engine.score_batch(requests(pack, docs))
-        golden = {"pack": pack.id, "version": pack.version, "model": engine.model_name,
-                  "device": "cpu", "scheme": engine.scheme, "torch": torch.__version__,
-                  "threads": torch.get_num_threads(), "docs": outputs(responses, docs)}
+        results = score_texts(score, pack, [d["text"] for d in docs])
+        out = golden(pack, docs, results, engine.model_name)
         path = FIXTURES / name / "golden.json"
-        path.write_text(json.dumps(golden, indent=1) + "\n")
-        labels = [d["decision"]["label"] for d in golden["docs"]]
-        print(f"{pack.id}@{pack.version}: {len(docs)} docs x {len(pack.questions)} questions "
-              f"-> {path.relative_to(ROOT)}; decisions {labels}", flush=True)
+        path.write_text(json.dumps(out, indent=1) + "\n")
+        unsafe = [d["packs"]["decision"]["unsafe"] for d in out["docs"]]
+        print(f"{pack.group}: {len(docs)} docs -> {path.relative_to(ROOT)}; unsafe {unsafe}",
+              flush=True)
     return 0
 
 
