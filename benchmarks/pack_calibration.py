@@ -5,16 +5,17 @@ read once per topic) are scored on labelled AG News items; the topic is the cate
 highest score. Every item is scored once, the pack run as the API runs it
 (``scoring.packs: [{id, version, context, include_queries: true}]``): "before" is the pack as
 shipped, its categories read from ``results[0].packs`` (the server's own evaluation, checked
-against the pack file's evaluator on the returned queries). A seeded half of the items is the
+against the pack file's evaluator on the returned queries); "unfitted" is the pack with no
+constants fitted (``calibrate.unfitted``: each topic's score its option's p). A seeded half of the items is the
 normal traffic and the labelled set that ``spinf_worker.calibrate`` fits the constants on
 (reads, Platt maps, thresholds, percentiles); "after" is the calibrated pack evaluated on the
-other half's queries. On the held-out half, before and after: topic accuracy, Brier, ECE and
+other half's queries. On the held-out half, for each: topic accuracy, Brier, ECE and
 per-category precision / recall at the thresholds.
 
     python benchmarks/pack_calibration.py --docs 300 --out benchmarks/results
 
 Prints the report, writes ``<date>-pack-calibration-<commit>.json``, the calibrated pack file
-(``...-pack.json``) and a reliability plot (before and after) to ``--out``.
+(``...-pack.json``) and a reliability plot (all three) to ``--out``.
 """
 
 from __future__ import annotations
@@ -78,8 +79,9 @@ def topic_figures(category_scores: list[dict], labels: list[set[str]]) -> dict:
             "predicted": {c: predicted.count(c) for c in TOPICS}}
 
 
-def reliability_plot(before: list[tuple], after: list[tuple], path: Path, title: str) -> bool:
-    """Fraction positive against mean score per bin, before and after (False: no matplotlib)."""
+def reliability_plot(bins: dict[str, list[tuple]], path: Path, title: str) -> bool:
+    """Fraction positive against mean score per bin, one line per pack version (False: no
+    matplotlib)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -88,8 +90,8 @@ def reliability_plot(before: list[tuple], after: list[tuple], path: Path, title:
         return False
     fig, ax = plt.subplots(figsize=(4.5, 4.5))
     ax.plot([0, 1], [0, 1], color="grey", linewidth=0.8, linestyle="--")
-    for name, bins in (("before", before), ("after", after)):
-        ax.plot([b[0] for b in bins], [b[1] for b in bins], marker="o", label=name)
+    for name, points in bins.items():
+        ax.plot([b[0] for b in points], [b[1] for b in points], marker="o", label=name)
     ax.set_xlabel("mean score")
     ax.set_ylabel("fraction of the topic")
     ax.set_title(title, fontsize=9)
@@ -176,11 +178,13 @@ def main(argv: list[str] | None = None) -> int:
                    "layer": fitted.layer},
     }
     bins = {}
-    for name, evaluated, how in (
-            ("before", [served[i] for i in held], cal.Fitted()),
-            ("after", [calibrated.evaluate(queries[i], None)["categories"] for i in held],
-             fitted)):
-        version = pack if name == "before" else calibrated
+    bare = cal.unfitted(pack)
+    for name, version, evaluated, how in (
+            ("unfitted", bare, [bare.evaluate(queries[i], None)["categories"] for i in held],
+             cal.Fitted()),
+            ("before", pack, [served[i] for i in held], cal.Fitted()),
+            ("after", calibrated,
+             [calibrated.evaluate(queries[i], None)["categories"] for i in held], fitted)):
         rep = cal.report(version, [queries[i] for i in held], held_labels)
         rep["categories"] = {c: rep["categories"][c] for c in TOPICS if c in rep["categories"]}
         rep.update(topic_figures(evaluated, held_labels))
@@ -188,9 +192,10 @@ def main(argv: list[str] | None = None) -> int:
         pairs = [(s[c]["score"], int(c in y)) for s, y in zip(evaluated, held_labels, strict=True)
                  for c in TOPICS]
         bins[name] = cal.reliability([s for s, _ in pairs], [y for _, y in pairs])
-        print(f"== {name} ({'as shipped' if name == 'before' else 'calibrated'} on "
-              f"{len(fit)} items), measured on {len(held)} AG News items: topic accuracy "
-              f"{rep['accuracy']:.3f}")
+        what = {"unfitted": "no constants fitted: calibrate.unfitted",
+                "before": "the pack as shipped", "after": f"calibrated on {len(fit)} items"}
+        print(f"== {name} ({what[name]}), measured on {len(held)} AG News items: topic "
+              f"accuracy {rep['accuracy']:.3f}")
         print(cal.format_report(rep, how))
         print()
     path = args.out / f"{stamp}-pack-calibration-{sha}.json"
@@ -198,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / f"{stamp}-pack-calibration-{sha}-pack.json").write_text(
         json.dumps(calibrated.raw, indent=1, ensure_ascii=False) + "\n")
     png = args.out / f"{stamp}-pack-calibration-{sha}.png"
-    plotted = reliability_plot(bins["before"], bins["after"], png,
+    plotted = reliability_plot(bins, png,
                                f"{pack.group}, AG News held out ({len(held)})")
     print(f"scored {len(results)} documents in {score_s:.1f} s ({out['docs_per_s']} docs/s); "
           f"served vs file evaluation: max |Δscore| {worst:.2e}; wrote {path}"
