@@ -50,8 +50,8 @@ SD_FLOOR = 0.05        # a read that barely moves on normal traffic must not exp
 PLATT_C = 1e4          # almost no regularisation: two parameters, hundreds of points
 ECE_BINS = 10
 
-# runs the model: (contents, queries) -> per content its result queries (hosted shape)
-Scorer = Callable[[list[str], list[dict]], list[list[dict]]]
+# runs the model: (contents, the request's scoring object) -> per content its result queries
+Scorer = Callable[[list[str], dict], list[list[dict]]]
 
 
 # ---- texts -----------------------------------------------------------------------------------
@@ -144,12 +144,13 @@ def score_texts(score: Scorer, pack: Pack, texts: Sequence[str], *, context: str
                 chunk: int = 32, progress: Callable[[int], None] | None = None
                 ) -> list[list[dict]]:
     """Per text the pack's result queries: the text in the pack's context, the pack's
-    queries as the API runs them (its group and floor)."""
+    queries as the API runs them (its group, floor and case rule)."""
     before, after = pack.wrap(context, None)
+    scoring = {"queries": pack.queries(), "case_insensitive": pack.case_insensitive}
     out: list[list[dict]] = []
     for start in range(0, len(texts), chunk):
         batch = [before + t + after for t in texts[start:start + chunk]]
-        out += score(batch, pack.queries())
+        out += score(batch, scoring)
         if progress is not None:
             progress(len(batch))
     return out
@@ -157,9 +158,9 @@ def score_texts(score: Scorer, pack: Pack, texts: Sequence[str], *, context: str
 
 def engine_scorer(engine) -> Scorer:
     """A Scorer over an engine's ``score_batch`` (hosted requests, one input each)."""
-    def score(contents: list[str], queries: list[dict]) -> list[list[dict]]:
-        requests = [{"messages": [{"role": "user", "content": text}],
-                     "scoring": {"queries": queries}} for text in contents]
+    def score(contents: list[str], scoring: dict) -> list[list[dict]]:
+        requests = [{"messages": [{"role": "user", "content": text}], "scoring": scoring}
+                    for text in contents]
         out = []
         for response in engine.score_batch(requests):
             if isinstance(response, Exception):
