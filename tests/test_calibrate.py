@@ -208,3 +208,19 @@ def test_the_command_fits_stored_results_without_a_model(tmp_path, capsys):
     assert main(["calibrate", "--pack", "acme/nope", "--normal",
                  str(tmp_path / "normal.jsonl"), "-o", str(out)]) == 2
     assert "no pack 'acme/nope'" in capsys.readouterr().err
+
+
+def test_texts_are_scored_in_the_context_as_the_api_runs_the_pack():
+    draft = pack_from_data(DRAFT, draft=True)
+    calls = []
+
+    def score(contents, scoring):
+        calls.append((contents, scoring))
+        return [[] for _ in contents]
+
+    out = cal.score_texts(score, draft, ["one", "two", "three"], chunk=2)
+    assert out == [[], [], []]
+    assert [c for c, _ in calls] == [["Text:\n\none", "Text:\n\ntwo"], ["Text:\n\nthree"]]
+    scoring = calls[0][1]
+    assert scoring == {"queries": draft.queries(), "case_insensitive": False}
+    assert all(q["group"] == "acme/topics@1.0.0" for q in scoring["queries"])
