@@ -26,26 +26,26 @@ def _load_scoring(path: str | None) -> dict | None:
 
 
 def _to_request(line: str, scoring: dict | None) -> tuple[object, dict]:
-    """One input line -> (custom_id, request body). Raises InvalidRequestError."""
+    """One input line -> (custom_id, request body): a hosted request body (``messages`` or
+    ``inputs``, ``scoring``), or ``{"text": ...}``; the --queries block is its ``scoring``
+    when it has none. Raises InvalidRequestError."""
     try:
         obj = json.loads(line)
-    except json.JSONDecodeError as err:
-        raise InvalidRequestError(f"line is not valid JSON: {err.msg} at column {err.colno}") from None
+    except (json.JSONDecodeError, RecursionError) as err:
+        where = f": {err.msg} at column {err.colno}" if isinstance(err, json.JSONDecodeError) else ""
+        raise InvalidRequestError(f"line is not valid JSON{where}", code="invalid_json") from None
     if not isinstance(obj, dict):
-        raise InvalidRequestError("line must be a JSON object")
+        raise InvalidRequestError("line must be a JSON object", code="invalid_field")
     custom_id = obj.get("custom_id", obj.get("id"))
-    if "messages" in obj or "scoring" in obj or "packs" in obj:
-        body = {k: v for k, v in obj.items() if k not in ("id", "custom_id")}
-    elif "text" in obj:
-        body = {"messages": [{"role": "user", "content": obj["text"]}]}
-    else:
-        raise InvalidRequestError("line needs 'text', or 'messages' and 'scoring'", param="text")
+    if not any(k in obj for k in ("messages", "inputs", "text")):
+        raise InvalidRequestError("line needs 'text', 'messages' or 'inputs'", param="text",
+                                  code="invalid_field")
+    body = {k: v for k, v in obj.items() if k not in ("id", "custom_id")}
     if "scoring" not in body:
-        if scoring is not None:
-            body["scoring"] = scoring
-        elif not body.get("packs"):
-            raise InvalidRequestError("line has no 'scoring' block or 'packs', and no --queries "
-                                      "file was given", param="scoring")
+        if scoring is None:
+            raise InvalidRequestError("line has no 'scoring' block and no --queries file was "
+                                      "given", param="scoring", code="invalid_field")
+        body["scoring"] = scoring
     return custom_id, body
 
 
@@ -155,7 +155,7 @@ def _score_chunk(engine, lines: list[str], scoring: dict | None, out) -> int:
             failed += 1
             row = _error_line(custom_id, result)
         else:
-            row = {"custom_id": custom_id, **result.model_dump()}
+            row = {"custom_id": custom_id, **result.model_dump(mode="json")}
         out.write(json.dumps(row, ensure_ascii=False) + "\n")
     out.flush()
     return failed

@@ -24,7 +24,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from ..errors import SpinfError
 from ..protocol import ScoreRequest, ScoreResponse
-from ..tiles import ROW_TILE, padded_rows
+from ..tiles import ROW_TILE
 from .engine_thread import ENGINE_THREAD
 from .keys import GROUP, Keys
 from .results import JobResult
@@ -383,17 +383,17 @@ class Worker:
 
     async def _count_pass(self, outcomes: list, busy_s: float) -> None:
         scored = [o for o in outcomes if isinstance(o, ScoreResponse)]
-        tokens = sum(o.usage.prompt_tokens for o in scored)
+        tokens = sum(o._rows for o in scored)
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.hincrby(self.keys.stats, "passes", 1)
-            pipe.hincrby(self.keys.stats, "docs", len(scored))
+            pipe.hincrby(self.keys.stats, "docs", sum(len(o.results) for o in scored))
             pipe.hincrby(self.keys.stats, "tokens", tokens)
             pipe.hincrby(self.keys.stats, "questions",
-                         sum(len(q.combinations) for o in scored for q in o.queries))
+                         sum(len(q.combinations) for o in scored for r in o.results
+                             for q in r.queries))
             # a document takes its rows padded to the tile: real_rows/rows is the fill
             pipe.hincrby(self.keys.stats, "real_rows", tokens)
-            pipe.hincrby(self.keys.stats, "rows",
-                         sum(padded_rows(o.usage.prompt_tokens) for o in scored))
+            pipe.hincrby(self.keys.stats, "rows", sum(o._padded_rows for o in scored))
             pipe.hincrbyfloat(self.keys.stats, "seconds_busy", busy_s)
             await pipe.execute()
 
