@@ -796,21 +796,3 @@ def find_pack(packs: dict[str, dict[str, Pack]], pack_id: str, version: str | No
                                   f"versions: {', '.join(versions)}.", param=version_param,
                                   code="unknown_pack_version")
     return versions[version]
-
-
-# ---- names of the previous pack format, kept only so that old imports resolve -----------------
-
-
-class PackQuestion:
-    """Removed with the previous format (questions with positive / weight)."""
-
-    def __init__(self, *args: Any, **kwargs: Any):
-        raise NotImplementedError("packs are in the hosted format now: see Pack.queries()")
-
-
-def category_scores(*args: Any, **kwargs: Any) -> dict:
-    raise NotImplementedError("packs are in the hosted format now: see Pack.evaluate()")
-
-
-def decide(*args: Any, **kwargs: Any) -> dict:
-    raise NotImplementedError("packs are in the hosted format now: see Pack.evaluate()")

@@ -59,15 +59,19 @@ def test_score_file_end_to_end(tmp_path, default_checkpoint):
 
 def test_score_with_a_pack_from_a_directory(tmp_path, tiny_dir):
     """`score --packs DIR`: a pack of that directory answers lines that name it, alone."""
-    pack = {"id": "acme/refunds", "version": "1.0.0",
-            "questions": [{"id": "refund", "template": "\n\nRefund?{?}", "options": [" yes", " no"],
-                           "positive": " yes", "category": "money"}],
-            "categories": [{"id": "money"}]}
+    pack = {"pack": "acme/refunds", "version": "1.0.0", "model": "google/gemma-3-270m",
+            "contexts": {"text": "{X}"},
+            "scoring": {"queries": [{"id": "refund", "template": "\n\nRefund?{?}",
+                                     "options": [" yes", " no"]}]},
+            "reads": [{"id": "refund", "query": "refund", "kind": "pair", "mean": 0.0,
+                       "sd": 1.0, "category": "money"}],
+            "categories": {"money": {"platt": [1.0, 0.0], "threshold": 0.5}},
+            "decision": {"mode": "per_category"}}
     (tmp_path / "packs").mkdir()
     (tmp_path / "packs" / "refunds.json").write_text(json.dumps(pack))
     src = tmp_path / "in.jsonl"
     src.write_text(json.dumps({"id": "a", "text": "Charged twice.",
-                               "packs": [{"id": "acme/refunds"}]}) + "\n")
+                               "scoring": {"packs": [{"id": "acme/refunds"}]}}) + "\n")
     out = tmp_path / "out.jsonl"
     proc = subprocess.run(
         [sys.executable, "-m", "spinf_worker.cli", "score", str(src), "-o", str(out), "-q",
@@ -75,8 +79,9 @@ def test_score_with_a_pack_from_a_directory(tmp_path, tiny_dir):
         capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr
     row = json.loads(out.read_text())
-    assert row["queries"] == [] and row["packs"][0]["id"] == "acme/refunds"
-    assert set(row["packs"][0]["categories"]) == {"money"}
+    (result,) = row["results"]
+    assert result["queries"] == [] and result["packs"][0]["id"] == "acme/refunds"
+    assert set(result["packs"][0]["categories"]) == {"money"}
     bad = subprocess.run(
         [sys.executable, "-m", "spinf_worker.cli", "score", str(src), "--model", str(tiny_dir),
          "--packs", str(tmp_path / "nowhere")], capture_output=True, text=True, cwd=ROOT,
