@@ -14,12 +14,14 @@ from ..conftest import WAIT_S
 from ..test_pack_sources import PACK, commit
 from .live import InProcessWorker, LiveServer
 
-TWO = {**PACK, "id": "acme/service-pack",
-       "questions": [*PACK["questions"],
-                     {"id": "b", "category": "d", "template": "\n\nAnother?{?}",
-                      "options": [" yes", " no", " maybe"], "positive": " maybe"}],
-       "categories": [{"id": "c"}, {"id": "d", "on": "lift"}],
-       "decision": {"rules": [{"label": "flag", "when": {"c": 0.0}}], "default": "pass"}}
+TWO = {**PACK, "pack": "acme/service-pack",
+       "scoring": {"queries": [*PACK["scoring"]["queries"],
+                               {"id": "b", "template": "\n\nAnother?{?}",
+                                "options": [" yes", " no", " maybe"]}]},
+       "reads": [*PACK["reads"],
+                 {"id": "b", "query": "b", "kind": "option", "option": 2, "mu": 0.0, "mean": 0.0,
+                  "sd": 1.0, "category": "d"}],
+       "categories": {**PACK["categories"], "d": {"platt": [1.0, 0.0], "threshold": 0.9}}}
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
@@ -28,6 +30,7 @@ def test_git_pack_scores_through_the_api_equal_plain_queries(tmp_path, monkeypat
     import subprocess
 
     from spinf_worker.engine import Engine
+    from spinf_worker.packs import find_pack
 
     monkeypatch.setenv("SPINF_CACHE_DIR", str(tmp_path / "cache"))
     repo = tmp_path / "repo"
@@ -37,38 +40,33 @@ def test_git_pack_scores_through_the_api_equal_plain_queries(tmp_path, monkeypat
     settings = settings.model_copy(update={"packs": pin_sources([f"git+file://{repo}@main"])})
     assert settings.packs == [f"git+file://{repo}@{sha}"]
     # what serve.load_engine does for a worker: an engine built with the configured packs
-    engine = Engine(tiny_engine.checkpoint, device="cpu", packs=load_sources(settings.packs))
+    packs = load_sources(settings.packs)
+    engine = Engine(tiny_engine.checkpoint, device="cpu", packs=packs)
     text = "I was charged twice for September and I want my money back now."
     with LiveServer(settings) as server, InProcessWorker(engine, settings):
         client = httpx.Client(base_url=server.v1, timeout=WAIT_S)
-        listed = {p["id"]: p for p in client.get("/packs").json()["data"]}
-        assert listed["acme/service-pack"]["source"]["commit"] == sha
+        listed = {p["id"]: p for p in client.get("/packs").json()["packs"]}
+        assert sha in str(listed["acme/service-pack"]["source"])
         assert "spinf/support-triage" in listed
 
         own = {"id": "own", "template": "\n\nRefund?{?}", "options": [" yes", " no"]}
-        with_pack = client.post("/score", json={"text": text, "scoring": {"queries": [own]},
-                                                "packs": [{"id": "acme/service-pack"}]})
+        ref = {"id": "acme/service-pack", "include_queries": True}
+        with_pack = client.post("/score", json={"text": text, "scoring": {
+            "queries": [own], "packs": [ref]}})
         assert with_pack.status_code == 200, with_pack.text
-        plain = client.post("/score", json={"text": text, "scoring": {"queries": [
-            {"id": q["id"], "template": q["template"], "options": q["options"]}
-            for q in TWO["questions"]]}}).json()
-        body = with_pack.json()
-        assert [q["id"] for q in body["queries"]] == ["own"]
-        result = body["packs"][0]
-        assert (result["id"], result["version"]) == ("acme/service-pack", "1.0.0")
-        by_id = {q["id"]: q for q in plain["queries"]}
-        for question, spec in zip(result["questions"], TWO["questions"], strict=True):
-            option = next(o for o in by_id[spec["id"]]["combinations"][0]["options"]
-                          if o["text"] == spec["positive"])
-            assert question["p"] == pytest.approx(option["p"], abs=1e-6)
-            assert question["floor_p"] == option["floor_p"]
-        a, b = result["questions"]
-        assert result["categories"] == {"c": pytest.approx(a["p"]),
-                                        "d": pytest.approx(max(b["p"] - b["floor_p"], 0.0))}
-        assert result["decision"]["label"] == "flag"
+        # the pack's queries sent plain: its context is the content itself, its case rule
+        plain = client.post("/score", json={"text": text, "scoring": {
+            "queries": TWO["scoring"]["queries"], "case_insensitive": False}}).json()
+        (result,) = with_pack.json()["results"]
+        assert [q["id"] for q in result["queries"]] == ["own", "a", "b"]
+        assert result["queries"][1:] == plain["results"][0]["queries"]
+        (pack_result,) = result["packs"]
+        assert (pack_result["id"], pack_result["version"]) == ("acme/service-pack", "1.0.0")
+        expected = find_pack(packs, "acme/service-pack").evaluate(result["queries"][1:], None)
+        assert {k: pack_result[k] for k in ("categories", "decision")} == expected
 
-        unknown = client.post("/score", json={"text": text, "scoring": {"queries": [own]},
-                                              "packs": [{"id": "acme/nope"}]})
+        unknown = client.post("/score", json={"text": text, "scoring": {
+            "queries": [own], "packs": [{"id": "acme/nope"}]}})
         assert unknown.status_code == 400 and unknown.json()["error"]["code"] == "unknown_pack"
 
 
@@ -80,7 +78,7 @@ def test_service_commands_check_packs_before_starting(tmp_path, settings, tiny_d
     from spinf_worker.cli import main
     from spinf_worker.serve import WorkerSpec, load_engine
 
-    (tmp_path / "bad.json").write_text(json.dumps({**PACK, "version": "one"}))
+    (tmp_path / "bad.json").write_text(json.dumps({**PACK, "version": "-one"}))
     assert main(["api", "--redis", settings.redis_url, "--packs", str(tmp_path)]) == 2
     assert f"{tmp_path / 'bad.json'}: version:" in capsys.readouterr().err
 
