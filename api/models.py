@@ -5,17 +5,15 @@ modules, validated against these in the tests."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from spinf_worker.protocol import (
     ErrorBody,
     ErrorResponse,
-    Message,
     ScoreRequest,
     ScoreResponse,
-    Scoring,
 )
 
 # ---- jobs ------------------------------------------------------------------------------
@@ -73,47 +71,11 @@ class Job(BaseModel):
 # ---- chat completions -------------------------------------------------------------------
 
 
-class ChatCompletionRequest(BaseModel):
-    """The OpenAI request; ``scoring`` (sent by the SDK through ``extra_body``) makes it a
-    scoring call. Other OpenAI fields (temperature, ...) are accepted and ignored."""
+class ChatCompletionRequest(ScoreRequest):
+    """The body of /v1/score (the OpenAI SDK sends ``scoring`` through ``extra_body``, and a
+    scoring block is required); other OpenAI fields (temperature, ...) are ignored."""
 
-    model_config = ConfigDict(extra="allow")
-
-    model: str | None = None
-    messages: list[Message]
-    scoring: Scoring = Field(default_factory=Scoring)   # may be left out when packs are given
-    packs: list[dict[str, Any]] = Field(default_factory=list)
     stream: Literal[False] = False
-
-
-class ChatMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: ChatMessage
-    finish_reason: Literal["stop"] = "stop"
-    logprobs: None = None
-
-
-class ChatUsage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int = 0
-    total_tokens: int
-
-
-class ChatCompletion(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    system_fingerprint: str | None = None
-    choices: list[ChatChoice]
-    usage: ChatUsage
-    scoring: ScoreResponse = Field(description="the full scores; the message is the top "
-                                               "option of the first query")
 
 
 # ---- models ------------------------------------------------------------------------------

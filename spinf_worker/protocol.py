@@ -648,7 +648,7 @@ class Answer(BaseModel):
     finish: Literal["stop", "length"] | None = None
 
     @model_serializer(mode="wrap")
-    def _drop_unset(self, handler) -> dict:
+    def _drop_unset(self, handler):   # unannotated: the schema stays the model's
         return {k: v for k, v in handler(self).items() if v is not None or k == "text"}
 
 
@@ -660,7 +660,7 @@ class ExtractedCombination(BaseModel):
     p_calibrated: float | None = None  # the top answer's p through the query's calibration
 
     @model_serializer(mode="wrap")
-    def _drop_unset(self, handler) -> dict:
+    def _drop_unset(self, handler):   # unannotated: the schema stays the model's
         return {k: v for k, v in handler(self).items()
                 if v is not None or k in ("values", "answers")}
 
@@ -677,7 +677,7 @@ class ExtractedQuery(BaseModel):
     combinations: list[ExtractedCombination]
 
     @model_serializer(mode="wrap")
-    def _drop_unset(self, handler) -> dict:
+    def _drop_unset(self, handler):   # unannotated: the schema stays the model's
         data = handler(self)
         if self.generate is None:
             data.pop("generate", None)
@@ -705,7 +705,7 @@ class InputResult(BaseModel):
     packs: list[PackResult] | None = None
 
     @model_serializer(mode="wrap")
-    def _drop_unset(self, handler) -> dict:
+    def _drop_unset(self, handler):   # unannotated: the schema stays the model's
         data = handler(self)
         if self.packs is None:
             data.pop("packs", None)
@@ -755,7 +755,7 @@ class ScoreResponse(BaseModel):
     _padded_rows: int = PrivateAttr(default=0)
 
     @model_serializer(mode="wrap")
-    def _drop_unset(self, handler) -> dict:
+    def _drop_unset(self, handler):   # unannotated: the schema stays the model's
         data = handler(self)
         if self.endpoint is None:
             data.pop("endpoint", None)

@@ -12,8 +12,9 @@ import httpx
 import pytest
 import redis as redis_sync
 
-from api.models import Batch, ChatCompletion, ErrorEnvelope, Job, JobAccepted, ModelList
+from api.models import Batch, ErrorEnvelope, Job, JobAccepted, ModelList
 from spinf_worker.errors import error_type
+from spinf_worker.openai_compat import ChatScoreResponse
 from spinf_worker.protocol import ScoreResponse
 from spinf_worker.queue.keys import GROUP, Keys
 
@@ -97,7 +98,7 @@ def test_spec_example_through_http_and_the_openai_sdk(default_engine, settings):
         assert response.status_code == 200, response.text
         body = response.json()
         ScoreResponse.model_validate(body)
-        assert body["queries"] == expected.model_dump()["queries"]
+        assert body["results"] == expected.model_dump(mode="json")["results"]
         assert body["model"] == DEFAULT_MODEL
         assert body["system_fingerprint"] == default_engine.fingerprint
         assert body["usage"] == expected.usage.model_dump()
@@ -105,15 +106,14 @@ def test_spec_example_through_http_and_the_openai_sdk(default_engine, settings):
         client = OpenAI(base_url=server.v1, api_key="sk-test", max_retries=0, timeout=WAIT_S)
         completion = client.chat.completions.create(
             model=DEFAULT_MODEL, messages=SPEC_MESSAGES, extra_body={"scoring": SPEC_SCORING})
-        scoring = completion.model_extra["scoring"]
-        assert scoring["queries"] == expected.model_dump()["queries"]
-        first = expected.queries[0].combinations[0].options
+        assert completion.model_extra["results"] == expected.model_dump(mode="json")["results"]
+        first = expected.results[0].queries[0].combinations[0].options
         assert completion.choices[0].message.content == max(first, key=lambda o: o.p).text
         assert completion.choices[0].finish_reason == "stop"
-        assert completion.id.startswith("chatcmpl-")
+        assert completion.id.startswith("scr_")       # the score response's own id
         assert completion.system_fingerprint == default_engine.fingerprint
         assert completion.usage.completion_tokens == 0
-        ChatCompletion.model_validate(completion.model_dump())
+        ChatScoreResponse.model_validate(completion.model_dump())
 
         models = client.models.list()
         assert [m.id for m in models.data] == [DEFAULT_MODEL]
@@ -182,19 +182,19 @@ def test_bad_input_is_answered_4xx_and_never_queued(tiny_engine, settings, tmp_p
         assert entries_added(settings) == 2
 
 
-def test_sync_timeout_answers_202_then_a_worker_finishes_the_job(tiny_engine, settings):
-    expected = tiny_engine.score(REFUND).model_dump()
-    settings = settings.model_copy(update={"sync_timeout_s": 0.3})
+def test_respond_async_answers_202_then_a_worker_finishes_the_job(tiny_engine, settings):
+    expected = tiny_engine.score(REFUND).model_dump(mode="json")
     with LiveServer(settings) as server:
         client = httpx.Client(base_url=server.v1, timeout=WAIT_S)
-        response = client.post("/score", json=REFUND, headers={"Idempotency-Key": "abc-1"})
+        response = client.post("/score", json=REFUND, headers={"Idempotency-Key": "abc-1",
+                                                               "Prefer": "respond-async"})
         assert response.status_code == 202, response.text
         accepted = JobAccepted.model_validate(response.json())
         assert accepted.status == "queued" and accepted.url == f"/v1/jobs/{accepted.id}"
         assert response.headers["location"] == accepted.url
         # the same Idempotency-Key names the same job, and queues nothing new
         again = client.post("/score", json=REFUND, headers={"Idempotency-Key": "abc-1",
-                                                            "X-Sync-Timeout": "0"})
+                                                            "Prefer": "respond-async"})
         assert again.status_code == 202 and again.json()["id"] == accepted.id
         queued = client.post("/jobs", json={**REFUND, "deadline_s": 600})
         assert queued.status_code == 202, queued.text
@@ -210,7 +210,7 @@ def test_sync_timeout_answers_202_then_a_worker_finishes_the_job(tiny_engine, se
                         client.get(f"/jobs/{job_id}").json()), what="the job to finish")
                 Job.model_validate(job)
                 assert job["status_code"] == 200 and job["error"] is None
-                assert job["response"]["queries"] == expected["queries"]
+                assert job["response"]["results"] == expected["results"]
                 assert job["created_at"] <= job["started_at"] <= job["finished_at"]
 
 
@@ -294,13 +294,25 @@ def test_ready_models_and_metrics(tiny_engine, tiny_dir, api_server, settings):
 def test_openapi_documents_the_shapes(api_server):
     schema = httpx.get(f"{api_server.url}/openapi.json", timeout=WAIT_S).json()
     components = schema["components"]["schemas"]
-    for name in ("ScoreRequest", "ScoreResponse", "ChatCompletion", "ChatCompletionRequest",
+    for name in ("ScoreRequest", "ScoreResponse", "ChatScoreResponse", "ChatCompletionRequest",
                  "JobRequest", "Job", "Batch", "BatchList", "FileObject", "ErrorEnvelope"):
         assert name in components, name
     score = schema["paths"]["/v1/score"]["post"]
     assert score["requestBody"]["content"]["application/json"]["schema"]["$ref"] \
         == "#/components/schemas/ScoreRequest"
-    assert {"200", "202", "400", "404", "429"} <= set(score["responses"])
+    assert {"200", "202", "400", "429", "503"} <= set(score["responses"])
+    # the hosted shapes, field by field
+    response = components["ScoreResponse"]["properties"]
+    assert {"id", "object", "created", "model", "system_fingerprint", "results", "warnings",
+            "usage", "timing"} <= set(response)
+    result = components["InputResult"]["properties"]
+    assert {"input_id", "queries", "packs"} <= set(result)
+    assert {"text", "p", "value", "currency", "finish"} <= set(
+        components["Answer"]["properties"])
+    request = components["ScoreRequest"]["properties"]
+    assert {"model", "messages", "inputs", "scoring", "endpoint"} <= set(request)
+    assert {"queries", "empty_floor", "case_insensitive", "packs"} <= set(
+        components["Scoring"]["properties"])
     assert "/v1/models/{model_id}" in schema["paths"]
     # every $ref resolves
     refs = {ref.rsplit("/", 1)[-1] for ref in _refs(schema)}
