@@ -56,7 +56,7 @@ def lines_of(client: httpx.Client, file_id: str) -> list[dict]:
 
 
 def test_batch_of_200_documents_matches_the_engine_alone(tiny_engine, settings):
-    alone = {text: tiny_engine.score({"text": text, "scoring": QUERY}).model_dump()["queries"]
+    alone = {text: tiny_engine.score({"text": text, "scoring": QUERY}).model_dump(mode="json")["results"]
              for text in TEXTS}
     rows = [score_line(f"doc-{i}", TEXTS[i % len(TEXTS)]) for i in range(DOCUMENTS)]
     bad_template = score_line("bad-template", "x")
@@ -104,7 +104,7 @@ def test_batch_of_200_documents_matches_the_engine_alone(tiny_engine, settings):
             assert line["id"].startswith("batch_req_") and line["error"] is None
             assert line["response"]["status_code"] == 200
             assert line["response"]["request_id"].startswith("job_")
-            assert line["response"]["body"]["queries"] == alone[TEXTS[i % len(TEXTS)]], i
+            assert line["response"]["body"]["results"] == alone[TEXTS[i % len(TEXTS)]], i
 
         errors = {(line["custom_id"], line["error"]["code"]): line
                   for line in lines_of(client, done["error_file_id"])}
@@ -131,7 +131,7 @@ def test_batch_of_200_documents_matches_the_engine_alone(tiny_engine, settings):
 
 def test_chat_completions_batch_answers_in_the_chat_shape(tiny_engine, settings):
     messages = [{"role": "user", "content": TEXTS[0]}]
-    alone = tiny_engine.score({"messages": messages, "scoring": QUERY}).model_dump()
+    alone = tiny_engine.score({"messages": messages, "scoring": QUERY}).model_dump(mode="json")
     rows = [{"custom_id": "chat-1", "method": "POST", "url": "/v1/chat/completions",
              "body": {"model": tiny_engine.model_name, "messages": messages, "scoring": QUERY,
                       "temperature": 0}},
@@ -146,13 +146,15 @@ def test_chat_completions_batch_answers_in_the_chat_shape(tiny_engine, settings)
         assert done["request_counts"] == {"total": 2, "completed": 1, "failed": 1}
         [line] = lines_of(client, done["output_file_id"])
         body = line["response"]["body"]
-        assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
-        top = max(alone["queries"][0]["combinations"][0]["options"], key=lambda o: o["p"])
+        # the score response plus choices, as /v1/chat/completions answers
+        assert body["object"] == "score" and body["id"].startswith("scr_")
+        top = max(alone["results"][0]["queries"][0]["combinations"][0]["options"],
+                  key=lambda o: o["p"])
         assert body["choices"][0]["message"] == {"role": "assistant", "content": top["text"]}
-        assert body["scoring"]["queries"] == alone["queries"]
+        assert body["results"] == alone["results"]
         [error] = lines_of(client, done["error_file_id"])
         assert error["custom_id"] == "chat-2"
-        assert error["error"]["code"] == "generation_not_supported"
+        assert error["error"]["code"] == "scoring_required"
 
 
 def test_cancel_gives_unanswered_lines_an_error_and_ignores_late_results(tiny_engine, settings):

@@ -163,7 +163,7 @@ def test_serve_with_private_redis_survives_a_restart(tmp_path, tiny_dir, receive
 
         scored = httpx.post(first.base + "/v1/score", json=REQUEST, timeout=WAIT_S)
         assert scored.status_code == 200, scored.text
-        options = scored.json()["queries"][0]["combinations"][0]["options"]
+        options = scored.json()["results"][0]["queries"][0]["combinations"][0]["options"]
         assert [o["text"] for o in options] == [" yes", " no"]
 
         callback = f"http://127.0.0.1:{receiver.server_address[1]}/hook"
@@ -205,7 +205,7 @@ def test_serve_with_private_redis_survives_a_restart(tmp_path, tiny_dir, receive
     assert verify(secret, headers, body)
     event = json.loads(body)
     assert event["type"] == "score.succeeded" and event["data"]["id"] == job_id
-    assert event["data"]["response"]["queries"][0]["id"] == "refund"
+    assert event["data"]["response"]["results"][0]["queries"][0]["id"] == "refund"
     assert list((state / "redis").rglob("appendonly*")), "no AOF in the state dir"
 
     again = Service(tmp_path, tiny_dir, state, "second")
@@ -213,8 +213,8 @@ def test_serve_with_private_redis_survives_a_restart(tmp_path, tiny_dir, receive
         again.wait_for("/health")
         job = httpx.get(f"{again.base}/v1/jobs/{job_id}", timeout=WAIT_S).json()
         assert job["status"] == "succeeded" and job["callback_status"] == "delivered"
-        assert job["response"]["queries"][0]["combinations"][0]["options"][0]["logprob"] == \
-            event["data"]["response"]["queries"][0]["combinations"][0]["options"][0]["logprob"]
+        assert job["response"]["results"][0]["queries"][0]["combinations"][0]["options"][0]["logprob"] == \
+            event["data"]["response"]["results"][0]["queries"][0]["combinations"][0]["options"][0]["logprob"]
         again.wait_for("/ready")
         deadline = time.monotonic() + WAIT_S
         while (status := httpx.get(f"{again.base}/v1/jobs/{late.json()['id']}",
