@@ -34,6 +34,7 @@ class QuerySet:
     """What a list of queries lays out to: the same for every document that asks it."""
 
     grids: list[list[Combination]]     # per query
+    kinds: list[str]                   # per query its slot: "?", "*", "n" or "$"
     block: BranchBlock                 # one branch per (query, combination)
     floor_keys: list[tuple | None]     # per query (None: no floor, or an extraction slot)
     # per scored query asked case-insensitively: where each option's spellings start among
@@ -289,7 +290,8 @@ class Preparer:
             at += len(grid)
             sizes.append(sum(len(b.prefix) + sum(len(o) - 1 for o in b.options) for b in mine))
             one_token.append(bool(mine[0].options) and all(len(o) == 1 for o in mine[0].options))
-        found = QuerySet(grids, BranchBlock.build(branches), floors,
+        found = QuerySet(grids, [q.slot_kind for q in queries], BranchBlock.build(branches),
+                         floors,
                          [self.scored_strings(q, case_insensitive)[1]
                           if q.slot_kind == "?" else None for q in queries],
                          one_token, sum(sizes), sum(s for s, f in zip(sizes, floors, strict=True) if f))

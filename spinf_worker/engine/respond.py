@@ -52,8 +52,9 @@ def build_response(p: PreparedRequest, scores: list[DocScores], floors: dict[tup
         floor_tokens += qs.floor_tokens
         rows += doc.flat.tokens
         padded += doc.flat.length
-        for q, grid, fkey in zip(doc.queries, qs.grids, qs.floor_keys, strict=True):
-            if q.slot_kind == "?":
+        for q, grid, fkey, kind in zip(doc.queries, qs.grids, qs.floor_keys, qs.kinds,
+                                       strict=True):
+            if kind == "?":
                 counts["queries"] += 1
                 counts["combinations"] += len(grid)
                 counts["options"] += len(q.options)
@@ -100,7 +101,11 @@ def _decoded_tokens(doc: Prepared, scores: DocScores) -> int:
     """Tokens decoded for an input's slots: every generated sequence's, and for a searched
     slot the decoding steps it ran (its longest answer; its beams ran side by side)."""
     total, b = 0, 0
-    for q, grid in zip(doc.queries, doc.query_set.grids, strict=True):
+    qs = doc.query_set
+    for q, grid, kind in zip(doc.queries, qs.grids, qs.kinds, strict=True):
+        if kind == "?":
+            b += len(grid)
+            continue
         for k in range(len(grid)):
             found = scores.found.get(b + k, [])
             if q.generation is not None:
@@ -116,9 +121,9 @@ def _query_results(doc: Prepared, scores: DocScores, floors: dict[tuple, DocScor
     """Every query of one input (the caller's, then its packs'), in the hosted shape."""
     out, b = [], 0
     qs = doc.query_set
-    for q, grid, fkey, starts in zip(doc.queries, qs.grids, qs.floor_keys, qs.spellings,
-                                     strict=True):
-        if q.slot_kind != "?":
+    for q, grid, fkey, starts, kind in zip(doc.queries, qs.grids, qs.floor_keys, qs.spellings,
+                                           qs.kinds, strict=True):
+        if kind != "?":
             combos = [extraction_result(q, c.values, scores.found.get(b + k, []))
                       for k, c in enumerate(grid)]
             entry = {"id": q.id, "kind": q.kind, "combinations": combos}
