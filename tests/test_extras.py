@@ -14,7 +14,7 @@ CLI = "import sys\nfrom spinf_worker.cli import main\nsys.exit(main({argv!r}))\n
     (["score", "fixtures/support_messages.jsonl"], ("torch",), "server"),
     (["serve"], ("torch",), "server"),
     (["worker", "--redis", "redis://127.0.0.1:1"], ("numpy",), "server"),
-    (["calibrate", "--pack", "x", "--data", "y", "-o", "z"], ("sklearn",), "calibrate"),
+    (["calibrate", "--pack", "x", "--normal", "n", "-o", "z"], ("sklearn",), "calibrate"),
     (["api", "--redis", "redis://127.0.0.1:1"], ("fastapi",), "api"),
 ])
 def test_missing_extra_is_one_line(argv, blocked, extra):
