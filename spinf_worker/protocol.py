@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -238,15 +238,19 @@ class Query(BaseModel):
     calibration: Calibration | None = None
     generate: Generate | None = None
 
-    _parsed: templates.Template | None = PrivateAttr(default=None)
-
-    @property
+    # cached properties: read per document on the bulk path, and a plain attribute once
+    # computed (a pydantic private attribute goes through __getattr__ every time)
+    @cached_property
     def parsed_template(self) -> templates.Template:
-        if self._parsed is None:  # built without validation (model_construct)
-            self._parsed = templates.parse_template(self.template)
-        return self._parsed
+        return templates.parse_template(self.template)
 
-    @property
+    @cached_property
+    def n_prompts(self) -> int:
+        """The query's prompts: one per combination."""
+        return templates.check_combinations(self.parsed_template, self.combinations,
+                                            self.values, param="")
+
+    @cached_property
     def slot_kind(self) -> str:
         """``"?"``, ``"*"``, ``"n"`` or ``"$"``."""
         return self.parsed_template.slot.kind
@@ -282,7 +286,6 @@ class Query(BaseModel):
             self._check_options()
         else:
             self._check_extraction(slot.kind)
-        self._parsed = parsed
         return self
 
     def _forbid(self, fields: tuple[str, ...], has: str, applies_to: str) -> None:
@@ -544,11 +547,9 @@ class ScoreRequest(BaseModel):
                            code="empty_queries")
         prompts = extractions = 0
         for q in queries:
-            n = templates.check_combinations(q.parsed_template, q.combinations, q.values,
-                                             param="")
-            prompts += n
+            prompts += q.n_prompts
             if q.slot_kind != templates.SCORED:
-                extractions += n
+                extractions += q.n_prompts
         if extractions > limits.max_extractions_per_input:
             raise _invalid(f"{extractions} extraction slots (queries x combinations) for one "
                            f"input; at most {limits.max_extractions_per_input}", param=where,

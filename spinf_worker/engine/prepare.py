@@ -18,7 +18,7 @@ from ..model_names import served_names
 from ..pack_refs import resolve as resolve_pack
 from ..packs import Pack
 from ..protocol import DEFAULT_LIMITS, Document, Limits, Query, ScoreRequest, query_layout_key
-from ..templates import Combination, check_combinations
+from ..templates import Combination
 from ..tiles import padded_rows
 from .floors import floor_key
 from .layout import Branch, BranchBlock, FlatDoc
@@ -161,7 +161,7 @@ class Preparer:
     def _check_combination_count(self, queries: list[Query], params: list[str]) -> None:
         """This server's cap on one query's combinations (EngineSettings.max_combinations)."""
         for q, param in zip(queries, params, strict=True):
-            n = check_combinations(q.parsed_template, q.combinations, q.values, param=param)
+            n = q.n_prompts
             if n > self.max_combinations:
                 raise InvalidRequestError(
                     f"query {q.id!r} has {n:,} combinations; this server scores at most "
