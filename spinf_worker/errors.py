@@ -61,6 +61,13 @@ class ContextLengthError(InvalidRequestError):
     code = "content_too_long"
 
 
+class RequestTooLargeError(InvalidRequestError):
+    """More work in one call than its limit (``limits.max_processed_tokens``): split it."""
+
+    status = 413
+    code = "request_too_large"
+
+
 class ModelNotFoundError(InvalidRequestError):
     """The model name is not one this server serves, or resolves to nothing it can load
     (unknown, offline, unsupported)."""

@@ -6,7 +6,12 @@ from __future__ import annotations
 import pytest
 
 from spinf_worker.engine import Engine, EngineSettings
-from spinf_worker.errors import ContextLengthError, InvalidRequestError, ModelNotFoundError
+from spinf_worker.errors import (
+    ContextLengthError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    RequestTooLargeError,
+)
 
 YES_NO = [" yes", " no"]
 
@@ -186,6 +191,26 @@ def test_content_over_the_token_limit_names_its_input(tiny_engine):
             "scoring": {"queries": [query()]}, "limits": {"max_content_tokens": 50}})
     assert (info.value.code, info.value.param) == ("content_too_long", "inputs.1")
     assert "'long'" in info.value.message
+
+
+def test_an_option_that_merges_with_the_template_end_is_option_boundary(default_engine):
+    """Gemma's tokenizer writes ": yes" as ":", " yes": after a template ending in a space the
+    option "yes" would be read as tokens the model never sees that way."""
+    with pytest.raises(InvalidRequestError) as info:
+        default_engine.score(request(query(template="\n\nRefund? Answer: {?}",
+                                           options=["yes", "no"])))
+    assert (info.value.code, info.value.param) == ("option_boundary", f"{Q0}.options.0")
+    fine = default_engine.score(request(query(template="\n\nRefund? Answer:{?}")))
+    assert [o.text for o in fine.results[0].queries[0].combinations[0].options] == YES_NO
+
+
+def test_more_work_than_the_processed_token_limit_is_413(tiny_engine):
+    body = inputs({"id": "a"}, {"id": "b"})
+    one = tiny_engine.score({**body, "inputs": body["inputs"][:1]}).usage.processed_tokens
+    with pytest.raises(RequestTooLargeError) as info:
+        tiny_engine.score({**body, "limits": {"max_processed_tokens": one + 1}})
+    assert (info.value.status, info.value.code) == (413, "request_too_large")
+    assert tiny_engine.score({**body, "limits": {"max_processed_tokens": 2 * one}})
 
 
 def test_batch_keeps_good_requests(tiny_engine):

@@ -13,7 +13,13 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ..errors import ContextLengthError, InvalidRequestError, ModelNotFoundError, SpinfError
+from ..errors import (
+    ContextLengthError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    RequestTooLargeError,
+    SpinfError,
+)
 from ..model_names import served_names
 from ..pack_refs import resolve as resolve_pack
 from ..packs import Pack
@@ -27,6 +33,8 @@ from .slots import slot_settings
 
 QUERY_SET_CACHE = 256   # laid-out query lists kept (bulk jobs repeat one list per document)
 ROOT_CACHE = 4096       # contents tokenised by rows(), kept for the layout that follows
+BOUNDARY_TAIL = 16      # characters of a template's end checked against its options
+BOUNDARY_TAILS = 8      # distinct template ends checked per query
 
 
 @dataclass
@@ -42,6 +50,7 @@ class QuerySet:
     spellings: list[list[int] | None]
     one_token: list[bool]              # per query: every scored string is one token
     query_tokens: int                  # branch tokens, before prefix sharing (usage)
+    decode_budget: int                 # the most tokens its slots may decode (beams x steps)
     floor_tokens: int                  # the same for the queries with a floor
 
 
@@ -112,9 +121,17 @@ class Preparer:
                 out.append(err)
         docs = [(i, d) for i, p in enumerate(out) if not isinstance(p, SpinfError)
                 for d in p.docs]
+        processed: dict[int, int] = {}
         for (i, doc), root in zip(docs, self._root_ids([d.text for _, d in docs]), strict=True):
             doc.flat = doc.query_set.block.place(root, self.pad_id)
             if isinstance(out[i], SpinfError):
+                continue
+            processed[i] = processed.get(i, 0) + doc.flat.tokens + doc.query_set.decode_budget
+            limit = out[i].request.effective_limits.max_processed_tokens
+            if processed[i] > limit:
+                out[i] = RequestTooLargeError(
+                    f"the request needs over {limit:,} processed tokens (content, questions and "
+                    "decoding); split it", param="inputs")
                 continue
             limit = out[i].request.effective_limits.max_content_tokens
             if len(root) - 1 > limit:
@@ -294,11 +311,21 @@ class Preparer:
                          floors,
                          [self.scored_strings(q, case_insensitive)[1]
                           if q.slot_kind == "?" else None for q in queries],
-                         one_token, sum(sizes), sum(s for s, f in zip(sizes, floors, strict=True) if f))
+                         one_token, sum(sizes), self._decode_budget(queries, grids), sum(s for s, f in zip(sizes, floors, strict=True) if f))
         self._query_sets[key] = found
         while len(self._query_sets) > QUERY_SET_CACHE:
             self._query_sets.popitem(last=False)
         return found
+
+    @staticmethod
+    def _decode_budget(queries: list[Query], grids: list[list[Combination]]) -> int:
+        total = 0
+        for q, grid in zip(queries, grids, strict=True):
+            if q.slot_kind != "?":
+                settings = slot_settings(q, grid[0])
+                sequences = q.generation.n if q.generation is not None else settings["beam_width"]
+                total += len(grid) * sequences * q.max_tokens
+        return total
 
     def _check_tokens(self, queries: list[Query], grids: list[list[Combination]],
                       branches: list[Branch], limits: Limits, params: list[str | None]) -> None:
@@ -323,6 +350,24 @@ class Preparer:
                             f"option {option!r} is {n} tokens; options are 1-"
                             f"{limits.max_option_tokens}", param=f"{param}.options.{k}",
                             code="option_too_long")
+                self._check_boundaries(q, grid, param)
+
+    def _check_boundaries(self, q: Query, grid: list[Combination], param: str) -> None:
+        """Each option tokenises the same after the template's end as on its own (it is read
+        as its own tokens after the template's): else the model would be asked something
+        it never sees written that way (the hosted API's option_boundary)."""
+        enc = self.presenter.encode
+        tails = list(dict.fromkeys(c.prefix[-BOUNDARY_TAIL:] for c in grid))[:BOUNDARY_TAILS]
+        for tail in tails:
+            if not tail:
+                continue
+            tail_ids = list(enc(tail))
+            for k, option in enumerate(q.options):
+                if list(enc(tail + option)) != tail_ids + list(enc(option)):
+                    raise InvalidRequestError(
+                        f"option {option!r} merges with the end of the template when "
+                        "tokenised; add or remove a leading space, or end the template "
+                        "differently", param=f"{param}.options.{k}", code="option_boundary")
 
     def _pack_run(self, ref, index: int) -> PackRun:
         pack, context = resolve_pack(self.packs, ref, index)
