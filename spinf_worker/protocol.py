@@ -11,7 +11,7 @@ import contextlib
 import json
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -638,9 +638,26 @@ class ScoredCombination(BaseModel):
     floor_residual: float | None     # the same on empty content
 
 
-class Answer(BaseModel):
+class _Optional(BaseModel):
+    """A reply model whose ``OPTIONAL`` fields are left out while None: the hosted shape has
+    them only where they apply (``value`` for numbers, ``packs`` when packs ran, ...)."""
+
+    OPTIONAL: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):   # unannotated: the schema stays the model's
+        data = handler(self)
+        for name in self.OPTIONAL:
+            if data.get(name, 0) is None:
+                del data[name]
+        return data
+
+
+class Answer(_Optional):
     """One answer of an extraction slot: a searched one has ``p`` (``value`` for numbers and
     ``currency`` for amounts); a generated one has ``finish`` ("stop" | "length")."""
+
+    OPTIONAL = ("p", "value", "currency", "finish")
 
     text: str
     p: float | None = None
@@ -648,22 +665,15 @@ class Answer(BaseModel):
     currency: str | None = None
     finish: Literal["stop", "length"] | None = None
 
-    @model_serializer(mode="wrap")
-    def _drop_unset(self, handler):   # unannotated: the schema stays the model's
-        return {k: v for k, v in handler(self).items() if v is not None or k == "text"}
 
+class ExtractedCombination(_Optional):
+    OPTIONAL = ("mass", "p_negative", "p_calibrated")
 
-class ExtractedCombination(BaseModel):
     values: dict[str, str]
     answers: list[Answer]
     mass: float | None = None          # the probability on every answer found
     p_negative: float | None = None    # numbers: the top value's magnitude, share negative
     p_calibrated: float | None = None  # the top answer's p through the query's calibration
-
-    @model_serializer(mode="wrap")
-    def _drop_unset(self, handler):   # unannotated: the schema stays the model's
-        return {k: v for k, v in handler(self).items()
-                if v is not None or k in ("values", "answers")}
 
 
 class ScoredQuery(BaseModel):
@@ -671,18 +681,13 @@ class ScoredQuery(BaseModel):
     combinations: list[ScoredCombination]
 
 
-class ExtractedQuery(BaseModel):
+class ExtractedQuery(_Optional):
+    OPTIONAL = ("generate",)
+
     id: str
     kind: Literal["text", "number", "currency"]
     generate: bool | None = None
     combinations: list[ExtractedCombination]
-
-    @model_serializer(mode="wrap")
-    def _drop_unset(self, handler):   # unannotated: the schema stays the model's
-        data = handler(self)
-        if self.generate is None:
-            data.pop("generate", None)
-        return data
 
 
 QueryResult = Annotated[
@@ -700,17 +705,12 @@ class PackResult(BaseModel):
     decision: dict[str, Any]                # {unsafe, mode, ...}
 
 
-class InputResult(BaseModel):
+class InputResult(_Optional):
+    OPTIONAL = ("packs",)
+
     input_id: str
     queries: list[QueryResult]
     packs: list[PackResult] | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_unset(self, handler):   # unannotated: the schema stays the model's
-        data = handler(self)
-        if self.packs is None:
-            data.pop("packs", None)
-        return data
 
 
 class Usage(BaseModel):
@@ -739,7 +739,9 @@ class Timing(BaseModel):
     gpu_busy_ms: int = 0
 
 
-class ScoreResponse(BaseModel):
+class ScoreResponse(_Optional):
+    OPTIONAL = ("endpoint",)
+
     id: str                       # "scr_" + a ULID
     object: Literal["score"] = "score"
     created: int
@@ -754,13 +756,6 @@ class ScoreResponse(BaseModel):
     # what the queue's statistics read (rows a pass holds); not part of the reply
     _rows: int = PrivateAttr(default=0)
     _padded_rows: int = PrivateAttr(default=0)
-
-    @model_serializer(mode="wrap")
-    def _drop_unset(self, handler):   # unannotated: the schema stays the model's
-        data = handler(self)
-        if self.endpoint is None:
-            data.pop("endpoint", None)
-        return data
 
 
 class ErrorBody(BaseModel):
