@@ -27,10 +27,10 @@ SLOW_S = 10 * WAIT_S
 @pytest.fixture
 def client(default_engine, settings):
     settings = settings.model_copy(update={"sync_timeout_s": SLOW_S})
-    with LiveServer(settings) as server, InProcessWorker(default_engine, settings):
-        # the client's default model name is the hosted "spinf-12b": an alias here too
-        with SpinfClient(base_url=server.url, timeout_s=SLOW_S, tries=1) as spinf:
-            yield spinf
+    # the client's default model name is the hosted "spinf-12b": an alias here too
+    with LiveServer(settings) as server, InProcessWorker(default_engine, settings), \
+            SpinfClient(base_url=server.url, timeout_s=SLOW_S, tries=1) as spinf:
+        yield spinf
 
 
 def test_score_one_content_with_the_clients_defaults(client, default_engine):
