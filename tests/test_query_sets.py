@@ -93,3 +93,21 @@ def test_rows_raise_what_scoring_reports(tiny_engine):
         tiny_engine.rows(bad)
     assert isinstance(scored, SpinfError)
     assert raised.value.to_openai() == scored.to_openai()
+
+
+def test_a_group_has_a_prefix_tree_of_its_own(tiny_engine):
+    """The same question asked ungrouped and in a group: their rows are not shared (the
+    group's tree starts at the content), and both score exactly the same."""
+    asked = {"id": "a", "template": "\n\nQuestion: is this news?\nAnswer:{?}",
+             "options": [" yes", " no"]}
+    shared = tiny_engine.preparer.parse({"text": NEWS[0], "scoring": {"queries": [
+        asked, {**asked, "id": "b"}], "case_insensitive": False}}).docs[0].query_set
+    apart = tiny_engine.preparer.parse({"text": NEWS[0], "scoring": {"queries": [
+        asked, {**asked, "id": "b", "group": "mine@1"}], "case_insensitive": False}}
+        ).docs[0].query_set
+    once = len(shared.block.ids)
+    assert once > 0 and len(apart.block.ids) == 2 * once
+    response = tiny_engine.score({"text": NEWS[0], "scoring": {"queries": [
+        asked, {**asked, "id": "b", "group": "mine@1"}], "case_insensitive": False}})
+    a, b = response.results[0].queries
+    assert a.combinations == b.combinations

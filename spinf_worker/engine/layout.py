@@ -31,6 +31,7 @@ class Branch:
     prefix: list[int]            # template tokens up to the slot (no BOS)
     options: list[list[int]]     # each option's tokens, in request order; [] for extraction
     decode: dict | None = None   # extraction slots: SlotJob settings (engine/decode.py)
+    group: str | None = None     # a query group (a pack's) has a prefix tree of its own
 
 
 @dataclass
@@ -75,13 +76,15 @@ class _Trie:
         self.token: list[int] = [-1]
         self.parent: list[int] = [-1]
 
-    def walk(self, tokens: list[int]) -> list[int]:
-        """The nodes of ``tokens`` below the root, added where missing."""
+    def walk(self, tokens: list[int], group: str | None = None) -> list[int]:
+        """The nodes of ``tokens`` below the root, added where missing; a group's first
+        token is a node of its own, so the group shares rows only within itself."""
         node, nodes = 0, []
         for tok in tokens:
-            child = self.children[node].get(tok)
+            key = (group, tok) if node == 0 and group is not None else tok
+            child = self.children[node].get(key)
             if child is None:
-                child = self.children[node][tok] = len(self.token)
+                child = self.children[node][key] = len(self.token)
                 self.children.append({})
                 self.token.append(tok)
                 self.parent.append(node)
@@ -140,7 +143,7 @@ class BranchBlock:
         option_branch: list[int] = []
         extract: dict[int, tuple[int, int, dict]] = {}
         for b, br in enumerate(branches):
-            nodes = trie.walk(br.prefix)
+            nodes = trie.walk(br.prefix, br.group)
             # The first option token is predicted by the last template token (the root's
             # last token when the template has no text before its slot).
             shared = len(readout_nodes)
@@ -154,7 +157,8 @@ class BranchBlock:
                 term_token.append(opt[0])
                 term_option.append(k)
                 # a sub-branch holding all its tokens but the last
-                for node, tok in zip(trie.walk(br.prefix + opt[:-1])[len(br.prefix):], opt[1:], strict=True):
+                for node, tok in zip(trie.walk(br.prefix + opt[:-1], br.group)[len(br.prefix):],
+                                     opt[1:], strict=True):
                     readout_nodes.append(node)
                     term_readout.append(len(readout_nodes) - 1)
                     term_token.append(tok)

@@ -214,9 +214,10 @@ class Preparer:
             scored = self.scored_strings(q, case_insensitive)[0] if q.slot_kind == "?" else None
             for c in grid:
                 if scored is None:
-                    out.append(Branch(list(enc(c.prefix)), [], slot_settings(q, c)))
+                    out.append(Branch(list(enc(c.prefix)), [], slot_settings(q, c), q.group))
                 else:
-                    out.append(Branch(list(enc(c.prefix)), [list(enc(s)) for s in scored]))
+                    out.append(Branch(list(enc(c.prefix)), [list(enc(s)) for s in scored],
+                                      group=q.group))
         return out
 
     def scored_strings(self, q: Query, case_insensitive: bool
