@@ -65,6 +65,14 @@ class Entry:
         return deadline is not None and int(float(deadline)) <= at_ms
 
 
+def queue_wait_ms(entry_id: str, started_ms: int) -> int:
+    """How long an entry waited in its stream: its id begins with the ms it was added."""
+    try:
+        return max(0, started_ms - int(entry_id.split("-", 1)[0]))
+    except ValueError:
+        return 0
+
+
 class Worker:
     def __init__(self, engine, redis: Redis, keys: Keys, settings: ServiceSettings,
                  name: str | None = None, started_ms: int | None = None):
@@ -334,12 +342,16 @@ class Worker:
             if not live:
                 return
             await self._mark_running(live)
-            started = time.perf_counter()
+            started, started_ms = time.perf_counter(), now_ms()
             outcomes = await self._score(live)
             busy_s = time.perf_counter() - started
             answered = []
             for entry, outcome in zip(live, outcomes, strict=True):
                 if isinstance(outcome, ScoreResponse):
+                    queued_ms = queue_wait_ms(entry.id, started_ms)
+                    timing = outcome.timing
+                    timing.queue_ms = queued_ms
+                    timing.wall_ms = queued_ms + timing.score_ms
                     answered.append((entry, JobResult.ok(outcome), "succeeded"))
                 elif isinstance(outcome, SpinfError):
                     answered.append((entry, JobResult.failed(outcome), "failed"))

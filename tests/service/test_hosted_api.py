@@ -5,6 +5,8 @@ default one for the README's options, which the tiny tokenizer splits too finely
 
 from __future__ import annotations
 
+import time
+
 import httpx
 
 from spinf_worker.protocol import ScoreResponse
@@ -106,3 +108,21 @@ def test_chat_completions_is_the_score_response_plus_choices(tiny_engine, settin
         missing = httpx.post(f"{server.v1}/chat/completions", timeout=WAIT_S,
                              json={"messages": REFUND["messages"]})
         assert_error(missing, 400, "scoring_required", "scoring")
+
+
+def test_timing_counts_the_wait_in_the_queue(tiny_engine, settings):
+    with LiveServer(settings) as server:
+        client = httpx.Client(base_url=server.v1, timeout=WAIT_S)
+        job_url = client.post("/score", json=REFUND, headers={"Prefer": "respond-async"}
+                              ).json()["url"].removeprefix("/v1")
+        queued_by = time.time()           # the entry is in its stream before the 202
+        queued = client.get(job_url).json()
+        worker_from = time.time()         # nothing can read it before the worker starts
+        with InProcessWorker(tiny_engine, settings):
+            job = wait_for(lambda: (j := client.get(job_url).json())["status"] == "succeeded"
+                           and j, what="the job to finish")
+        timing = job["response"]["timing"]
+        # it waited at least from the 202 until a worker existed to read it
+        assert timing["queue_ms"] >= int((worker_from - queued_by) * 1000)
+        assert timing["wall_ms"] == timing["queue_ms"] + timing["score_ms"]
+        assert job["started_at"] >= queued["created_at"]
