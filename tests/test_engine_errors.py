@@ -213,6 +213,19 @@ def test_more_work_than_the_processed_token_limit_is_413(tiny_engine):
     assert tiny_engine.score({**body, "limits": {"max_processed_tokens": 2 * one}})
 
 
+def test_the_server_sets_the_content_limit_and_a_request_may_only_lower_it(tiny_engine):
+    long = {"text": "word " * 60, "scoring": {"queries": [query()]}}
+    assert tiny_engine.score(long)                       # under the hosted 4,096
+    strict = Engine(tiny_engine.checkpoint, device="cpu",
+                    settings=EngineSettings(max_content_tokens=20))
+    with pytest.raises(InvalidRequestError) as info:
+        strict.score(long)
+    assert info.value.code == "content_too_long" and "limit is 20" in info.value.message
+    with pytest.raises(InvalidRequestError):             # a request's limits never raise it
+        strict.score({**long, "limits": {"max_content_tokens": 4096}})
+    assert strict.score({**long, "text": "word " * 5})
+
+
 def test_batch_keeps_good_requests(tiny_engine):
     results = tiny_engine.score_batch([request(), request(query(options=[])),
                                        request(text="Other.")])

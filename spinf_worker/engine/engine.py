@@ -21,7 +21,7 @@ from ..errors import SpinfError
 from ..models.build import build_model
 from ..models.loader import Checkpoint, load_checkpoint
 from ..packs import official_packs
-from ..protocol import ScoreRequest, ScoreResponse
+from ..protocol import DEFAULT_LIMITS, ScoreRequest, ScoreResponse
 from .decode import SlotDecoder, SlotJob
 from .floors import FloorCache
 from .layout import DocTree
@@ -39,6 +39,9 @@ PREPARE_CHUNK = 8       # requests whose contents are tokenised together (in par
 @dataclass
 class EngineSettings:
     max_pass_tokens: int | None = None   # None: 16384 on CUDA, 8192 on the CPU
+    # content tokens per input: the hosted API's 4,096; a server of one's own may raise it up
+    # to the model's context (a request's own `limits` may only lower it)
+    max_content_tokens: int = DEFAULT_LIMITS.max_content_tokens
     max_combinations: int = 10_000   # per query (the hosted limit: 10,000 prompts an input)
     floor_cache_size: int = 100_000
     presentation: str = "auto"       # auto | raw | chat
@@ -83,6 +86,7 @@ class Engine:
         self.preparer = Preparer(self.presenter, self.pad_id, self.packs,
                                  context=self.config.max_position_embeddings,
                                  max_combinations=self.settings.max_combinations,
+                                 max_content_tokens=self.settings.max_content_tokens,
                                  model=checkpoint.name)
         self.floors = FloorCache(self.settings.floor_cache_size)
         self.fingerprint = self._fingerprint()

@@ -88,10 +88,12 @@ class PreparedRequest:
 
 class Preparer:
     def __init__(self, presenter: Presenter, pad_id: int, packs: dict, *,
-                 model: str, context: int, max_combinations: int):
+                 model: str, context: int, max_combinations: int,
+                 max_content_tokens: int = DEFAULT_LIMITS.max_content_tokens):
         """``model``: the served model's name (a request may name it, or one of its aliases)."""
         self.presenter, self.pad_id, self.packs = presenter, pad_id, packs
         self.model, self.context, self.max_combinations = model, context, max_combinations
+        self.max_content_tokens = max_content_tokens
         self._roots: OrderedDict[str, list[int]] = OrderedDict()   # tokenised by rows()
         self._query_sets: OrderedDict[tuple[str, ...], QuerySet] = OrderedDict()
         self._pack_queries: dict[str, list[Query]] = {}           # by pack group
@@ -133,7 +135,9 @@ class Preparer:
                     f"the request needs over {limit:,} processed tokens (content, questions and "
                     "decoding); split it", param="inputs")
                 continue
-            limit = out[i].request.effective_limits.max_content_tokens
+            asked = out[i].request.limits
+            limit = min(self.max_content_tokens, asked.max_content_tokens
+                        if asked is not None else self.max_content_tokens)
             if len(root) - 1 > limit:
                 out[i] = InvalidRequestError(
                     f"input {doc.input_id!r}: content is {len(root) - 1:,} tokens; the limit is "

@@ -17,6 +17,7 @@ class ServiceSettings(BaseSettings):
     packs: list[str] = Field(default_factory=list)
     # workers
     max_pass_tokens: int | None = None    # None: the engine's default for the device
+    max_content_tokens: int = 4096        # per input (the hosted limit); up to the model's context
     quant: str = "auto"                   # engine scheme: auto | fp32 | bf16 | fp8 | int8
     max_wait_ms: int = 50                 # a lone request is not held longer for a fuller pass
     read_count: int = 256                 # entries per XREADGROUP
