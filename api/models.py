@@ -18,13 +18,15 @@ from spinf_worker.protocol import (
 
 # ---- jobs ------------------------------------------------------------------------------
 
+MAX_DEADLINE_S = 365 * 24 * 3600   # a job's deadline: at most a year (results live 7 days)
+
 
 class JobRequest(ScoreRequest):
     """A ScoreRequest answered later: poll GET /v1/jobs/{id}, or receive a signed webhook at
     ``callback``. Both extra fields sit next to the request's own fields."""
 
     callback: str | None = Field(default=None, description="https URL to POST the result to")
-    deadline_s: float | None = Field(default=None, gt=0,
+    deadline_s: float | None = Field(default=None, gt=0, le=MAX_DEADLINE_S,
                                      description="drop the job unscored after this many seconds")
 
     @field_validator("callback")

@@ -29,11 +29,13 @@ def _to_request(line: str, scoring: dict | None) -> tuple[object, dict]:
     """One input line -> (custom_id, request body): a hosted request body (``messages`` or
     ``inputs``, ``scoring``), or ``{"text": ...}``; the --queries block is its ``scoring``
     when it has none. Raises InvalidRequestError."""
+    import orjson
+
     try:
-        obj = json.loads(line)
-    except (json.JSONDecodeError, RecursionError) as err:
-        where = f": {err.msg} at column {err.colno}" if isinstance(err, json.JSONDecodeError) else ""
-        raise InvalidRequestError(f"line is not valid JSON{where}", code="invalid_json") from None
+        obj = orjson.loads(line)   # as the API reads a body (api/services.read_json)
+    except orjson.JSONDecodeError as err:
+        raise InvalidRequestError(f"line is not valid JSON: {err.msg} at column {err.colno}",
+                                  code="invalid_json") from None
     if not isinstance(obj, dict):
         raise InvalidRequestError("line must be a JSON object", code="invalid_field")
     custom_id = obj.get("custom_id", obj.get("id"))
@@ -59,7 +61,7 @@ def _read_lines(path: str) -> Iterator[str]:
 # ---- extras: each command's third-party imports are lazy; a missing one names its extra -------
 
 EXTRA_MODULES = {   # the extra that installs each module a command imports (pyproject.toml)
-    "api": ("fastapi", "uvicorn", "redis", "httpx", "pydantic_settings", "prometheus_client",
+    "api": ("fastapi", "orjson", "uvicorn", "redis", "httpx", "pydantic_settings", "prometheus_client",
             "structlog", "platformdirs"),
     "server": ("torch", "numpy", "tokenizers", "safetensors", "gguf", "huggingface_hub",
                "jinja2", "tqdm", "yaml", "feedparser", "trafilatura"),

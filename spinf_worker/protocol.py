@@ -591,7 +591,8 @@ def _scoring_key(data: Any) -> str | None:
         return None
     try:
         return json.dumps(scoring, allow_nan=False)
-    except (TypeError, ValueError):   # not JSON (keys or values): validation will say
+    except (TypeError, ValueError, RecursionError):   # not JSON, or absurdly nested:
+        #                                                 validation will say
         return None
 
 

@@ -40,6 +40,8 @@ import time
 import uuid
 from typing import Any
 
+import orjson
+
 from ..errors import SpinfError
 from ..openai_compat import score_request_from_chat, score_to_chat_completion
 from ..protocol import ScoreRequest
@@ -368,8 +370,8 @@ class LineError(Exception):
 def parse_line(text: str, endpoint: str) -> tuple[str, dict]:
     """One input line -> (custom_id, the scoring request to queue). Raises LineError."""
     try:
-        line = json.loads(text)
-    except json.JSONDecodeError as err:
+        line = orjson.loads(text)   # as the API reads a body (api/services.read_json)
+    except orjson.JSONDecodeError as err:
         raise LineError("invalid_json", f"the line is not valid JSON: {err.msg}") from None
     if not isinstance(line, dict):
         raise LineError("invalid_line", "the line must be a JSON object")
