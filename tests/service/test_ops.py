@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import threading
 import time
 
@@ -17,7 +16,7 @@ import pytest_asyncio
 import redis as redis_sync
 from fastapi.responses import JSONResponse
 
-from api.models import ErrorEnvelope, Info, ModelList, Readyz
+from api.models import Info, ModelList, Readyz
 from spinf_worker import cli
 from spinf_worker.errors import ModelNotFoundError, SpinfError, error_type
 from spinf_worker.model_names import HOSTED_ALIASES, aliases, is_default, served_names
@@ -28,25 +27,12 @@ from spinf_worker.queue.redis_client import connect
 from ..conftest import WAIT_S
 from . import live
 from .live import InProcessWorker, LiveServer
+from .test_api import ULID, assert_error
 
 api_server = live.api_server  # the fixture, for pytest to find
 
-ULID = re.compile(r"^[0-9A-HJKMNP-TV-Z]{26}$")
 MESSAGES = [{"role": "user", "content": "I was charged twice, please refund me."}]
 SCORING = {"queries": [{"id": "refund", "template": "\nRefund?{?}", "options": [" yes", " no"]}]}
-
-
-def assert_envelope(response: httpx.Response, status: int, code: str) -> dict:
-    assert response.status_code == status, response.text
-    body = response.json()
-    ErrorEnvelope.model_validate(body)
-    assert set(body) == {"error", "request_id"}
-    assert list(body["error"]) == ["type", "code", "message", "param"]
-    assert body["error"]["type"] == error_type(status)
-    assert body["error"]["code"] == code, body
-    assert ULID.match(response.headers["x-request-id"])
-    assert body["request_id"] == response.headers["x-request-id"]
-    return body["error"]
 
 
 def register(settings, name: str, **entry) -> None:
@@ -107,9 +93,9 @@ def test_every_reply_has_a_new_server_request_id(settings):
         for reply in replies:   # every envelope (not /readyz's {"ready": false, "error"})
             if reply.status_code >= 400 and isinstance(reply.json().get("error"), dict):
                 assert reply.json()["request_id"] == reply.headers["x-request-id"]
-        assert_envelope(replies[-3], 404, "not_found")
-        assert_envelope(replies[-2], 400, "invalid_json")
-        built = assert_envelope(replies[-1], 400, "invalid_field")
+        assert_error(replies[-3], 404, "not_found")
+        assert_error(replies[-2], 400, "invalid_json")
+        built = assert_error(replies[-1], 400, "invalid_field")
         assert built["message"] == "m"
         assert int(replies[-1].headers["content-length"]) == len(replies[-1].content)
 
@@ -121,23 +107,23 @@ def test_envelope_codes(settings):
         client = httpx.Client(base_url=server.v1, timeout=WAIT_S,
                               headers={"Authorization": "Bearer key-a"})
         missing = httpx.post(f"{server.v1}/score", json={}, timeout=WAIT_S)
-        assert_envelope(missing, 401, "invalid_token")
+        assert_error(missing, 401, "invalid_token")
         assert missing.headers["www-authenticate"] == "Bearer"
-        assert_envelope(httpx.get(f"{server.v1}/models", timeout=WAIT_S,
+        assert_error(httpx.get(f"{server.v1}/models", timeout=WAIT_S,
                                   headers={"Authorization": "Bearer key-b"}), 401,
                         "invalid_token")
-        assert_envelope(client.post("/score", content=b"not json"), 400, "invalid_json")
-        assert_envelope(client.post("/score", content=b"x" * 2048), 413, "body_too_large")
-        field = assert_envelope(client.get("/batches", params={"limit": 0}), 400,
+        assert_error(client.post("/score", content=b"not json"), 400, "invalid_json")
+        assert_error(client.post("/score", content=b"x" * 2048), 413, "body_too_large")
+        field = assert_error(client.get("/batches", params={"limit": 0}), 400,
                                 "invalid_field")
         assert field["param"] == "limit"
-        assert_envelope(client.get("/models/no/such/model"), 404, "model_not_found")
+        assert_error(client.get("/models/no/such/model"), 404, "model_not_found")
         # the backlog (0 allowed) is full once one job waits: 429 with Retry-After
         body = {"messages": MESSAGES, "scoring": SCORING}
         first = client.post("/score", json=body, headers={"Prefer": "respond-async"})
         assert first.status_code == 202, first.text
         full = client.post("/score", json=body)
-        assert_envelope(full, 429, "concurrency_limit")
+        assert_error(full, 429, "concurrency_limit")
         assert int(full.headers["retry-after"]) > 0
 
 
@@ -190,9 +176,9 @@ def test_workers_still_loading(api_server, settings):
     assert client.get("/readyz").json() == {"ready": False}
     assert client.get("/livez").json() == {"live": False}
     warming = client.get("/v0/info")
-    assert_envelope(warming, 503, "warming_up")
+    assert_error(warming, 503, "warming_up")
     assert int(warming.headers["retry-after"]) > 0
-    assert_envelope(client.get("/ready"), 503, "warming_up")
+    assert_error(client.get("/ready"), 503, "warming_up")
     models = ModelList.model_validate(client.get("/v1/models").json())
     assert [(m.id, m.status) for m in models.models] == [("org/some-model", "loading")]
 
@@ -202,14 +188,14 @@ def test_workers_still_loading(api_server, settings):
     assert failed.json() == {"ready": False, "error": "the model failed to load: OSError: "
                                                       "no weights"}
     assert client.get("/v1/models").json()["models"][0]["status"] == "error"
-    assert_envelope(client.get("/v0/info"), 503, "model_unavailable")
+    assert_error(client.get("/v0/info"), 503, "model_unavailable")
 
 
 def test_score_answers_warming_up_while_the_only_workers_load(api_server, settings):
     register(settings, "loader", status="loading", started_ms=int(time.time() * 1000))
     reply = httpx.post(f"{api_server.v1}/score", json={"messages": MESSAGES, "scoring": SCORING},
                        headers={"Prefer": "respond-async"}, timeout=WAIT_S)
-    assert_envelope(reply, 503, "warming_up")
+    assert_error(reply, 503, "warming_up")
     assert int(reply.headers["retry-after"]) > 0
 
 
@@ -220,11 +206,11 @@ def test_v0_needs_the_trusted_token(tiny_engine, settings):
     settings = settings.model_copy(update={"token": "op-token"})
     with LiveServer(settings) as server, InProcessWorker(tiny_engine, settings):
         url = f"{server.url}/v0/info"
-        assert_envelope(httpx.get(url, timeout=WAIT_S), 401, "invalid_token")
-        assert_envelope(httpx.get(url, timeout=WAIT_S,
+        assert_error(httpx.get(url, timeout=WAIT_S), 401, "invalid_token")
+        assert_error(httpx.get(url, timeout=WAIT_S,
                                   headers={"Authorization": "Bearer other"}), 401,
                         "invalid_token")
-        assert_envelope(httpx.post(f"{server.url}/v0/drain", timeout=WAIT_S), 401,
+        assert_error(httpx.post(f"{server.url}/v0/drain", timeout=WAIT_S), 401,
                         "invalid_token")
         trusted = {"Authorization": "Bearer op-token"}
         info = httpx.get(url, timeout=WAIT_S, headers=trusted)
@@ -236,7 +222,7 @@ def test_v0_needs_the_trusted_token(tiny_engine, settings):
         assert engine.device == str(tiny_engine.device) and engine.status == "available"
         assert body.boot.workers[0].loaded_ms is not None
         # the token is also a bearer token for /v1; the operations routes stay open
-        assert_envelope(httpx.get(f"{server.v1}/models", timeout=WAIT_S), 401, "invalid_token")
+        assert_error(httpx.get(f"{server.v1}/models", timeout=WAIT_S), 401, "invalid_token")
         assert httpx.get(f"{server.v1}/models", timeout=WAIT_S,
                          headers=trusted).status_code == 200
         assert httpx.get(f"{server.url}/readyz", timeout=WAIT_S).status_code == 200
@@ -251,7 +237,7 @@ def test_v0_without_a_token_is_for_local_callers_only(api_server):
         async with httpx.AsyncClient(transport=transport, base_url="http://spinf") as client:
             return await client.delete("/v0/drain")
 
-    assert_envelope(asyncio.run(from_elsewhere()), 401, "invalid_token")
+    assert_error(asyncio.run(from_elsewhere()), 401, "invalid_token")
     assert httpx.delete(f"{api_server.url}/v0/drain", timeout=WAIT_S).json() == {
         "draining": False}
 
@@ -293,7 +279,7 @@ def test_models_in_the_hosted_and_openai_shapes(tiny_engine, api_server, setting
         refused = httpx.post(f"{api_server.v1}/score", timeout=WAIT_S,
                              json={"model": "spinf-99b", "messages": MESSAGES,
                                    "scoring": SCORING})
-        assert assert_envelope(refused, 400, "model_not_served")["param"] == "model"
+        assert assert_error(refused, 400, "model_not_served")["param"] == "model"
 
 
 # ---- the worker's registration while it loads (serve.py) ------------------------------------
