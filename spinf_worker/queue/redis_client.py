@@ -22,6 +22,8 @@ def connect(url: str, *, client_name: str | None = None,
 
     Connections are made lazily; a dropped connection is retried a few times with jittered
     backoff before the error reaches the caller, which decides whether to wait and go on."""
+    # TCP keepalive is a TCP socket's option: a unix socket's connection takes no such argument
+    tcp = {} if url.startswith("unix:") else {"socket_keepalive": True}
     pool = BlockingConnectionPool.from_url(
         url,
         max_connections=MAX_CONNECTIONS,
@@ -29,8 +31,8 @@ def connect(url: str, *, client_name: str | None = None,
         decode_responses=True,
         socket_connect_timeout=CONNECT_TIMEOUT_S,
         socket_timeout=socket_timeout,
-        socket_keepalive=True,
         health_check_interval=HEALTH_CHECK_INTERVAL_S,
+        **tcp,
         retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), retries=3),
         retry_on_error=[ConnectionError, TimeoutError],
         client_name=client_name,
