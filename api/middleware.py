@@ -4,7 +4,6 @@ exceptions): request ids and timing around everything, body size limits inside."
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Callable
 
@@ -12,22 +11,14 @@ import structlog
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from spinf_worker.ids import new_ulid
+
 from .errors import BodyTooLarge, InternalError, envelope
 from .metrics import ApiMetrics
 
 log = structlog.get_logger("spinf.api")
 
 REQUEST_ID_HEADER = b"x-request-id"
-_CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
-
-
-def ulid() -> str:
-    """A ULID: 48 bits of milliseconds then 80 random bits, 26 Crockford base32 characters,
-    so ids sort by time."""
-    value = (int(time.time() * 1000) << 80) | int.from_bytes(os.urandom(10), "big")
-    return "".join(_CROCKFORD[(value >> shift) & 31] for shift in range(125, -1, -5))
-
-
 class RequestContextMiddleware:
     """A new X-Request-Id on every reply (a caller's own is ignored: ids are the server's),
     kept in ``scope["state"]["request_id"]`` for the error handlers and bound into structlog's
@@ -43,7 +34,7 @@ class RequestContextMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        request_id = ulid()
+        request_id = new_ulid()
         scope.setdefault("state", {})["request_id"] = request_id
         status = 500
         started = False

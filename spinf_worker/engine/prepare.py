@@ -29,7 +29,7 @@ from ..tiles import padded_rows
 from .floors import floor_key
 from .layout import Branch, BranchBlock, FlatDoc
 from .presentation import Presenter
-from .slots import slot_settings
+from .slots import search_beams, slot_settings
 
 QUERY_SET_CACHE = 256   # laid-out query lists kept (bulk jobs repeat one list per document)
 ROOT_CACHE = 4096       # contents tokenised by rows(), kept for the layout that follows
@@ -50,8 +50,8 @@ class QuerySet:
     spellings: list[list[int] | None]
     one_token: list[bool]              # per query: every scored string is one token
     query_tokens: int                  # branch tokens, before prefix sharing (usage)
-    decode_budget: int                 # the most tokens its slots may decode (beams x steps)
     floor_tokens: int                  # the same for the queries with a floor
+    decode_budget: int                 # the most tokens its slots may decode (beams x steps)
 
 
 @dataclass
@@ -316,7 +316,9 @@ class Preparer:
                          floors,
                          [self.scored_strings(q, case_insensitive)[1]
                           if q.slot_kind == "?" else None for q in queries],
-                         one_token, sum(sizes), self._decode_budget(queries, grids), sum(s for s, f in zip(sizes, floors, strict=True) if f))
+                         one_token, sum(sizes),
+                         sum(s for s, f in zip(sizes, floors, strict=True) if f),
+                         self._decode_budget(queries, grids))
         self._query_sets[key] = found
         while len(self._query_sets) > QUERY_SET_CACHE:
             self._query_sets.popitem(last=False)
@@ -327,8 +329,7 @@ class Preparer:
         total = 0
         for q, grid in zip(queries, grids, strict=True):
             if q.slot_kind != "?":
-                settings = slot_settings(q, grid[0])
-                sequences = q.generation.n if q.generation is not None else settings["beam_width"]
+                sequences = q.generation.n if q.generation is not None else search_beams(q)
                 total += len(grid) * sequences * q.max_tokens
         return total
 

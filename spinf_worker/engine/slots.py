@@ -25,6 +25,11 @@ SEARCH_BEAMS = 6   # beams of a searched slot (more when top_k asks for more ans
 QUOTE_TWINS = {'"': "\u201d", "'": "\u2019"}
 
 
+def search_beams(q: Query) -> int:
+    """Beams a searched slot runs side by side."""
+    return max(SEARCH_BEAMS, q.answers_kept)
+
+
 def slot_settings(q: Query, combo: Combination) -> dict:
     """SlotJob settings of an extraction query (engine/decode.py)."""
     stops = _stops(combo.stop)
