@@ -35,6 +35,13 @@ class AuthenticationError(ApiError):
     code = "invalid_token"
 
 
+class IdempotencyKeyReusedError(ApiError):
+    """An Idempotency-Key sent again with another body (as Stripe answers it)."""
+
+    status = 422
+    code = "idempotency_key_reused"
+
+
 class RateLimitError(ApiError):
     status = 429
     code = "concurrency_limit"

@@ -11,11 +11,11 @@ from fastapi.responses import JSONResponse
 from spinf_worker.queue.producer import Submission
 from spinf_worker.queue.results import normalize_error
 
-from ..auth import V1_AUTH
+from ..auth import V1_AUTH, CallerDep
 from ..errors import NotFoundError
 from ..models import Job, JobAccepted, JobRequest, error_responses, json_body
 from ..services import ServicesDep, read_json
-from .scoring import IdempotencyKey, accepted, check_backlog, check_model
+from .scoring import IdempotencyKey, accepted, check_backlog, check_model, submit
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=V1_AUTH)
 
@@ -24,14 +24,14 @@ FINISHED = ("succeeded", "failed", "expired")
 
 @router.post("", response_model=JobAccepted, status_code=202,
              openapi_extra=json_body(JobRequest),
-             responses=error_responses(400, 401, 404, 413, 429),
+             responses=error_responses(400, 401, 404, 413, 422, 429),
              summary="Queue a scoring job; poll it or get a webhook")
-async def create_job(request: Request, services: ServicesDep,
+async def create_job(request: Request, services: ServicesDep, caller: CallerDep,
                      idempotency_key: IdempotencyKey = None) -> JSONResponse:
     job_request = JobRequest.parse(await read_json(request))
     await check_model(services, job_request.model)
     await check_backlog(services)
-    job_id, _created = await services.producer.submit(Submission(
+    job_id = await submit(services, caller, Submission(
         request=job_request.score_request(), priority="interactive",
         callback=job_request.callback, idempotency_key=idempotency_key,
         deadline_s=job_request.deadline_s))
@@ -41,9 +41,10 @@ async def create_job(request: Request, services: ServicesDep,
 
 @router.get("/{job_id}", response_model=Job, response_model_exclude_none=False,
             responses=error_responses(401, 404), summary="A job's status and, when done, result")
-async def get_job(job_id: str, services: ServicesDep) -> JSONResponse:
+async def get_job(job_id: str, services: ServicesDep, caller: CallerDep) -> JSONResponse:
     job = await services.producer.get_job(job_id)
-    if job is None:
+    # another tenant's job is as unknown as a missing one: its existence is not told
+    if job is None or not caller.owns(job.get("tenant")):
         raise NotFoundError(f"no job {job_id!r} (unknown, or its record expired)",
                             param="job_id", code="job_not_found")
     # every field of the Job shape, null when unknown or not yet there

@@ -8,6 +8,7 @@ timeout is a 503 (the job goes on: its id is in ``X-Job-Id``)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 from typing import Annotated
 
@@ -23,11 +24,11 @@ from spinf_worker.openai_compat import (
 )
 from spinf_worker.pack_refs import resolve as resolve_pack
 from spinf_worker.protocol import ScoreRequest, ScoreResponse
-from spinf_worker.queue.producer import Submission
+from spinf_worker.queue.producer import IdempotencyKeyReused, Submission
 from spinf_worker.queue.results import JobResult
 
-from ..auth import V1_AUTH
-from ..errors import RateLimitError, ServiceUnavailableError
+from ..auth import V1_AUTH, Caller, CallerDep
+from ..errors import IdempotencyKeyReusedError, RateLimitError, ServiceUnavailableError
 from ..models import ChatCompletionRequest, JobAccepted, error_responses, json_body
 from ..services import Services, ServicesDep, read_json
 from .packs import loaded_packs
@@ -35,7 +36,7 @@ from .packs import loaded_packs
 router = APIRouter(prefix="/v1", tags=["scoring"], dependencies=V1_AUTH)
 
 RETRY_AFTER_S = 5  # when the backlog is full: long enough for workers to drain some of it
-_ERRORS = error_responses(400, 401, 413, 429, 500, 503)
+_ERRORS = error_responses(400, 401, 413, 422, 429, 500, 503)
 
 
 async def check_model(services: Services, model: str | None) -> None:
@@ -85,13 +86,26 @@ def sync_timeout(services: Services, header: str | None) -> float:
     return min(seconds, limit)
 
 
+async def submit(services: Services, caller: Caller, submission: Submission) -> str:
+    """Queue the caller's job; its id. The Idempotency-Key is the caller's tenant's own: the
+    same key with the same body names the same job, with another body it is a 422."""
+    try:
+        job_id, _created = await services.producer.submit(
+            dataclasses.replace(submission, tenant=caller.tenant))
+    except IdempotencyKeyReused:
+        raise IdempotencyKeyReusedError(
+            "this Idempotency-Key was already used with a different request; send a new key "
+            "for a new request", param="Idempotency-Key") from None
+    return job_id
+
+
 def accepted(job_id: str, status: str = "queued") -> JSONResponse:
     url = f"/v1/jobs/{job_id}"
     return JSONResponse(JobAccepted(id=job_id, status=status, url=url).model_dump(),
                         status_code=202, headers={"Location": url})
 
 
-async def submit_and_wait(services: Services, request: ScoreRequest, *,
+async def submit_and_wait(services: Services, caller: Caller, request: ScoreRequest, *,
                           idempotency_key: str | None, timeout: float
                           ) -> tuple[str, JobResult | None]:
     """(job id, its result or None when not finished within ``timeout``)."""
@@ -100,7 +114,7 @@ async def submit_and_wait(services: Services, request: ScoreRequest, *,
     await check_packs(services, request)
     await check_backlog(services)
     payload = request.model_dump(mode="json", exclude_none=True)
-    job_id, _created = await services.producer.submit(Submission(
+    job_id = await submit(services, caller, Submission(
         request=payload, priority="interactive", idempotency_key=idempotency_key,
         reply_to=services.listener.instance_id))
     # wait() reads the stored result first, so a reply that beat us here is not lost
@@ -119,13 +133,14 @@ def prefers_async(header: str | None) -> bool:
         for part in header.split(","))
 
 
-async def answer(services, score_request: ScoreRequest, idempotency_key: str | None,
-                 x_sync_timeout: str | None, prefer: str | None, *, shape) -> JSONResponse:
+async def answer(services, caller: Caller, score_request: ScoreRequest,
+                 idempotency_key: str | None, x_sync_timeout: str | None, prefer: str | None,
+                 *, shape) -> JSONResponse:
     """Queue the request and answer its result in ``shape`` (200), its error, or the job
     (202) when the caller prefers to poll."""
     respond_async = prefers_async(prefer)
     timeout = 0.0 if respond_async else sync_timeout(services, x_sync_timeout)
-    job_id, result = await submit_and_wait(services, score_request,
+    job_id, result = await submit_and_wait(services, caller, score_request,
                                            idempotency_key=idempotency_key, timeout=timeout)
     if result is None:
         if respond_async:
@@ -150,22 +165,22 @@ Prefer = Annotated[str | None, Header(alias="Prefer")]
 @router.post("/score", response_model=ScoreResponse, openapi_extra=json_body(ScoreRequest),
              responses={202: {"model": JobAccepted}, **_ERRORS},
              summary="Score and extract: one content (messages) or many (inputs), read once")
-async def score(request: Request, services: ServicesDep,
+async def score(request: Request, services: ServicesDep, caller: CallerDep,
                 idempotency_key: IdempotencyKey = None,
                 x_sync_timeout: SyncTimeout = None, prefer: Prefer = None) -> JSONResponse:
     score_request = ScoreRequest.parse(await read_json(request))
-    return await answer(services, score_request, idempotency_key, x_sync_timeout, prefer,
-                        shape=lambda body: body)
+    return await answer(services, caller, score_request, idempotency_key, x_sync_timeout,
+                        prefer, shape=lambda body: body)
 
 
 @router.post("/chat/completions", response_model=ChatScoreResponse,
              openapi_extra=json_body(ChatCompletionRequest),
              responses={202: {"model": JobAccepted}, **_ERRORS},
              summary="The same body as /v1/score (SDK: extra_body); the reply adds choices")
-async def chat_completions(request: Request, services: ServicesDep,
+async def chat_completions(request: Request, services: ServicesDep, caller: CallerDep,
                            idempotency_key: IdempotencyKey = None,
                            x_sync_timeout: SyncTimeout = None,
                            prefer: Prefer = None) -> JSONResponse:
     score_request = score_request_from_chat(await read_json(request))
-    return await answer(services, score_request, idempotency_key, x_sync_timeout, prefer,
-                        shape=score_to_chat_completion)
+    return await answer(services, caller, score_request, idempotency_key, x_sync_timeout,
+                        prefer, shape=score_to_chat_completion)

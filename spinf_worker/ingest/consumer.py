@@ -22,7 +22,7 @@ import structlog
 from redis.exceptions import RedisError
 
 from ..queue.keys import Keys
-from ..queue.producer import Producer, Submission
+from ..queue.producer import IdempotencyKeyReused, Producer, Submission
 from ..queue.redis_client import connect
 from ..queue.replies import ReplyListener
 from ..queue.results import JobResult
@@ -265,10 +265,15 @@ class Consumer:
                 item.text, item.summary_only = page, False
                 record["item"] = item.to_record()
         request = {"text": item.content(), **record["scoring"]}
-        job, _ = await self.producer.submit(Submission(
-            request=request, priority="bulk", custom_id=item.item_id,
-            idempotency_key=f"ingest:{self.config.name}:{key}:{record.get('attempt', 0)}",
-            reply_to=self.listener.instance_id))
+        try:
+            job, _ = await self.producer.submit(Submission(
+                request=request, priority="bulk", custom_id=item.item_id,
+                idempotency_key=f"ingest:{self.config.name}:{key}:{record.get('attempt', 0)}",
+                reply_to=self.listener.instance_id))
+        except IdempotencyKeyReused as reused:
+            # A repeat after a crash may read the item's page anew, and the page may have
+            # changed since: the job the key names is still this item's.
+            job = reused.job_id
         record["job"] = job
         await self.state.update(key, record)
 

@@ -71,6 +71,11 @@ class Keys:
     def idempotency(self, key: str) -> str:
         return f"{self.base}:idem:{key}"
 
+    def tenant_idempotency(self, tenant: str, key: str) -> str:
+        """A tenant's Idempotency-Key -> "<job id> <body digest>" (a tenant name has no ':',
+        so no tenant's keys meet another's, or those of jobs of no tenant)."""
+        return f"{self.base}:tenant:{tenant}:idem:{key}"
+
     def batch(self, batch_id: str) -> str:
         return f"{self.base}:batch:{batch_id}"
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 import uuid
@@ -29,6 +30,28 @@ class Submission:
     custom_id: str | None = None
     deadline_s: float | None = None    # seconds from now
     reply_to: str | None = None        # the waiting API instance's id (replies.py)
+    # the API tenant that owns the job (api/auth.py); its idempotency keys are its own.
+    # None: a job of no tenant (ingestion), which only operators read back.
+    tenant: str | None = None
+
+    def digest(self) -> str:
+        """What makes two submissions the same job: the request and the job's own fields as
+        canonical JSON (sorted keys), not the waiting instance."""
+        canonical = {"request": self.request, "priority": self.priority,
+                     "callback": self.callback, "batch_id": self.batch_id,
+                     "custom_id": self.custom_id, "deadline_s": self.deadline_s}
+        text = json.dumps(canonical, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
+
+
+class IdempotencyKeyReused(Exception):
+    """The idempotency key already names a job submitted with another body."""
+
+    def __init__(self, key: str, job_id: str):
+        super().__init__(f"idempotency key {key!r} already names job {job_id} of another "
+                         "request")
+        self.key = key
+        self.job_id = job_id
 
 
 def new_job_id() -> str:
@@ -58,26 +81,34 @@ class Producer:
 
     async def submit(self, sub: Submission) -> tuple[str, bool]:
         """Enqueue one job; returns (job id, created). A known idempotency key returns the
-        job it already named, and nothing is enqueued."""
+        job it already named, and nothing is enqueued; when that job was submitted with a
+        different body, IdempotencyKeyReused (with the job's id) is raised instead."""
         stream = self._stream(sub.priority)
         job_id = new_job_id()
         ttl = self.settings.result_ttl_s
         if sub.idempotency_key is not None:
-            key = self.keys.idempotency(sub.idempotency_key)
+            key = (self.keys.idempotency(sub.idempotency_key) if sub.tenant is None
+                   else self.keys.tenant_idempotency(sub.tenant, sub.idempotency_key))
+            digest = sub.digest()
             # SET NX decides the race between two submissions with the same key
-            if not await self.redis.set(key, job_id, nx=True, ex=ttl):
+            if not await self.redis.set(key, f"{job_id} {digest}", nx=True, ex=ttl):
                 existing = await self.redis.get(key)
                 if existing is not None:
-                    return existing, False
+                    # a value without a digest predates them: it cannot be told apart
+                    existing_id, _, existing_digest = existing.partition(" ")
+                    if existing_digest and existing_digest != digest:
+                        raise IdempotencyKeyReused(sub.idempotency_key, existing_id)
+                    return existing_id, False
                 # the key expired in between: claim it for this submission
-                await self.redis.set(key, job_id, ex=ttl)
+                await self.redis.set(key, f"{job_id} {digest}", ex=ttl)
 
         now = time.time()
         deadline_ms = (int((now + sub.deadline_s) * 1000) if sub.deadline_s is not None
                        else None)
         job = {"status": "queued", "created_at": int(now), "priority": sub.priority,
                "model": sub.request.get("model"), "batch_id": sub.batch_id,
-               "custom_id": sub.custom_id, "callback": sub.callback, "deadline_ms": deadline_ms}
+               "custom_id": sub.custom_id, "callback": sub.callback, "deadline_ms": deadline_ms,
+               "tenant": sub.tenant}
         entry = {"job": job_id, "payload": json.dumps(sub.request, separators=(",", ":")),
                  "enqueued_ms": int(now * 1000), "deadline_ms": deadline_ms,
                  "reply": self.keys.reply(sub.reply_to) if sub.reply_to else None,

@@ -18,7 +18,7 @@ import pytest_asyncio
 from redis.exceptions import ResponseError
 
 from spinf_worker.queue.keys import GROUP
-from spinf_worker.queue.producer import Producer, Submission
+from spinf_worker.queue.producer import IdempotencyKeyReused, Producer, Submission
 from spinf_worker.queue.redis_client import connect
 from spinf_worker.queue.replies import ReplyListener
 from spinf_worker.queue.worker import Worker
@@ -129,6 +129,22 @@ async def test_idempotency_key_maps_to_one_job(redis, keys, settings):
     assert first[1] and not again[1] and other[1]
     assert again[0] == first[0] != other[0]
     assert await stream_lengths(redis, keys) == 2
+    # the key is bound to the body it came with: another body is refused, naming the job
+    for changed in (Submission(body(2), idempotency_key="k-1"),
+                    Submission(body(1), idempotency_key="k-1", callback="https://a.example/h"),
+                    Submission(body(1), idempotency_key="k-1", priority="bulk")):
+        with pytest.raises(IdempotencyKeyReused) as refused:
+            await producer.submit(changed)
+        assert refused.value.job_id == first[0]
+    # a tenant's keys are its own, and its jobs record it
+    mine = await producer.submit(Submission(body(2), idempotency_key="k-1", tenant="acme"))
+    theirs = await producer.submit(Submission(body(3), idempotency_key="k-1", tenant="bolt"))
+    assert mine[1] and theirs[1] and len({first[0], mine[0], theirs[0]}) == 3
+    assert await producer.submit(Submission(body(2), idempotency_key="k-1", tenant="acme")) \
+        == (mine[0], False)
+    assert (await producer.get_job(mine[0]))["tenant"] == "acme"
+    assert "tenant" not in await producer.get_job(first[0])
+    assert await stream_lengths(redis, keys) == 4
     assert (await producer.get_job(first[0]))["status"] == "queued"
     assert await producer.get_job("job_unknown") is None
     assert await producer.get_result(first[0]) is None
