@@ -10,10 +10,11 @@ from fastapi import APIRouter, Query
 from spinf_worker.errors import InvalidRequestError
 from spinf_worker.queue import batches, files
 
-from ..auth import V1_AUTH
+from ..auth import V1_AUTH, Caller, CallerDep
 from ..errors import NotFoundError
 from ..models import Batch, BatchCreate, BatchList, error_responses
-from ..services import ServicesDep
+from ..services import Services, ServicesDep
+from .files import check_owner
 from .scoring import check_backlog
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"], dependencies=V1_AUTH)
@@ -24,9 +25,16 @@ def _not_found(batch_id: str) -> NotFoundError:
                          code="batch_not_found")
 
 
+async def _check_owner(services: Services, caller: Caller, batch_id: str) -> None:
+    # another tenant's batch is as unknown as a missing one: its existence is not told
+    if not caller.owns(await batches.tenant_of(services.redis, services.keys, batch_id)):
+        raise _not_found(batch_id)
+
+
 @router.post("", response_model=Batch, responses=error_responses(400, 401, 404, 429),
              summary="Start a batch over an uploaded JSONL file")
-async def create_batch(body: BatchCreate, services: ServicesDep) -> dict:
+async def create_batch(body: BatchCreate, services: ServicesDep, caller: CallerDep) -> dict:
+    await check_owner(services, caller, body.input_file_id, param="input_file_id")
     meta = await files.get_file(services.redis, services.keys, body.input_file_id)
     if meta is None:
         raise NotFoundError(f"no file {body.input_file_id!r} (unknown, or expired)",
@@ -39,7 +47,7 @@ async def create_batch(body: BatchCreate, services: ServicesDep) -> dict:
     batch = await batches.create_batch(
         services.redis, services.keys, input_file_id=body.input_file_id,
         endpoint=body.endpoint, completion_window=body.completion_window,
-        metadata=body.metadata, ttl_s=services.settings.result_ttl_s)
+        metadata=body.metadata, ttl_s=services.settings.result_ttl_s, tenant=caller.tenant)
     # Reading and queueing a large file takes a while: after the response, in the background.
     services.spawn(batches.enqueue_batch(services.redis, services.keys, services.producer,
                                          batch["id"]), name=f"enqueue-{batch['id']}")
@@ -48,18 +56,20 @@ async def create_batch(body: BatchCreate, services: ServicesDep) -> dict:
 
 @router.get("", response_model=BatchList, responses=error_responses(400, 401),
             summary="Batches, newest first")
-async def list_batches(services: ServicesDep,
+async def list_batches(services: ServicesDep, caller: CallerDep,
                        limit: Annotated[int, Query(ge=1, le=100)] = 20,
                        after: str | None = None) -> BatchList:
+    tenant = None if caller.reads_all else caller.tenant
     found, has_more = await batches.list_batches(services.redis, services.keys, limit=limit,
-                                                 after=after)
+                                                 after=after, tenant=tenant)
     return BatchList(data=found, has_more=has_more,
                      first_id=found[0]["id"] if found else None,
                      last_id=found[-1]["id"] if found else None)
 
 
 @router.get("/{batch_id}", response_model=Batch, responses=error_responses(401, 404))
-async def get_batch(batch_id: str, services: ServicesDep) -> dict:
+async def get_batch(batch_id: str, services: ServicesDep, caller: CallerDep) -> dict:
+    await _check_owner(services, caller, batch_id)
     batch = await batches.get_batch(services.redis, services.keys, batch_id)
     if batch is None:
         raise _not_found(batch_id)
@@ -69,7 +79,8 @@ async def get_batch(batch_id: str, services: ServicesDep) -> dict:
 @router.post("/{batch_id}/cancel", response_model=Batch,
              responses=error_responses(400, 401, 404),
              summary="Cancel: requests not answered yet get a batch_cancelled error line")
-async def cancel_batch(batch_id: str, services: ServicesDep) -> dict:
+async def cancel_batch(batch_id: str, services: ServicesDep, caller: CallerDep) -> dict:
+    await _check_owner(services, caller, batch_id)
     outcome, drain = await batches.cancel_batch(services.redis, services.keys, batch_id)
     if outcome == "missing":
         raise _not_found(batch_id)

@@ -9,12 +9,12 @@ from fastapi import APIRouter, File, Form, UploadFile
 from fastapi.responses import StreamingResponse
 
 from spinf_worker.errors import InvalidRequestError
-from spinf_worker.queue import files
+from spinf_worker.queue import batches, files
 
-from ..auth import V1_AUTH
+from ..auth import V1_AUTH, Caller, CallerDep
 from ..errors import BodyTooLarge, NotFoundError
 from ..models import FileObject, error_responses
-from ..services import ServicesDep
+from ..services import Services, ServicesDep
 
 router = APIRouter(prefix="/v1/files", tags=["files"], dependencies=V1_AUTH)
 
@@ -24,8 +24,22 @@ def _not_found(file_id: str) -> NotFoundError:
                          code="file_not_found")
 
 
+async def check_owner(services: Services, caller: Caller, file_id: str,
+                      param: str = "file_id") -> None:
+    """Another tenant's file is as unknown as a missing one: its existence is not told. A
+    batch's output and error files are its batch's tenant's."""
+    tenant = await files.tenant_of(services.redis, services.keys, file_id)
+    batch_id = batches.producer_of(file_id)
+    if tenant is None and batch_id is not None:
+        tenant = await batches.tenant_of(services.redis, services.keys, batch_id)
+    if not caller.owns(tenant):
+        raise NotFoundError(f"no file {file_id!r} (unknown, or expired)", param=param,
+                            code="file_not_found")
+
+
 @router.post("", response_model=FileObject, responses=error_responses(400, 401, 413))
-async def upload_file(services: ServicesDep, file: Annotated[UploadFile, File()],
+async def upload_file(services: ServicesDep, caller: CallerDep,
+                      file: Annotated[UploadFile, File()],
                       purpose: Annotated[Literal["batch"], Form()]) -> dict:
     limit = services.settings.max_file_bytes
     content = await file.read(limit + 1)
@@ -40,11 +54,13 @@ async def upload_file(services: ServicesDep, file: Annotated[UploadFile, File()]
         raise InvalidRequestError("the file is empty", param="file", code="invalid_file")
     return await files.create_file(services.redis, services.keys, content,
                                    filename=file.filename or "input.jsonl", purpose=purpose,
-                                   ttl_s=services.settings.result_ttl_s)
+                                   ttl_s=services.settings.result_ttl_s,
+                                   tenant=caller.tenant)
 
 
 @router.get("/{file_id}", response_model=FileObject, responses=error_responses(401, 404))
-async def get_file(file_id: str, services: ServicesDep) -> dict:
+async def get_file(file_id: str, services: ServicesDep, caller: CallerDep) -> dict:
+    await check_owner(services, caller, file_id)
     meta = await files.get_file(services.redis, services.keys, file_id)
     if meta is None:
         raise _not_found(file_id)
@@ -54,7 +70,9 @@ async def get_file(file_id: str, services: ServicesDep) -> dict:
 @router.get("/{file_id}/content", response_class=StreamingResponse,
             responses={200: {"content": {"application/jsonl": {}}},
                        **error_responses(401, 404)})
-async def get_file_content(file_id: str, services: ServicesDep) -> StreamingResponse:
+async def get_file_content(file_id: str, services: ServicesDep,
+                           caller: CallerDep) -> StreamingResponse:
+    await check_owner(services, caller, file_id)
     chunks = await files.iter_content(services.redis, services.keys, file_id)
     if chunks is None:
         raise _not_found(file_id)

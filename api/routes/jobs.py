@@ -8,18 +8,27 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from spinf_worker.queue import batches
 from spinf_worker.queue.producer import Submission
 from spinf_worker.queue.results import normalize_error
 
-from ..auth import V1_AUTH, CallerDep
+from ..auth import V1_AUTH, Caller, CallerDep
 from ..errors import NotFoundError
 from ..models import Job, JobAccepted, JobRequest, error_responses, json_body
-from ..services import ServicesDep, read_json
+from ..services import Services, ServicesDep, read_json
 from .scoring import IdempotencyKey, accepted, check_backlog, check_model, submit
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=V1_AUTH)
 
 FINISHED = ("succeeded", "failed", "expired")
+
+
+async def _visible(services: Services, caller: Caller, job: dict) -> bool:
+    """Whether the caller may see the job: its tenant's, or (a job of a batch) its batch's."""
+    tenant = job.get("tenant")
+    if tenant is None and job.get("batch_id"):
+        tenant = await batches.tenant_of(services.redis, services.keys, job["batch_id"])
+    return caller.owns(tenant)
 
 
 @router.post("", response_model=JobAccepted, status_code=202,
@@ -44,7 +53,7 @@ async def create_job(request: Request, services: ServicesDep, caller: CallerDep,
 async def get_job(job_id: str, services: ServicesDep, caller: CallerDep) -> JSONResponse:
     job = await services.producer.get_job(job_id)
     # another tenant's job is as unknown as a missing one: its existence is not told
-    if job is None or not caller.owns(job.get("tenant")):
+    if job is None or not await _visible(services, caller, job):
         raise NotFoundError(f"no job {job_id!r} (unknown, or its record expired)",
                             param="job_id", code="job_not_found")
     # every field of the Job shape, null when unknown or not yet there

@@ -67,6 +67,14 @@ def error_file_id(batch_id: str) -> str:
     return f"{files.FILE_ID_PREFIX}{batch_id.removeprefix(BATCH_ID_PREFIX)}-errors"
 
 
+def producer_of(file_id: str) -> str | None:
+    """The batch whose output or error file ``file_id`` would be (None: not such an id)."""
+    for suffix in ("-output", "-errors"):
+        if file_id.startswith(files.FILE_ID_PREFIX) and file_id.endswith(suffix):
+            return BATCH_ID_PREFIX + file_id[len(files.FILE_ID_PREFIX):-len(suffix)]
+    return None
+
+
 def _text(value: Any) -> str | None:
     if value is None or isinstance(value, str):
         return value
@@ -187,7 +195,8 @@ async def _eval(redis, script: str, keys: list[str], *args) -> int:
 
 
 async def create_batch(redis, keys: Keys, *, input_file_id: str, endpoint: str,
-                       completion_window: str, metadata: dict | None, ttl_s: int) -> dict:
+                       completion_window: str, metadata: dict | None, ttl_s: int,
+                       tenant: str | None = None) -> dict:
     now = int(time.time())
     batch_id = BATCH_ID_PREFIX + uuid.uuid4().hex
     fields = {
@@ -197,10 +206,14 @@ async def create_batch(redis, keys: Keys, *, input_file_id: str, endpoint: str,
         "expires_at": now + COMPLETION_WINDOWS[completion_window],
         "total": 0, "completed": 0, "failed": 0, "sealed": 0, "ttl_s": ttl_s,
     }
+    if tenant is not None:   # the API tenant it belongs to, with its jobs and files
+        fields["tenant"] = tenant
     async with redis.pipeline(transaction=True) as pipe:
         pipe.hset(keys.batch(batch_id), mapping=fields)
         pipe.expire(keys.batch(batch_id), ttl_s)
         pipe.zadd(keys.batch_index, {batch_id: time.time() * 1000})
+        if tenant is not None:
+            pipe.zadd(keys.tenant_batch_index(tenant), {batch_id: time.time() * 1000})
         await pipe.execute()
     return _batch_object({k: str(v) for k, v in fields.items()})
 
@@ -234,26 +247,33 @@ async def get_batch(redis, keys: Keys, batch_id: str) -> dict | None:
     return _batch_object({_text(k): _text(v) for k, v in fields.items()})
 
 
-async def list_batches(redis, keys: Keys, *, limit: int = 20,
-                       after: str | None = None) -> tuple[list[dict], bool]:
-    """Newest first; ``after`` is the id of the last batch of the previous page.
-    Returns (batches, has_more). Ids of expired batches are dropped from the index here."""
+async def tenant_of(redis, keys: Keys, batch_id: str) -> str | None:
+    """The API tenant that created the batch (None: none recorded)."""
+    return _text(await redis.hget(keys.batch(batch_id), "tenant"))
+
+
+async def list_batches(redis, keys: Keys, *, limit: int = 20, after: str | None = None,
+                       tenant: str | None = None) -> tuple[list[dict], bool]:
+    """Newest first; ``after`` is the id of the last batch of the previous page; ``tenant``:
+    only that tenant's (None: all). Returns (batches, has_more). Ids of expired batches are
+    dropped from the index here."""
+    index = keys.batch_index if tenant is None else keys.tenant_batch_index(tenant)
     start = 0
     if after is not None:
-        rank = await redis.zrevrank(keys.batch_index, after)
+        rank = await redis.zrevrank(index, after)
         if rank is None:
             return [], False
         start = rank + 1
     found: list[dict] = []
     while len(found) <= limit:
-        ids = [_text(i) for i in await redis.zrevrange(keys.batch_index, start, start + limit)]
+        ids = [_text(i) for i in await redis.zrevrange(index, start, start + limit)]
         if not ids:
             break
         start += len(ids)
         for batch_id in ids:
             batch = await get_batch(redis, keys, batch_id)
             if batch is None:
-                await redis.zrem(keys.batch_index, batch_id)
+                await redis.zrem(index, batch_id)
                 start -= 1
             else:
                 found.append(batch)

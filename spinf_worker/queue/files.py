@@ -39,7 +39,7 @@ def file_object(file_id: str, *, size: int, filename: str, purpose: str, created
 
 
 async def create_file(redis, keys: Keys, content: bytes, *, filename: str, purpose: str,
-                      ttl_s: int) -> dict:
+                      ttl_s: int, tenant: str | None = None) -> dict:
     """Store an uploaded file; returns its file object. ``content`` must be UTF-8 text."""
     now = int(time.time())
     file_id = new_file_id()
@@ -47,7 +47,8 @@ async def create_file(redis, keys: Keys, content: bytes, *, filename: str, purpo
                        created_at=now, expires_at=now + ttl_s)
     key = keys.file(file_id)
     async with redis.pipeline(transaction=True) as pipe:
-        pipe.hset(key, mapping={"meta": json.dumps(meta), "content": content})
+        pipe.hset(key, mapping={"meta": json.dumps(meta), "content": content,
+                                **({"tenant": tenant} if tenant is not None else {})})
         pipe.expire(key, ttl_s)
         await pipe.execute()
     return meta
@@ -56,6 +57,12 @@ async def create_file(redis, keys: Keys, content: bytes, *, filename: str, purpo
 async def get_file(redis, keys: Keys, file_id: str) -> dict | None:
     meta = _text(await redis.hget(keys.file(file_id), "meta"))
     return json.loads(meta) if meta is not None else None
+
+
+async def tenant_of(redis, keys: Keys, file_id: str) -> str | None:
+    """The API tenant that uploaded the file (None: none recorded, as on a batch's output
+    file, whose owner is its batch's)."""
+    return _text(await redis.hget(keys.file(file_id), "tenant"))
 
 
 async def read_content(redis, keys: Keys, file_id: str) -> str | None:

@@ -76,6 +76,10 @@ class Keys:
         so no tenant's keys meet another's, or those of jobs of no tenant)."""
         return f"{self.base}:tenant:{tenant}:idem:{key}"
 
+    def tenant_batch_index(self, tenant: str) -> str:
+        """Sorted set of one tenant's batch ids by creation time (ms), as batch_index."""
+        return f"{self.base}:tenant:{tenant}:batches"
+
     def batch(self, batch_id: str) -> str:
         return f"{self.base}:batch:{batch_id}"
 

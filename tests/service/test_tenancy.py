@@ -13,8 +13,9 @@ from api.auth import OPEN_TENANT, ApiKey, key_tenant, load_api_keys
 from spinf_worker.queue.keys import Keys
 
 from ..conftest import WAIT_S
-from .live import LiveServer
+from .live import LiveServer, jsonl, wait_for
 from .test_api import REFUND, assert_error, entries_added
+from .test_batches import score_line
 
 OTHER = {**REFUND, "text": "The parcel never arrived."}
 ASYNC = {"Prefer": "respond-async"}
@@ -155,3 +156,68 @@ def test_the_open_mode_is_one_tenant(settings):
         assert stored.hget(Keys(settings.prefix).job(job_id), "tenant") == OPEN_TENANT
     finally:
         stored.close()
+
+
+def test_files_and_batches_are_visible_to_their_tenant_only(tenants):
+    clients, settings = tenants
+    acme, acme2, solo, operator = (clients[n] for n in ("acme", "acme2", "solo", "operator"))
+    lines = [score_line(f"doc-{i}", f"Story {i}.") for i in range(3)]
+    upload = acme.post("/files", data={"purpose": "batch"},
+                       files={"file": ("in.jsonl", jsonl(lines), "application/jsonl")})
+    assert upload.status_code == 200, upload.text
+    file_id = upload.json()["id"]
+    for client in (acme2, operator):
+        assert client.get(f"/files/{file_id}").json() == upload.json()
+        assert client.get(f"/files/{file_id}/content").content == jsonl(lines)
+    for path in ("/files/{}", "/files/{}/content"):
+        assert_hidden(solo.get(path.format(file_id)), solo.get(path.format("file-unknown")),
+                      file_id, "file-unknown", "file_not_found", "file_id")
+    # another tenant's file is no input for a batch either
+    create = {"endpoint": "/v1/score", "completion_window": "24h"}
+    assert_hidden(solo.post("/batches", json={**create, "input_file_id": file_id}),
+                  solo.post("/batches", json={**create, "input_file_id": "file-unknown"}),
+                  file_id, "file-unknown", "file_not_found", "input_file_id")
+
+    batch = acme.post("/batches", json={**create, "input_file_id": file_id})
+    assert batch.status_code == 200, batch.text
+    batch_id = batch.json()["id"]
+    solo_file = solo.post("/files", data={"purpose": "batch"},
+                          files={"file": ("in.jsonl", jsonl(lines[:1]), "application/jsonl")})
+    solo_batch = solo.post("/batches", json={**create, "input_file_id": solo_file.json()["id"]})
+    assert solo_batch.status_code == 200, solo_batch.text
+    solo_id = solo_batch.json()["id"]
+    wait_for(lambda: acme.get(f"/batches/{batch_id}").json()["request_counts"]["total"] == 3,
+             what="the batch to be queued")
+
+    for path in ("/batches/{}", "/batches/{}/cancel"):
+        method = solo.post if path.endswith("cancel") else solo.get
+        assert_hidden(method(path.format(batch_id)), method(path.format("batch_unknown")),
+                      batch_id, "batch_unknown", "batch_not_found", "batch_id")
+    assert acme2.get(f"/batches/{batch_id}").json()["status"] == "in_progress"
+    assert [b["id"] for b in solo.get("/batches").json()["data"]] == [solo_id]
+    assert solo.get("/batches", params={"after": batch_id}).json()["data"] == []
+    assert [b["id"] for b in acme2.get("/batches").json()["data"]] == [batch_id]
+    assert [b["id"] for b in operator.get("/batches").json()["data"]] == [solo_id, batch_id]
+
+    # the batch's jobs are its tenant's
+    stored = redis_sync.Redis.from_url(settings.redis_url, decode_responses=True)
+    try:
+        keys = Keys(settings.prefix)
+        jobs = [fields["job"] for _id, fields in stored.xrange(keys.bulk)
+                if fields.get("batch") == batch_id]
+    finally:
+        stored.close()
+    assert len(jobs) == 3
+    for job_id in jobs:
+        assert acme2.get(f"/jobs/{job_id}").status_code == 200
+        assert solo.get(f"/jobs/{job_id}").status_code == 404
+
+    # the files a batch produces are its tenant's too
+    assert acme.post(f"/batches/{batch_id}/cancel").status_code == 200
+    done = wait_for(lambda: (lambda b: b if b["status"] == "cancelled" else None)(
+        acme.get(f"/batches/{batch_id}").json()), what="the batch to be cancelled")
+    errors = done["error_file_id"]
+    assert len(acme2.get(f"/files/{errors}/content").text.splitlines()) == 3
+    assert operator.get(f"/files/{errors}").status_code == 200
+    for path in ("/files/{}", "/files/{}/content"):
+        assert_error(solo.get(path.format(errors)), 404, "file_not_found", "file_id")

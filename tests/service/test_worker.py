@@ -52,13 +52,20 @@ async def running(worker: Worker):
         await asyncio.wait_for(task, WAIT_S)
 
 
-async def results_of(redis, keys, jobs: list[str], timeout: float = WAIT_S) -> list[dict]:
+async def results_of(redis, keys, jobs: list[str], timeout: float = WAIT_S,
+                     worker: tuple[subprocess.Popen, Path] | None = None) -> list[dict]:
+    """The jobs' results once all are stored. ``worker``: a worker process that must stay up
+    meanwhile, and its log, shown when it dies or the wait runs out."""
     deadline = time.monotonic() + timeout
     while True:
         raw = await redis.mget([keys.result(j) for j in jobs])
         if all(r is not None for r in raw):
             return [json.loads(r) for r in raw]
-        assert time.monotonic() < deadline, f"{sum(r is None for r in raw)} results missing"
+        exited = worker is not None and worker[0].poll() is not None
+        if exited or time.monotonic() > deadline:
+            log = worker[1].read_text()[-8000:] if worker else ""
+            raise AssertionError(f"{sum(r is None for r in raw)} results missing"
+                                 f"{'; the worker exited' if exited else ''}\n{log}")
         await asyncio.sleep(0.05)
 
 
@@ -272,14 +279,19 @@ async def test_killed_worker_entries_are_reclaimed(redis, redis_url, keys, setti
     doomed = start_worker("doomed")
     survivor = None
     try:
-        # kill the first worker once it has answered something and holds more
+        # kill the first worker while it holds entries: frozen first (SIGSTOP), so that what
+        # it holds cannot change between the look and the kill; more jobs are queued if it
+        # got through them all before it was caught
         deadline = time.monotonic() + WAIT_S
         while True:
             assert doomed.poll() is None, (tmp_path / "doomed.log").read_text()
-            held = await redis.hexists(keys.workers, "doomed") and await held_by(
-                redis, keys, "doomed")
-            if held and int(await redis.hget(keys.stats, "docs") or 0) > 0:
-                break
+            if await held_by(redis, keys, "doomed"):
+                doomed.send_signal(signal.SIGSTOP)
+                if await held_by(redis, keys, "doomed"):
+                    break
+                doomed.send_signal(signal.SIGCONT)
+            if await stream_lengths(redis, keys) == 0:
+                jobs += [(await producer.submit(Submission(body(i))))[0] for i in range(10)]
             assert time.monotonic() < deadline, "the worker never got going"
             await asyncio.sleep(0.01)
         doomed.send_signal(signal.SIGKILL)
@@ -289,7 +301,8 @@ async def test_killed_worker_entries_are_reclaimed(redis, redis_url, keys, setti
         assert await redis.xlen(keys.interactive) > 0   # work left that nobody holds yet
         survivor = start_worker("survivor")
 
-        results = await results_of(redis, keys, jobs, timeout=2 * WAIT_S)
+        results = await results_of(redis, keys, jobs, timeout=2 * WAIT_S,
+                                   worker=(survivor, tmp_path / "survivor.log"))
         assert all(r["status_code"] == 200 for r in results)
         assert {(await producer.get_job(j))["status"] for j in jobs} == {"succeeded"}
         assert await pending(redis, keys) == 0 and await stream_lengths(redis, keys) == 0
