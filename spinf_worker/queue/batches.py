@@ -2,26 +2,37 @@
 
 Life of a batch (``<base>:batch:<id>`` hash, see docs/QUEUE.md):
 
-- ``create_batch``: status ``validating``; the API then runs ``enqueue_batch`` in the
-  background, so a huge input file never holds the request.
-- ``enqueue_batch``: ``in_progress``; reads the input JSONL line by line. A valid line becomes a
-  bulk job (``batch_id``, ``custom_id``) after its custom_id joins the batch's *pending* set; an
-  invalid line (bad JSON, bad body, duplicate custom_id, url other than the endpoint) goes
-  straight to the error list. At the end the batch is *sealed* with its ``total``.
+- ``create_batch``: status ``validating``, and the batch joins the *queueing* set; the API then
+  runs ``enqueue_batch`` in the background, so a huge input file never holds the request.
+- ``enqueue_batch``: ``in_progress``; reads the input JSONL in chunks of lines, holding the
+  batch's *queuer lease* (a key with a TTL it renews). A valid line becomes a bulk job
+  (``batch_id``, ``custom_id``) and its custom_id joins the batch's *pending* set; an invalid
+  line (bad JSON, bad body, a custom_id an earlier line already had, valid or not, url other
+  than the endpoint) goes straight to the error list. A chunk is committed by one Lua script:
+  job records, stream entries, pending ids, error lines, ``total`` and the progress
+  ``queued_line`` (the last input line handled) together, and only while the caller holds the
+  lease and ``queued_line`` is still what it started from, so no line is queued twice.
+- Backpressure: the script counts the entries in both work streams and takes no more valid
+  lines than ``max_backlog`` leaves room for (the stream never holds more than the limit);
+  with no room the queuer pauses (``queue_paused_ms`` on the batch) until workers drain some.
+- Resuming: every API instance runs a ``QueueKeeper``, which sweeps the queueing set on start
+  and every half lease; a batch whose queuer lease has expired (the process died) is taken over
+  and queued on from ``queued_line`` (the custom_ids of the lines before it are read again to
+  refuse duplicates). The chunk with the last line *seals* the batch and it leaves the set.
 - ``record_result`` (called by workers): removes the custom_id from the pending set, appends the
   output or error line, and counts it. The removal is the guard: a job delivered twice
-  (at-least-once) or finishing after a cancel is not counted again.
+  (at-least-once) or finishing after a cancel is not counted again. Every script keeps
+  ``total = completed + failed + |pending|``.
 - The call that brings ``completed + failed`` to ``total`` on a sealed batch finalizes it
   inside the same Lua script, so exactly one caller does it however many workers race:
   status ``completed`` (or ``cancelled``), output/error files pointing at the line lists.
-- ``cancel_batch``: ``cancelling``; then every custom_id still pending gets a
-  ``batch_cancelled`` error line, which finalizes the batch as ``cancelled``. Entries already
-  in the bulk stream are still scored by workers; their results are kept on the job records
-  (GET /v1/jobs/<id>) but are not added to the batch.
+- ``cancel_batch``: ``cancelling``; the queuer (or, when it died, whoever takes over) stops,
+  seals what was queued, and every custom_id still pending gets a ``batch_cancelled`` error
+  line, which finalizes the batch as ``cancelled``. Entries already in the bulk stream are
+  still scored by workers; their results are kept on the job records (GET /v1/jobs/<id>) but
+  are not added to the batch.
 
-Not done: reading the input is not resumed when the API process stops (or Redis fails) in the
-middle of it; the batch then stays ``in_progress`` with ``errors`` naming the line where
-queueing stopped. ``completion_window`` is recorded (``expires_at``) but not enforced.
+Not done: ``completion_window`` is recorded (``expires_at``) but not enforced.
 
 Error lines: ``error`` is always ``{"code", "message"}`` (plus ``line``, the 1-based input line,
 for lines rejected while reading the file). ``response`` is ``null`` for lines that never
@@ -34,13 +45,17 @@ its status with the job id), as OpenAI does.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import json
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
+import structlog
+from redis.exceptions import RedisError
 
 from ..errors import SpinfError
 from ..openai_compat import score_request_from_chat, score_to_chat_completion
@@ -49,14 +64,18 @@ from . import files
 from .keys import Keys
 from .results import JobResult
 
+log = structlog.get_logger("spinf.batches")
+
 BATCH_ID_PREFIX = "batch_"
 LINE_ID_PREFIX = "batch_req_"
 COMPLETION_WINDOWS = {"24h": 24 * 3600}
 TIMESTAMP_FIELDS = ("created_at", "in_progress_at", "expires_at", "finalizing_at",
                     "completed_at", "failed_at", "expired_at", "cancelling_at", "cancelled_at")
 
-LINES_PER_CHUNK = 64  # lines validated together while enqueueing, between status checks
-SUBMITS_AT_ONCE = 16  # concurrent submissions: each holds a pooled Redis connection
+LINES_PER_CHUNK = 64          # input lines committed together (one script call)
+CHUNK_BYTES = 4 << 20         # ... or fewer, so one call stays a few MiB (a longer line: alone)
+BACKLOG_POLL_S = 0.2          # a queuer paused by a full backlog looks again this often
+ACTIVE = ("validating", "in_progress", "cancelling")
 
 
 def output_file_id(batch_id: str) -> str:
@@ -85,7 +104,8 @@ def _script_keys(keys: Keys, batch_id: str) -> list[str]:
     """The KEYS of every batch script, in the order the Lua code reads them."""
     return [keys.batch(batch_id), keys.batch_pending(batch_id),
             keys.batch_lines(batch_id, "out"), keys.batch_lines(batch_id, "err"),
-            keys.file(output_file_id(batch_id)), keys.file(error_file_id(batch_id))]
+            keys.file(output_file_id(batch_id)), keys.file(error_file_id(batch_id)),
+            keys.batch_queueing]
 
 
 # ---- Lua ---------------------------------------------------------------------------------
@@ -126,6 +146,7 @@ local function try_finalize(now)
   end
   redis.call('HSET', KEYS[1], unpack(fields))
   redis.call('DEL', KEYS[2])
+  redis.call('SREM', KEYS[7], id)
   for _, key in ipairs({KEYS[1], KEYS[3], KEYS[4]}) do redis.call('EXPIRE', key, ttl) end
   return 2
 end
@@ -145,16 +166,86 @@ redis.call('HINCRBY', KEYS[1], ARGV[6] .. '_bytes', string.len(ARGV[5]) + 1)
 return try_finalize(tonumber(ARGV[3]))
 """
 
-# ARGV: out file id, err file id, now, total.
-# Returns -1 no such batch, 1 sealed, 2 sealed and finalized, 3 sealed while cancelling (the
-# caller drains the pending set).
-_SEAL_LUA = _FINALIZE_LUA + """
-if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
-redis.call('HSET', KEYS[1], 'total', ARGV[4], 'sealed', '1')
-local status = redis.call('HGET', KEYS[1], 'status')
-if try_finalize(tonumber(ARGV[3])) == 2 then return 2 end
-if status == 'cancelling' then return 3 end
+# Commits one chunk of input lines (see the module doc). KEYS: the 7 script keys, then the
+# lease, the two work streams, then one job hash per valid line.
+# ARGV: out file id, err file id, now (s), now (ms), lease token, lease ms, queued_line read,
+#       queued_line after the chunk, seal ('1' | '0'), max backlog, job ttl, n valid lines,
+#       then n x (job id, custom_id, payload, model or ''), then the error lines.
+# Returns {code, room}: 1 committed, 2 committed and finalized, 3 sealed while cancelling (the
+# caller drains), -1 no such batch, -2 lease or progress taken by another queuer (or sealed),
+# -4 not in progress (cancelled: seal what was queued), -5 no room for the valid lines (room;
+# none at all: queue_paused_ms is set, until a commit goes through).
+_COMMIT_LUA = _FINALIZE_LUA + """
+local owner = redis.call('GET', KEYS[8])
+if owner and owner ~= ARGV[5] then return {-2, 0} end
+local f = redis.call('HMGET', KEYS[1], 'status', 'sealed', 'queued_line', 'id', 'ttl_s',
+                     'tenant')
+if not f[1] then return {-1, 0} end
+-- a lapsed lease nobody took yet is taken back; the progress check keeps the order
+redis.call('SET', KEYS[8], ARGV[5], 'PX', ARGV[6])
+if f[2] == '1' or tonumber(f[3] or '0') ~= tonumber(ARGV[7]) then return {-2, 0} end
+local n = tonumber(ARGV[12])
+local first_err = 13 + 4 * n
+local adding = #ARGV >= 13
+if f[1] ~= 'in_progress' and (adding or f[1] ~= 'cancelling') then return {-4, 0} end
+if n > 0 then
+  local room = tonumber(ARGV[10]) - redis.call('XLEN', KEYS[9]) - redis.call('XLEN', KEYS[10])
+  if room < n then
+    if room <= 0 then redis.call('HSET', KEYS[1], 'queue_paused_ms', ARGV[4]) end
+    return {-5, room}
+  end
+end
+local batch_id, ttl = f[4], tonumber(f[5])
+local ids = {}
+for i = 0, n - 1 do
+  local a = 13 + 4 * i
+  local job = {'status', 'queued', 'created_at', ARGV[3], 'priority', 'bulk',
+               'batch_id', batch_id, 'custom_id', ARGV[a + 1]}
+  if ARGV[a + 3] ~= '' then table.insert(job, 'model'); table.insert(job, ARGV[a + 3]) end
+  if f[6] then table.insert(job, 'tenant'); table.insert(job, f[6]) end  -- the batch's
+  -- as Producer.submit writes a job: the hash first, then its entry
+  redis.call('HSET', KEYS[11 + i], unpack(job))
+  redis.call('EXPIRE', KEYS[11 + i], ARGV[11])
+  redis.call('XADD', KEYS[10], '*', 'job', ARGV[a], 'payload', ARGV[a + 2],
+             'enqueued_ms', ARGV[4], 'batch', batch_id, 'custom_id', ARGV[a + 1])
+  ids[#ids + 1] = ARGV[a + 1]
+end
+if n > 0 then redis.call('SADD', KEYS[2], unpack(ids)) end
+local errors, bytes = 0, 0
+for i = first_err, #ARGV do
+  redis.call('RPUSH', KEYS[4], ARGV[i])
+  errors = errors + 1
+  bytes = bytes + string.len(ARGV[i]) + 1
+end
+if errors > 0 then
+  redis.call('EXPIRE', KEYS[4], ttl)
+  redis.call('HINCRBY', KEYS[1], 'failed', errors)
+  redis.call('HINCRBY', KEYS[1], 'failed_bytes', bytes)
+end
+redis.call('HINCRBY', KEYS[1], 'total', n + errors)
+redis.call('HSET', KEYS[1], 'queued_line', ARGV[8])
+redis.call('HDEL', KEYS[1], 'queue_paused_ms')
+if ARGV[9] ~= '1' then return {1, 0} end
+redis.call('HSET', KEYS[1], 'sealed', '1')
+if try_finalize(tonumber(ARGV[3])) == 2 then return {2, 0} end
+if f[1] == 'cancelling' then return {3, 0} end
+redis.call('SREM', KEYS[7], batch_id)
+return {1, 0}
+"""
+
+# ARGV: token, lease ms. Renews the lease (taking it back when it lapsed and nobody took it);
+# 0 when another queuer holds it.
+_RENEW_LUA = """
+local owner = redis.call('GET', KEYS[1])
+if owner and owner ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return 1
+"""
+
+# ARGV: token.
+_RELEASE_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
+return 0
 """
 
 # ARGV: out file id, err file id, now. Returns the try_finalize code (-1 without the batch).
@@ -163,8 +254,9 @@ if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
 return try_finalize(tonumber(ARGV[3]))
 """
 
-# ARGV: now. Returns -1 no such batch, 0 not cancellable, 1 cancelling (the enqueuer drains
-# when it seals), 2 cancelling and sealed (the caller drains).
+# KEYS: batch, queueing set. ARGV: now, batch id. Returns -1 no such batch, 0 not
+# cancellable, 1 cancelling (the queuer drains when it seals), 2 cancelling and sealed (the
+# caller drains; the batch is back in the queueing set, so a keeper drains should it stop).
 _CANCEL_LUA = """
 local f = redis.call('HMGET', KEYS[1], 'status', 'sealed')
 if not f[1] then return -1 end
@@ -173,7 +265,10 @@ if f[1] == 'validating' or f[1] == 'in_progress' then
 elseif f[1] ~= 'cancelling' then
   return 0
 end
-if f[2] == '1' then return 2 end
+if f[2] == '1' then
+  redis.call('SADD', KEYS[2], ARGV[2])
+  return 2
+end
 return 1
 """
 
@@ -214,6 +309,7 @@ async def create_batch(redis, keys: Keys, *, input_file_id: str, endpoint: str,
         pipe.zadd(keys.batch_index, {batch_id: time.time() * 1000})
         if tenant is not None:
             pipe.zadd(keys.tenant_batch_index(tenant), {batch_id: time.time() * 1000})
+        pipe.sadd(keys.batch_queueing, batch_id)   # until sealed: a keeper resumes it
         await pipe.execute()
     return _batch_object({k: str(v) for k, v in fields.items()})
 
@@ -283,8 +379,10 @@ async def list_batches(redis, keys: Keys, *, limit: int = 20, after: str | None 
 async def cancel_batch(redis, keys: Keys, batch_id: str) -> tuple[str, bool]:
     """Move a batch to ``cancelling``. Returns (outcome, drain): outcome "missing",
     "not_cancellable" or "cancelling"; ``drain`` is True when all its lines are enqueued and
-    the caller must run ``drain_cancelled`` (otherwise the enqueuer drains when it stops)."""
-    code = await _eval(redis, _CANCEL_LUA, [keys.batch(batch_id)], int(time.time()))
+    the caller must run ``drain_cancelled`` (otherwise its queuer drains when it stops, or the
+    keeper that takes over from a queuer that died)."""
+    code = await _eval(redis, _CANCEL_LUA, [keys.batch(batch_id), keys.batch_queueing],
+                       int(time.time()), batch_id)
     if code == -1:
         return "missing", False
     if code == 0:
@@ -372,7 +470,7 @@ async def record_result(redis, keys: Keys, batch_id: str, job_id: str,
     return code > 0
 
 
-# ---- enqueueing --------------------------------------------------------------------------
+# ---- queueing ----------------------------------------------------------------------------
 
 
 class LineError(Exception):
@@ -405,6 +503,16 @@ def parse_line(text: str, endpoint: str) -> tuple[str, dict]:
         raise
 
 
+def _custom_id_of(text: str) -> str | None:
+    """The custom_id ``parse_line`` finds on a line, valid or not (None: the line has none)."""
+    try:
+        line = orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return None
+    custom_id = line.get("custom_id") if isinstance(line, dict) else None
+    return custom_id if isinstance(custom_id, str) and custom_id else None
+
+
 def _line_body(line: dict, endpoint: str) -> dict:
     if line.get("method", "POST") != "POST":
         raise LineError("invalid_method", "'method' must be \"POST\"")
@@ -429,99 +537,262 @@ def _error_line(custom_id: str | None, err: LineError, line_number: int) -> dict
             "error": {"code": err.code, "message": err.message, "line": line_number}}
 
 
+@dataclass
+class _Line:
+    """An input line, validated: a request to queue (``payload``) or an error line."""
+
+    number: int
+    custom_id: str | None
+    payload: str | None = None      # the request as JSON
+    model: str | None = None
+    error: str | None = None        # the error line as JSON
+
+    @property
+    def size(self) -> int:
+        return len(self.payload or self.error or "")
+
+
+def _validate(number: int, text: str, endpoint: str, seen: set[str]) -> _Line:
+    """Parse one line; ``seen`` (the custom_ids of the lines before it) gains its custom_id."""
+    error: LineError | None = None
+    try:
+        custom_id, body = parse_line(text, endpoint)
+    except LineError as err:
+        error, custom_id = err, err.custom_id
+    if custom_id is not None:
+        # an id an earlier line had, valid or not, is refused: the first line is its request
+        if custom_id in seen:
+            error = LineError("duplicate_custom_id",
+                              "this custom_id already appeared earlier in the file")
+        seen.add(custom_id)
+    if error is not None:
+        return _Line(number, custom_id, error=json.dumps(_error_line(custom_id, error, number),
+                                                         separators=(",", ":")))
+    return _Line(number, custom_id, payload=json.dumps(body, separators=(",", ":")),
+                 model=body.get("model"))
+
+
+def _fitting(chunk: list[_Line], room: int) -> int:
+    """How many lines of ``chunk`` go in with at most ``room`` valid ones among them."""
+    valid = 0
+    for at, line in enumerate(chunk):
+        if line.payload is not None:
+            if valid == room:
+                return at
+            valid += 1
+    return len(chunk)
+
+
 async def _transition(redis, keys: Keys, batch_id: str, from_status: str, **fields) -> bool:
     args = [v for pair in fields.items() for v in pair]
     return await _eval(redis, _TRANSITION_LUA, [keys.batch(batch_id)], from_status, *args) == 1
 
 
-async def _fail(redis, keys: Keys, batch_id: str, code: str, message: str) -> None:
+async def _fail(redis, keys: Keys, batch_id: str, code: str, message: str) -> bool:
+    """A batch still ``validating`` -> ``failed``; False when it was no longer validating."""
     errors = {"object": "list",
               "data": [{"code": code, "message": message, "param": "input_file_id",
                         "line": None}]}
-    await _transition(redis, keys, batch_id, "validating", status="failed",
-                      failed_at=int(time.time()), errors=json.dumps(errors))
+    failed = await _transition(redis, keys, batch_id, "validating", status="failed",
+                               failed_at=int(time.time()), errors=json.dumps(errors))
+    if failed:
+        await redis.srem(keys.batch_queueing, batch_id)
+    return failed
 
 
-async def _enqueue_chunk(redis, keys: Keys, producer, batch_id: str, endpoint: str,
-                         chunk: list[tuple[int, str]], seen: set[str]) -> None:
-    """Validate lines; invalid ones get their error line, valid ones become bulk jobs after
-    their custom_ids join the pending set (so no result can arrive before its id is there)."""
-    from .producer import Submission  # the producer's module pulls in more than batches need
+# _COMMIT_LUA's codes
+COMMITTED, FINALIZED, DRAIN, MISSING, TAKEN, STOPPED, FULL = 1, 2, 3, -1, -2, -4, -5
 
-    valid: list[tuple[int, str, dict]] = []
-    for number, text in chunk:
-        try:
-            custom_id, body = parse_line(text, endpoint)
-            if custom_id in seen:  # the first line with this id is the request
-                raise LineError("duplicate_custom_id",
-                                "this custom_id already appeared earlier in the file",
-                                custom_id=custom_id)
-            seen.add(custom_id)
-            valid.append((number, custom_id, body))
-        except LineError as err:
-            await _record_line(redis, keys, batch_id, err.custom_id,
-                               _error_line(err.custom_id, err, number), "failed", pending=False)
-    if not valid:
-        return
-    await redis.sadd(keys.batch_pending(batch_id), *[c for _, c, _ in valid])
-    submitted = []
-    for at in range(0, len(valid), SUBMITS_AT_ONCE):
-        submitted += await asyncio.gather(
-            *[producer.submit(Submission(request=body, priority="bulk", batch_id=batch_id,
-                                         custom_id=custom_id))
-              for _, custom_id, body in valid[at:at + SUBMITS_AT_ONCE]],
-            return_exceptions=True)
-    for (number, custom_id, _), outcome in zip(valid, submitted, strict=True):
-        if isinstance(outcome, BaseException):
-            err = LineError("enqueue_failed", f"could not queue the request: {outcome}")
-            await _record_line(redis, keys, batch_id, custom_id,
-                               _error_line(custom_id, err, number), "failed", pending=True)
+
+class _Queuer:
+    """Queues one batch's input under its lease (``enqueue_batch``)."""
+
+    def __init__(self, redis, keys: Keys, settings, batch_id: str, token: str):
+        self.redis, self.keys, self.batch_id, self.token = redis, keys, batch_id, token
+        self.lease_ms = max(1, int(settings.batch_lease_s * 1000))
+        self.job_ttl_s = settings.result_ttl_s
+        self.limit = max(1, settings.max_backlog)   # an empty queue always takes a line
+        self.queued_line = 0
+
+    async def run(self) -> None:
+        keys, batch_id = self.keys, self.batch_id
+        fields = {_text(k): _text(v)
+                  for k, v in (await self.redis.hgetall(keys.batch(batch_id))).items()}
+        status = fields.get("status")
+        if status not in ACTIVE:           # expired, or finished meanwhile
+            await self.redis.srem(keys.batch_queueing, batch_id)
+            return
+        if fields.get("sealed") == "1":    # all queued; a cancel whose drain did not finish
+            if status == "cancelling":
+                await drain_cancelled(self.redis, keys, batch_id)
+            else:
+                await self.redis.srem(keys.batch_queueing, batch_id)
+            return
+        self.queued_line = int(fields.get("queued_line") or 0)
+        content = await files.read_content(self.redis, keys, fields["input_file_id"])
+        if content is None:
+            if await _fail(self.redis, keys, batch_id, "file_not_found",
+                           f"input file {fields['input_file_id']!r} no longer exists"):
+                return
+            lines = []   # it expired while queueing: seal what was queued
+        else:
+            lines = [(number, text) for number, text in enumerate(content.split("\n"), 1)
+                     if text.strip()]
+        del content
+        if status == "validating":
+            if not lines and await _fail(self.redis, keys, batch_id, "empty_file",
+                                         "the input file has no lines"):
+                return
+            # not moved when cancelled meanwhile: the first commit then stops and seals
+            await _transition(self.redis, keys, batch_id, "validating", status="in_progress",
+                              in_progress_at=int(time.time()))
+        # resuming: the lines up to queued_line are queued; their custom_ids are taken
+        at = bisect.bisect_right(lines, self.queued_line, key=lambda line: line[0])
+        seen = {c for _, text in lines[:at] if (c := _custom_id_of(text)) is not None}
+        await self._queue(lines, at, fields["endpoint"], seen)
+
+    async def _queue(self, lines: list[tuple[int, str]], at: int, endpoint: str,
+                     seen: set[str]) -> None:
+        chunk: list[_Line] = []   # validated, not committed yet
+        room: int | None = None   # the room the last refusal reported
+        stopping = False          # cancelled: seal what was queued
+        while True:
+            size = sum(line.size for line in chunk)
+            while (not stopping and at < len(lines) and len(chunk) < LINES_PER_CHUNK
+                   and size < CHUNK_BYTES):
+                chunk.append(_validate(*lines[at], endpoint, seen))
+                size += chunk[-1].size
+                at += 1
+            take = 0 if stopping else _fitting(chunk, room) if room is not None else len(chunk)
+            part = chunk[:take]
+            code, room = await self._commit(
+                part, seal=stopping or (at == len(lines) and take == len(chunk)))
+            if code == FULL:
+                if room <= 0:
+                    await self._wait_for_room()
+                    room = None
+                continue
+            room = None
+            if code == COMMITTED and (stopping or at < len(lines) or take < len(chunk)):
+                del chunk[:take]
+                continue
+            if code == STOPPED and not stopping:
+                stopping = True
+                continue
+            if code == DRAIN:
+                await drain_cancelled(self.redis, self.keys, self.batch_id)
+            return   # sealed (and maybe finalized), stopped, taken over or gone
+
+    async def _commit(self, part: list[_Line], *, seal: bool) -> tuple[int, int]:
+        from .producer import new_job_id  # the producer's module pulls in more than we need
+
+        keys, batch_id = self.keys, self.batch_id
+        valid = [line for line in part if line.payload is not None]
+        job_ids = [new_job_id() for _ in valid]
+        after = part[-1].number if part else self.queued_line
+        now = time.time()
+        args: list[Any] = [output_file_id(batch_id), error_file_id(batch_id), int(now),
+                           int(now * 1000), self.token, self.lease_ms, self.queued_line, after,
+                           "1" if seal else "0", self.limit, self.job_ttl_s, len(valid)]
+        for job_id, line in zip(job_ids, valid, strict=True):
+            args += [job_id, line.custom_id, line.payload, line.model or ""]
+        args += [line.error for line in part if line.payload is None]
+        script_keys = [*_script_keys(keys, batch_id), keys.batch_queuer(batch_id),
+                       keys.interactive, keys.bulk, *[keys.job(j) for j in job_ids]]
+        code, room = await self.redis.eval(_COMMIT_LUA, len(script_keys), *script_keys, *args)
+        if int(code) in (COMMITTED, FINALIZED, DRAIN):
+            self.queued_line = after
+        return int(code), int(room)
+
+    async def _wait_for_room(self) -> None:
+        """Paused: until the backlog is under the limit, the batch is no longer in progress,
+        or the lease is lost (then the next commit says so)."""
+        key = self.keys.batch(self.batch_id)
+        while True:
+            await asyncio.sleep(BACKLOG_POLL_S)
+            if not await self._renew():
+                return
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.xlen(self.keys.interactive)
+                pipe.xlen(self.keys.bulk)
+                pipe.hget(key, "status")
+                interactive, bulk, status = await pipe.execute()
+            if interactive + bulk < self.limit or _text(status) != "in_progress":
+                return
+
+    async def _renew(self) -> bool:
+        return await _eval(self.redis, _RENEW_LUA, [self.keys.batch_queuer(self.batch_id)],
+                           self.token, self.lease_ms) == 1
 
 
 async def enqueue_batch(redis, keys: Keys, producer, batch_id: str) -> None:
-    """Read the batch's input file and submit its lines as bulk jobs (see the module doc).
+    """Queue the batch's input file as bulk jobs (see the module doc), from where queueing
+    stopped when it was begun before. Returns at once when another process holds the lease.
 
-    ``producer``: a ``spinf_worker.queue.producer.Producer``."""
-    batch = await get_batch(redis, keys, batch_id)
-    if batch is None:
+    ``producer``: a ``spinf_worker.queue.producer.Producer`` (its settings: the lease, the
+    backlog limit, the job records' TTL)."""
+    settings = producer.settings
+    token = uuid.uuid4().hex
+    lease = keys.batch_queuer(batch_id)
+    if not await redis.set(lease, token, nx=True, px=max(1, int(settings.batch_lease_s * 1000))):
         return
-    content = await files.read_content(redis, keys, batch["input_file_id"])
-    if content is None:
-        await _fail(redis, keys, batch_id, "file_not_found",
-                    f"input file {batch['input_file_id']!r} no longer exists")
-        return
-    lines = [(number, text) for number, text in enumerate(content.split("\n"), 1)
-             if text.strip()]
-    del content
-    if not lines:
-        await _fail(redis, keys, batch_id, "empty_file", "the input file has no lines")
-        return
-    if not await _transition(redis, keys, batch_id, "validating", status="in_progress",
-                             in_progress_at=int(time.time())):
-        lines = []  # cancelled before it started: seal empty, then finalize as cancelled
-
-    endpoint = batch["endpoint"]
-    seen: set[str] = set()
-    processed = 0
     try:
-        for start in range(0, len(lines), LINES_PER_CHUNK):
-            if _text(await redis.hget(keys.batch(batch_id), "status")) != "in_progress":
-                break  # cancelled: stop submitting, drain below
-            chunk = lines[start:start + LINES_PER_CHUNK]
-            await _enqueue_chunk(redis, keys, producer, batch_id, endpoint, chunk, seen)
-            processed += len(chunk)
-            await redis.hset(keys.batch(batch_id), "total", processed)
-    except Exception as err:
-        # Not resumed (module doc): say on the batch where and why queueing stopped.
-        line = lines[processed][0] if processed < len(lines) else None
-        errors = {"object": "list", "data": [{
-            "code": "enqueue_interrupted", "param": "input_file_id", "line": line,
-            "message": f"queueing stopped near line {line}: {type(err).__name__}: {err}"}]}
-        with contextlib.suppress(Exception):
-            await redis.hset(keys.batch(batch_id), "errors", json.dumps(errors))
-        raise
+        await _Queuer(redis, keys, settings, batch_id, token).run()
+    finally:
+        # stopped for whatever reason: another instance may take over at once
+        with contextlib.suppress(RedisError):
+            await _eval(redis, _RELEASE_LUA, [lease], token)
 
-    code = await _eval(redis, _SEAL_LUA, _script_keys(keys, batch_id), output_file_id(batch_id),
-                       error_file_id(batch_id), int(time.time()), processed)
-    if code == 3:
-        await drain_cancelled(redis, keys, batch_id)
+
+class QueueKeeper:
+    """Finishes what a dead queuer left: every ``batch_lease_s / 2`` (and on start) it looks
+    at the batches in the queueing set and runs ``enqueue_batch`` for those whose lease has
+    lapsed (queueing on from ``queued_line``, or the drain of a cancel). One per API process;
+    several keepers race harmlessly (the lease decides)."""
+
+    def __init__(self, redis, keys: Keys, producer):
+        self.redis, self.keys, self.producer = redis, keys, producer
+        self.interval_s = max(0.05, producer.settings.batch_lease_s / 2)
+        self._task: asyncio.Task | None = None
+        self._resuming: dict[str, asyncio.Task] = {}
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="batch-keeper")
+
+    async def stop(self) -> None:
+        """Stop sweeping and stop the queueing it resumed (its leases are released, so the
+        next keeper takes over at once)."""
+        tasks = [t for t in (self._task, *self._resuming.values()) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.sweep()
+            except RedisError as err:
+                log.warning("batch keeper sweep failed", error=str(err))
+            await asyncio.sleep(self.interval_s)
+
+    async def sweep(self) -> int:
+        """Start resuming the batches no live queuer holds; returns how many it started."""
+        started = 0
+        for batch_id in [_text(b) for b in await self.redis.smembers(self.keys.batch_queueing)]:
+            if batch_id in self._resuming or await self.redis.exists(
+                    self.keys.batch_queuer(batch_id)):
+                continue
+            task = asyncio.create_task(
+                enqueue_batch(self.redis, self.keys, self.producer, batch_id),
+                name=f"resume-{batch_id}")
+            self._resuming[batch_id] = task
+            task.add_done_callback(lambda t, b=batch_id: self._done(b, t))
+            started += 1
+        return started
+
+    def _done(self, batch_id: str, task: asyncio.Task) -> None:
+        self._resuming.pop(batch_id, None)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("resuming a batch failed", batch=batch_id, error=repr(task.exception()))
+        elif not task.cancelled():
+            log.info("batch queueing resumed", batch=batch_id)

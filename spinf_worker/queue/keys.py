@@ -59,6 +59,15 @@ class Keys:
         """Set of a batch's custom_ids submitted and not yet answered."""
         return f"{self.batch(batch_id)}:pending"
 
+    @property
+    def batch_queueing(self) -> str:
+        """Set of batch ids whose input is not all queued yet (or whose cancel is not drained)."""
+        return f"{self.base}:batches:queueing"
+
+    def batch_queuer(self, batch_id: str) -> str:
+        """String (PX): the lease token of the process queueing the batch's input."""
+        return f"{self.batch(batch_id)}:queuer"
+
     def job(self, job_id: str) -> str:
         return f"{self.base}:job:{job_id}"
 

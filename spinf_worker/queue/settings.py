@@ -28,6 +28,8 @@ class ServiceSettings(BaseSettings):
     # API
     sync_timeout_s: float = 120.0         # /v1/score waits this long for a result, then 503
     max_backlog: int = 1_000_000          # entries waiting: past it, 429 + Retry-After
+    # a batch's queuer silent this long (its lease not renewed) is taken over by another instance
+    batch_lease_s: float = 30.0
     max_body_bytes: int = 10 * 1024 * 1024
     max_file_bytes: int = 200 * 1024 * 1024
     api_keys: list[str] = Field(default_factory=list)   # empty: no auth
