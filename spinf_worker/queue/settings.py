@@ -32,6 +32,7 @@ class ServiceSettings(BaseSettings):
     batch_lease_s: float = 30.0
     max_body_bytes: int = 10 * 1024 * 1024
     max_file_bytes: int = 200 * 1024 * 1024
+    # each "<key>" or "<key> <tenant>" (a bare key: a tenant of its own; api/auth.py)
     api_keys: list[str] = Field(default_factory=list)   # empty: no auth
     api_keys_file: str | None = None
     # `serve --token`: a bearer token for /v1 like an API key, and the trusted token /v0 needs
