@@ -191,6 +191,35 @@ def test_cancel_gives_unanswered_lines_an_error_and_ignores_late_results(tiny_en
         assert len(lines_of(client, done["error_file_id"])) == total
 
 
+def test_a_custom_id_seen_on_an_invalid_line_is_refused_on_later_lines(tiny_engine, settings):
+    """The first line with a custom_id is its request, valid or not: a later line with it gets
+    a duplicate_custom_id error line and is never scored, so no id is in both files."""
+    bad_body = score_line("bad-first", "x")
+    bad_body["body"]["scoring"] = {"queries": []}
+    rows = [score_line("wrong-url-first", "x", url="/v1/embeddings"),
+            score_line("wrong-url-first", TEXTS[0]),      # valid, but the id was taken
+            bad_body,
+            score_line("bad-first", TEXTS[1]),
+            score_line("good", TEXTS[2]),
+            score_line("good", TEXTS[3], url="/v1/embeddings")]   # invalid and a duplicate
+    with LiveServer(settings) as server, InProcessWorker(tiny_engine, settings):
+        client = httpx.Client(base_url=server.v1, timeout=WAIT_S)
+        input_file = upload(client, jsonl(rows))
+        batch = client.post("/batches", json={"input_file_id": input_file["id"],
+                                              "endpoint": "/v1/score"}).json()
+        done = batch_in(client, batch["id"], "completed", "failed")
+        assert done["request_counts"] == {"total": 6, "completed": 1, "failed": 5}, done
+        [output] = lines_of(client, done["output_file_id"])
+        errors = [(line["custom_id"], line["error"]["code"], line["error"]["line"])
+                  for line in lines_of(client, done["error_file_id"])]
+    assert output["custom_id"] == "good"
+    assert sorted(errors) == [("bad-first", "duplicate_custom_id", 4),
+                              ("bad-first", "empty_queries", 3),
+                              ("good", "duplicate_custom_id", 6),
+                              ("wrong-url-first", "duplicate_custom_id", 2),
+                              ("wrong-url-first", "invalid_url", 1)]
+
+
 @pytest_asyncio.fixture
 async def redis(redis_url):
     client = connect(redis_url, socket_timeout=WAIT_S)
