@@ -183,7 +183,13 @@ local f = redis.call('HMGET', KEYS[1], 'status', 'sealed', 'queued_line', 'id', 
 if not f[1] then return {-1, 0} end
 -- a lapsed lease nobody took yet is taken back; the progress check keeps the order
 redis.call('SET', KEYS[8], ARGV[5], 'PX', ARGV[6])
-if f[2] == '1' or tonumber(f[3] or '0') ~= tonumber(ARGV[7]) then return {-2, 0} end
+if f[2] == '1' then return {-2, 0} end
+local progress = tonumber(f[3] or '0')
+if progress ~= tonumber(ARGV[7]) then
+  -- this same commit, run already: the client repeated it after losing the reply
+  if owner == ARGV[5] and progress == tonumber(ARGV[8]) then return {1, 0} end
+  return {-2, 0}
+end
 local n = tonumber(ARGV[12])
 local first_err = 13 + 4 * n
 local adding = #ARGV >= 13
@@ -773,6 +779,8 @@ class QueueKeeper:
                 await self.sweep()
             except RedisError as err:
                 log.warning("batch keeper sweep failed", error=str(err))
+            except Exception:   # a bug must not end the sweeps of this process for good
+                log.exception("batch keeper sweep failed")
             await asyncio.sleep(self.interval_s)
 
     async def sweep(self) -> int:

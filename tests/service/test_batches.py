@@ -193,7 +193,7 @@ def test_cancel_gives_unanswered_lines_an_error_and_ignores_late_results(tiny_en
 
 def test_a_custom_id_seen_on_an_invalid_line_is_refused_on_later_lines(tiny_engine, settings):
     """The first line with a custom_id is its request, valid or not: a later line with it gets
-    a duplicate_custom_id error line and is never scored, so no id is in both files."""
+    a duplicate_custom_id error line and is never scored (only a valid first line is)."""
     bad_body = score_line("bad-first", "x")
     bad_body["body"]["scoring"] = {"queries": []}
     rows = [score_line("wrong-url-first", "x", url="/v1/embeddings"),
