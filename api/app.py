@@ -46,11 +46,17 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         redis = connect(settings.redis_url, client_name="spinf-api")
+        # Jobs are queued on a client that never sends a command twice: redis-py repeats a
+        # whole MULTI/EXEC after a dropped connection, and one whose reply was lost after
+        # Redis had run it would put the job on the stream twice (scored twice). A pooled
+        # connection that a Redis restart closed is still replaced before use; a failure in
+        # the middle of a command is a 503 for the caller to repeat.
+        queue_redis = connect(settings.redis_url, client_name="spinf-api-producer", retries=0)
         keys = Keys(settings.prefix)
         listener = ReplyListener(redis, keys)
         await listener.start()
         services = Services(settings=settings, redis=redis, keys=keys,
-                            producer=Producer(redis, keys, settings), listener=listener,
+                            producer=Producer(queue_redis, keys, settings), listener=listener,
                             metrics=metrics)
         app.state.services = services
         keeper = QueueKeeper(redis, keys, services.producer)   # resumes batches left half-queued
@@ -67,6 +73,7 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
                     log.warning("stopping unfinished background task", task=task.get_name())
                     task.cancel()
             await listener.stop()
+            await queue_redis.aclose()
             await redis.aclose()
 
     app = FastAPI(

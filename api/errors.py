@@ -1,19 +1,29 @@
 """Every error leaves the API in the hosted envelope
 ``{"error": {"type", "code", "message", "param"}, "request_id"}``: our typed errors, FastAPI's
 own 404/405/422, and anything unexpected (never a traceback). ``request_id`` is the reply's
-X-Request-Id (middleware.py)."""
+X-Request-Id (middleware.py). A Redis that cannot be reached is a 503 ``redis_unavailable``
+with Retry-After, never a 500."""
 
 from __future__ import annotations
 
+import structlog
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from spinf_worker.errors import InvalidRequestError, SpinfError, error_object
 
+log = structlog.get_logger("spinf.api")
+
 WARMING_UP_RETRY_S = 10     # a model still loading: ask again soon
 UNAVAILABLE_RETRY_S = 60    # no worker could load the model: someone has to act first
+REDIS_RETRY_S = 5           # a restarting or failing-over Redis is back within seconds
+# what redis-py raises when Redis cannot be reached or answered in time (its retries spent):
+# refused or dropped connections, timeouts, LOADING after a restart, an exhausted pool
+REDIS_UNAVAILABLE = (RedisConnectionError, RedisTimeoutError)
 
 
 class ApiError(SpinfError):
@@ -59,6 +69,18 @@ class WarmingUpError(ServiceUnavailableError):
 
     def __init__(self, message: str = "the model is loading; retry shortly", **kwargs):
         kwargs.setdefault("headers", {"Retry-After": str(WARMING_UP_RETRY_S)})
+        super().__init__(message, **kwargs)
+
+
+class RedisUnavailableError(ServiceUnavailableError):
+    """Redis (the queue and every record) could not be reached, or did not answer in time,
+    after the client's own retries (redis_client.connect)."""
+
+    code = "redis_unavailable"
+
+    def __init__(self, message: str = "the queue is unavailable (Redis does not answer); "
+                                      "retry shortly", **kwargs):
+        kwargs.setdefault("headers", {"Retry-After": str(REDIS_RETRY_S)})
         super().__init__(message, **kwargs)
 
 
@@ -108,6 +130,13 @@ async def _spinf_error(request: Request, error: SpinfError) -> JSONResponse:
     return error_response(error, request_id_of(request))
 
 
+async def _redis_unavailable(request: Request, error: Exception) -> JSONResponse:
+    # a warning, not a traceback per request: an outage is expected to pass
+    log.warning("redis unavailable", method=request.method, path=request.url.path,
+                error=f"{type(error).__name__}: {error}")
+    return error_response(RedisUnavailableError(), request_id_of(request))
+
+
 async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
     status = error.status_code
     code = _HTTP_CODES.get(status, "engine_error" if status >= 500 else None)
@@ -150,3 +179,5 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(SpinfError, _spinf_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _request_validation_error)
+    for redis_error in REDIS_UNAVAILABLE:
+        app.add_exception_handler(redis_error, _redis_unavailable)

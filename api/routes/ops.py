@@ -17,7 +17,12 @@ from redis.exceptions import RedisError
 from spinf_worker import __version__
 
 from ..auth import V0_AUTH
-from ..errors import UNAVAILABLE_RETRY_S, ServiceUnavailableError, WarmingUpError
+from ..errors import (
+    UNAVAILABLE_RETRY_S,
+    RedisUnavailableError,
+    ServiceUnavailableError,
+    WarmingUpError,
+)
 from ..metrics import queue_families, render
 from ..models import Boot, Drain, Health, Healthz, Info, Livez, Ready, Readyz, error_responses
 from ..services import Services, ServicesDep, WorkerInfo
@@ -110,8 +115,7 @@ async def ready(services: ServicesDep) -> Ready:
     try:
         await asyncio.wait_for(services.redis.ping(), REDIS_PING_TIMEOUT_S)
     except (RedisError, OSError, TimeoutError) as err:
-        raise ServiceUnavailableError(f"Redis does not answer: {err or 'timeout'}",
-                                      code="redis_unavailable") from None
+        raise RedisUnavailableError(f"Redis does not answer: {err or 'timeout'}") from None
     live, registered = await services.workers()
     if not live:
         reason = (f"no live worker: {len(registered)} registered, none with a heartbeat in "
