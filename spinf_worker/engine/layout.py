@@ -23,7 +23,7 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from ..tiles import READOUT_TILE, ROW_TILE
+from ..tiles import BRANCH_TILE, PATH_MIN, READOUT_TILE, ROW_TILE
 
 
 @dataclass
@@ -66,6 +66,16 @@ class FlatDoc:
         the CPU attention asks."""
         rows, ok = self.block.paths
         return torch.from_numpy(rows + self.root), torch.from_numpy(ok)
+
+
+@dataclass
+class PathBucket:
+    """Branch rows whose own paths pad to one ``width``, in whole BRANCH_TILEs."""
+
+    rows: np.ndarray     # [n] branch-token index (row - root); the last tile padded with rows[0]
+    real: int            # rows[:real] are the bucket's own
+    path: np.ndarray     # [n, width] each row's path (row - root), zero-padded
+    ok: np.ndarray       # [n, width] bool: real path entries
 
 
 class _Trie:
@@ -209,6 +219,29 @@ class BranchBlock:
             rows[np.flatnonzero(live), col[live]] = at[live]
             at, col = np.where(live, self.parent[np.maximum(at, 0)], 0), col - 1
         return rows, ok
+
+    @cached_property
+    def path_buckets(self) -> list[PathBucket]:
+        """The branch rows grouped by the width their own path pads to (a power of two, at
+        least PATH_MIN), each group padded to whole BRANCH_TILEs. The CPU attention computes
+        a tile of a group at a time, so a row is always reduced in a product of one shape
+        (BRANCH_TILE rows, root + width keys) whatever other branches the tree holds."""
+        rows, ok = self.paths
+        if not len(self.ids):
+            return []
+        lengths = self.pos + 1
+        widths = np.maximum(PATH_MIN, 1 << np.ceil(np.log2(lengths)).astype(np.int64))
+        buckets = []
+        for width in np.unique(widths):
+            members = np.flatnonzero(widths == width)
+            pad = -len(members) % BRANCH_TILE
+            index = np.concatenate([members, np.full(pad, members[0])])
+            path = np.zeros((len(index), width), dtype=np.int64)
+            keep = np.zeros((len(index), width), dtype=bool)
+            used = min(int(width), rows.shape[1])
+            path[:, :used], keep[:, :used] = rows[index, :used], ok[index, :used]
+            buckets.append(PathBucket(index, len(members), path, keep))
+        return buckets
 
     def place(self, root_ids: list[int], pad_id: int) -> FlatDoc:
         """The FlatDoc of these branches after ``root_ids``."""

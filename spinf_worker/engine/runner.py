@@ -9,7 +9,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ..kernels.attention import AttentionPlan, DocSpan
+from ..kernels.attention import AttentionPlan, BranchTiles, DocSpan
 from .layout import FlatDoc
 from .pass_plan import cuda_pass_plan
 
@@ -204,16 +204,23 @@ class ModelRunner:
 
 def doc_span(doc: FlatDoc, start: int, window: int, dev: torch.device) -> DocSpan:
     """CPU attention metadata of one document placed at ``start``."""
-    path_rows, path_ok = doc.paths
-    span = DocSpan(start, doc.root, doc.tokens, path_rows.to(dev), path_ok.to(dev))
-    if doc.max_position >= window:
-        root_pos = torch.arange(doc.root)
-        branch_pos = doc.positions[doc.root:doc.tokens]
-        path_pos = doc.positions[path_rows]
+    span = DocSpan(start, doc.root, doc.tokens)
+    windowed = doc.max_position >= window
+    root_pos = torch.arange(doc.root)
+    if windowed:
         span.root_window = ((root_pos[:, None] >= root_pos[None, :])
                             & (root_pos[:, None] - root_pos[None, :] < window)).to(dev)
-        span.branch_root_window = (branch_pos[:, None] - root_pos[None, :] < window).to(dev)
-        span.path_window = (path_ok & (branch_pos[:, None] - path_pos < window)).to(dev)
+    for bucket in doc.block.path_buckets:
+        rows = torch.from_numpy(bucket.rows)
+        path = torch.from_numpy(bucket.path) + doc.root
+        ok = torch.from_numpy(bucket.ok)
+        tiles = BranchTiles(rows.to(dev), bucket.real, path.to(dev), ok.to(dev))
+        if windowed:
+            branch_pos = doc.positions[doc.root + rows]
+            tiles.root_window = (branch_pos[:, None] - root_pos[None, :] < window).to(dev)
+            tiles.path_window = (ok & (branch_pos[:, None] - doc.positions[path] < window)
+                                 ).to(dev)
+        span.branches.append(tiles)
     return span
 
 

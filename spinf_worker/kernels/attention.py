@@ -11,15 +11,33 @@ way Hydragen / cascade attention split it, instead of one dense masked [n, n] pr
   position) in one dense product, plus to their own short path of branch keys, gathered;
   both score sets go through a single softmax, so the result is exact.
 Everything is computed per document with shapes that depend only on that document, so a
-document's bits never depend on what else shares the pass.
+document's bits never depend on what else shares the pass; and branch rows go BRANCH_TILE
+at a time, grouped by the width their own path pads to, so a question's bits never depend on
+the other questions asked of its document either.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from ..tiles import BRANCH_TILE
+
+
+@dataclass
+class BranchTiles:
+    """Branch rows whose own paths pad to one width (engine/layout.PathBucket), on the
+    device; their attention runs BRANCH_TILE rows at a time."""
+
+    rows: torch.Tensor           # [n] long: branch-token index (row - root); padded tiles
+    real: int                    # rows[:real] are written back
+    path: torch.Tensor           # [n, width] long: each row's own-path rows (doc-relative)
+    path_ok: torch.Tensor        # [n, width] bool: real path entries
+    # Sliding-window variants; None when the document is shorter than the window.
+    root_window: torch.Tensor | None = None     # [n, root] bool
+    path_window: torch.Tensor | None = None     # [n, width] bool
 
 
 @dataclass
@@ -27,12 +45,8 @@ class DocSpan:
     start: int                   # row offset in the pass (multiple of 128)
     root: int                    # rows [0, root) are the root
     tokens: int                  # rows [root, tokens) are branch tokens; the rest is padding
-    path_rows: torch.Tensor      # [B, L] long: each branch token's own-path rows (doc-relative)
-    path_ok: torch.Tensor        # [B, L] bool: valid path entries (causal)
-    # Sliding-window variants; None when the document is shorter than the window.
-    root_window: torch.Tensor | None = None       # [root, root] bool
-    branch_root_window: torch.Tensor | None = None  # [B, root] bool
-    path_window: torch.Tensor | None = None       # [B, L] bool
+    branches: list[BranchTiles] = field(default_factory=list)
+    root_window: torch.Tensor | None = None      # [root, root] bool; None: plain causal
 
 
 @dataclass
@@ -67,11 +81,21 @@ def packed_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pla
         base = doc.start
         root = slice(base, base + doc.root)
         out[root] = _root_attention(q[root], k[root], v[root], doc, sliding, scale)
-        if doc.tokens > doc.root:
-            branch = slice(base + doc.root, base + doc.tokens)
-            out[branch] = _branch_attention(q[branch], k[root], v[root],
-                                            k[base + doc.path_rows], v[base + doc.path_rows],
-                                            doc, sliding, scale)
+        branch_q = q[base + doc.root:base + doc.tokens]
+        branch_out = out[base + doc.root:base + doc.tokens]
+        k_doc, v_doc = k[base:base + doc.tokens], v[base:base + doc.tokens]
+        for tiles in doc.branches:
+            for lo in range(0, tiles.rows.shape[0], BRANCH_TILE):
+                tile = slice(lo, lo + BRANCH_TILE)
+                rows, path = tiles.rows[tile], tiles.path[tile]
+                path_ok = (tiles.path_window if sliding and tiles.path_window is not None
+                           else tiles.path_ok)[tile]
+                root_ok = (tiles.root_window[tile] if sliding and tiles.root_window is not None
+                           else None)
+                o = _branch_attention(branch_q[rows], k[root], v[root], k_doc[path],
+                                      v_doc[path], root_ok, path_ok, scale)
+                real = min(BRANCH_TILE, tiles.real - lo)
+                branch_out[rows[:real]] = o[:real]
     return out
 
 
@@ -86,9 +110,9 @@ def _root_attention(q, k, v, doc: DocSpan, sliding: bool, scale: float) -> torch
     return o.transpose(0, 1)
 
 
-def _branch_attention(q, k_root, v_root, k_path, v_path, doc: DocSpan, sliding: bool,
-                      scale: float) -> torch.Tensor:
-    """q: [B, Hq, D]; k/v_root: [R, Hkv, D]; k/v_path: [B, L, Hkv, D]."""
+def _branch_attention(q, k_root, v_root, k_path, v_path, root_ok: torch.Tensor | None,
+                      path_ok: torch.Tensor, scale: float) -> torch.Tensor:
+    """One tile: q: [B, Hq, D]; k/v_root: [R, Hkv, D]; k/v_path: [B, L, Hkv, D]."""
     b, hq, d = q.shape
     r, hkv = k_root.shape[0], k_root.shape[1]
     g = hq // hkv
@@ -98,9 +122,8 @@ def _branch_attention(q, k_root, v_root, k_path, v_path, doc: DocSpan, sliding: 
                        k_root.permute(1, 2, 0)).view(hkv, b, g, r).permute(1, 0, 2, 3)
     s_path = torch.einsum("bkgd,blkd->bkgl", qg, k_path)
     s = torch.cat((s_root, s_path), dim=-1) * scale                  # [B, Hkv, g, R + L]
-    path_ok = doc.path_window if sliding and doc.path_window is not None else doc.path_ok
-    root_ok = (doc.branch_root_window if sliding and doc.branch_root_window is not None
-               else path_ok.new_ones(b, r))
+    if root_ok is None:
+        root_ok = path_ok.new_ones(b, r)
     keep = torch.cat((root_ok, path_ok), dim=-1)
     s = s.masked_fill(~keep[:, None, None, :], float("-inf"))
     p = torch.softmax(s, dim=-1)
