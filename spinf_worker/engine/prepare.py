@@ -13,17 +13,27 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ..errors import (
-    ContextLengthError,
-    InvalidRequestError,
-    ModelNotFoundError,
-    RequestTooLargeError,
-    SpinfError,
-)
+from ..errors import ModelNotFoundError, SpinfError
 from ..model_names import served_names
-from ..pack_refs import resolve as resolve_pack
-from ..packs import Pack
 from ..protocol import DEFAULT_LIMITS, Document, Limits, Query, ScoreRequest, query_layout_key
+from ..request_limits import (
+    PackRun,
+    case_rule,
+    case_spellings,
+    check_combination_count,
+    check_pack_ids,
+    check_query_tokens,
+    content_limit,
+    content_too_long,
+    decode_budget,
+    pack_queries,
+    pack_runs,
+    past_context,
+    query_params,
+    scored_strings,
+    too_large,
+    wrapped_messages,
+)
 from ..templates import Combination
 from ..tiles import padded_rows
 from .floors import floor_key
@@ -31,10 +41,10 @@ from .layout import Branch, BranchBlock, FlatDoc
 from .presentation import Presenter
 from .slots import search_beams, slot_settings
 
+__all__ = ["PackRun", "Prepared", "PreparedRequest", "Preparer", "QuerySet", "case_spellings"]
+
 QUERY_SET_CACHE = 256   # laid-out query lists kept (bulk jobs repeat one list per document)
 ROOT_CACHE = 4096       # contents tokenised by rows(), kept for the layout that follows
-BOUNDARY_TAIL = 16      # characters of a template's end checked against its options
-BOUNDARY_TAILS = 8      # distinct template ends checked per query
 
 
 @dataclass
@@ -65,18 +75,6 @@ class Prepared:
     query_set: QuerySet
     text: str                        # the presented content
     flat: FlatDoc | None = None      # set once the content is tokenised
-
-
-@dataclass
-class PackRun:
-    """A pack a request runs: the pack, its reference (context, decision overrides), and the
-    ids its queries have in the results."""
-
-    pack: Pack
-    context: str
-    decision: dict | None
-    include_queries: bool
-    query_ids: frozenset[str]
 
 
 @dataclass
@@ -128,25 +126,18 @@ class Preparer:
             doc.flat = doc.query_set.block.place(root, self.pad_id)
             if isinstance(out[i], SpinfError):
                 continue
+            # the same checks, in the same order, as request_limits.check_request at the API
             processed[i] = processed.get(i, 0) + doc.flat.tokens + doc.query_set.decode_budget
             limit = out[i].request.effective_limits.max_processed_tokens
             if processed[i] > limit:
-                out[i] = RequestTooLargeError(
-                    f"the request needs over {limit:,} processed tokens (content, questions and "
-                    "decoding); split it", param="inputs")
+                out[i] = too_large(limit)
                 continue
-            asked = out[i].request.limits
-            limit = min(self.max_content_tokens, asked.max_content_tokens
-                        if asked is not None else self.max_content_tokens)
+            limit = content_limit(out[i].request, self.max_content_tokens)
             if len(root) - 1 > limit:
-                out[i] = InvalidRequestError(
-                    f"input {doc.input_id!r}: content is {len(root) - 1:,} tokens; the limit is "
-                    f"{limit:,}", param=doc.param, code="content_too_long")
+                out[i] = content_too_long(doc.input_id, len(root) - 1, limit, doc.param)
             elif doc.flat.max_position >= self.context:
-                out[i] = ContextLengthError(
-                    f"input {doc.input_id!r}: content plus the longest question is "
-                    f"{doc.flat.max_position + 1} tokens; the model's context is "
-                    f"{self.context} tokens", param=doc.param)
+                out[i] = past_context(doc.input_id, doc.flat.max_position, self.context,
+                                      doc.param)
         return out
 
     def parse(self, raw: dict | ScoreRequest) -> PreparedRequest:
@@ -155,23 +146,20 @@ class Preparer:
             raise ModelNotFoundError(
                 f"model {request.model!r} is not served here; this engine serves {self.model!r}",
                 param="model")
-        runs = [self._pack_run(ref, i) for i, ref in enumerate(request.scoring.packs or [])]
-        case_insensitive = self._case_insensitive(request, runs)
+        # request_limits.check_request makes the same checks in the same order at the API
+        runs = pack_runs(self.packs, request, self._pack_queries)
+        case_insensitive = case_rule(request, runs)
         docs, limits = [], request.effective_limits
-        shared = {q.id: f"scoring.queries.{k}" for k, q in enumerate(request.scoring.queries)}
         for i, doc in enumerate(request.documents()):
-            where = f"inputs.{i}" if request.inputs is not None else "messages"
-            own = {q.id: f"{where}.queries.{k}" for k, q in enumerate(
-                request.inputs[i].queries or [] if request.inputs is not None else [])}
-            params = [own.get(q.id) or shared[q.id] for q in doc.queries]
-            self._check_combination_count(doc.queries, params)
+            where, params = query_params(request, i, doc)
+            check_combination_count(doc.queries, params, self.max_combinations)
             queries, key = list(doc.queries), doc.layout_key
             if runs:
-                self._check_pack_ids(doc, runs, i)
+                check_pack_ids(doc, runs, i)
                 for run in runs:
-                    pack_queries = self._pack_query_list(run.pack)
-                    queries += pack_queries
-                    params += [None] * len(pack_queries)   # a pack's own: no caller limits
+                    mine = pack_queries(run.pack, self._pack_queries)
+                    queries += mine
+                    params += [None] * len(mine)   # a pack's own: no caller limits
                 key = query_layout_key(queries, case_insensitive)
             query_set = self._query_set(queries, key, case_insensitive,
                                         request.scoring.empty_floor, limits, params)
@@ -179,36 +167,9 @@ class Preparer:
                                  self._present(doc, runs, i)))
         return PreparedRequest(request, docs, runs)
 
-    def _check_combination_count(self, queries: list[Query], params: list[str]) -> None:
-        """This server's cap on one query's combinations (EngineSettings.max_combinations)."""
-        for q, param in zip(queries, params, strict=True):
-            n = q.n_prompts
-            if n > self.max_combinations:
-                raise InvalidRequestError(
-                    f"query {q.id!r} has {n:,} combinations; this server scores at most "
-                    f"{self.max_combinations:,} per query", param=f"{param}.combinations",
-                    code="too_many_combinations")
-
     def _present(self, doc: Document, runs: list[PackRun], index: int) -> str:
         """The input's content presented, wrapped in its packs' context."""
-        messages = [{"role": m.role, "content": m.text(param=f"inputs.{index}.messages.{k}")}
-                    for k, m in enumerate(doc.messages)]
-        wraps = set()
-        for run in runs:
-            try:
-                wraps.add(run.pack.wrap(run.context, doc.parameters))
-            except InvalidRequestError as err:
-                err.param = err.param or f"inputs.{index}.parameters"
-                raise
-        if len(wraps) > 1:
-            raise InvalidRequestError(
-                "the packs of this call wrap the content in different contexts; send one "
-                "pack per call", param="scoring.packs", code="pack_conflict")
-        if wraps:
-            ((before, after),) = wraps
-            messages[0]["content"] = before + messages[0]["content"]
-            messages[-1]["content"] += after
-        return self.presenter.present(messages)
+        return self.presenter.present(wrapped_messages(doc, runs, index))
 
     def branches(self, queries: list[Query], grids: list[list[Combination]],
                  case_insensitive: bool = False) -> list[Branch]:
@@ -226,53 +187,8 @@ class Preparer:
 
     def scored_strings(self, q: Query, case_insensitive: bool
                        ) -> tuple[list[str], list[int] | None]:
-        """The strings a scored query reads out, and where each option's spellings start
-        among them (None: the options as given). Case-insensitive, an option also counts as
-        its lower / Capitalised / UPPER forms with and without a leading space, those the
-        tokenizer keeps as one token (the hosted API's rule)."""
-        if not case_insensitive:
-            return list(q.options), None
-        strings, starts = [], []
-        for option in q.options:
-            starts.append(len(strings))
-            for s in case_spellings(option):
-                if s not in strings and (s == option or len(self.presenter.encode(s)) == 1):
-                    strings.append(s)
-        if len(strings) == len(q.options):
-            return strings, None
-        return strings, starts
-
-    def _case_insensitive(self, request: ScoreRequest, runs: list[PackRun]) -> bool:
-        """The call's setting; with packs, theirs (their calibration was fitted with it)."""
-        if not runs:
-            return request.scoring.ignores_case
-        settings = {run.pack.case_insensitive for run in runs}
-        if len(settings) > 1:
-            raise InvalidRequestError("the packs of a call must share one case rule",
-                                      param="scoring.packs", code="pack_conflict")
-        rule = settings.pop()
-        asked = request.scoring.case_insensitive
-        if asked is not None and asked != rule:
-            raise InvalidRequestError(
-                f"scoring.case_insensitive differs from the packs' ({str(rule).lower()}); "
-                "leave it out", param="scoring.case_insensitive", code="pack_conflict")
-        return rule
-
-    def _check_pack_ids(self, doc: Document, runs: list[PackRun], index: int) -> None:
-        """A pack's query ids and group belong to it."""
-        own = {q.id for q in doc.queries}
-        groups = {run.pack.group for run in runs}
-        for q in doc.queries:
-            if q.group in groups:
-                raise InvalidRequestError(f"{q.group!r} is the query group of a pack of this "
-                                          "call", param=f"inputs.{index}.queries",
-                                          code="reserved_group")
-        for run in runs:
-            clash = sorted(own & run.query_ids)
-            if clash:
-                raise InvalidRequestError(
-                    f"query id {clash[0]!r} belongs to the {run.pack.id} pack",
-                    param=f"inputs.{index}.queries", code="duplicate_id")
+        """request_limits.scored_strings with this model's tokenizer."""
+        return scored_strings(q, case_insensitive, self.presenter.encode)
 
     def _root_ids(self, texts: list[str]) -> list[list[int]]:
         """BOS + ids of each text: those rows() tokenised already, the rest in parallel."""
@@ -300,8 +216,9 @@ class Preparer:
             return found
         grids = [q.combinations_list() for q in queries]
         branches = self.branches(queries, grids, case_insensitive)
-        self._check_tokens(queries, grids, branches, limits,
-                           params or [f"scoring.queries.{k}" for k in range(len(queries))])
+        check_query_tokens(queries, grids, limits,
+                           params or [f"scoring.queries.{k}" for k in range(len(queries))],
+                           self.presenter.encode)
         floors = [floor_key(self.presenter.mode, q, case_insensitive)
                   if q.slot_kind == "?" and (q.empty_floor if q.empty_floor is not None
                                              else empty_floor) else None
@@ -318,85 +235,8 @@ class Preparer:
                           if q.slot_kind == "?" else None for q in queries],
                          one_token, sum(sizes),
                          sum(s for s, f in zip(sizes, floors, strict=True) if f),
-                         self._decode_budget(queries, grids))
+                         decode_budget(queries, grids, search_beams))
         self._query_sets[key] = found
         while len(self._query_sets) > QUERY_SET_CACHE:
             self._query_sets.popitem(last=False)
         return found
-
-    @staticmethod
-    def _decode_budget(queries: list[Query], grids: list[list[Combination]]) -> int:
-        total = 0
-        for q, grid in zip(queries, grids, strict=True):
-            if q.slot_kind != "?":
-                sequences = q.generation.n if q.generation is not None else search_beams(q)
-                total += len(grid) * sequences * q.max_tokens
-        return total
-
-    def _check_tokens(self, queries: list[Query], grids: list[list[Combination]],
-                      branches: list[Branch], limits: Limits, params: list[str | None]) -> None:
-        """Each filled template within the query limit, each option 1 to max_option_tokens
-        tokens (the hosted API's limits; a pack's queries are sized by its author)."""
-        at = 0
-        for q, grid, param in zip(queries, grids, params, strict=True):
-            mine, at = branches[at:at + len(grid)], at + len(grid)
-            if param is None:
-                continue
-            for k, branch in enumerate(mine):
-                if len(branch.prefix) > limits.max_query_tokens:
-                    raise InvalidRequestError(
-                        f"the filled template is {len(branch.prefix):,} tokens; the limit is "
-                        f"{limits.max_query_tokens:,}", param=f"{param}.combinations.{k}"
-                        if q.combinations else f"{param}.template", code="template_too_long")
-            if q.slot_kind == "?":
-                for k, option in enumerate(q.options):
-                    n = len(self.presenter.encode(option))
-                    if not 1 <= n <= limits.max_option_tokens:
-                        raise InvalidRequestError(
-                            f"option {option!r} is {n} tokens; options are 1-"
-                            f"{limits.max_option_tokens}", param=f"{param}.options.{k}",
-                            code="option_too_long")
-                self._check_boundaries(q, grid, param)
-
-    def _check_boundaries(self, q: Query, grid: list[Combination], param: str) -> None:
-        """Each option tokenises the same after the template's end as on its own (it is read
-        as its own tokens after the template's): else the model would be asked something
-        it never sees written that way (the hosted API's option_boundary)."""
-        enc = self.presenter.encode
-        tails = list(dict.fromkeys(c.prefix[-BOUNDARY_TAIL:] for c in grid))[:BOUNDARY_TAILS]
-        for tail in tails:
-            if not tail:
-                continue
-            tail_ids = list(enc(tail))
-            for k, option in enumerate(q.options):
-                if list(enc(tail + option)) != tail_ids + list(enc(option)):
-                    raise InvalidRequestError(
-                        f"option {option!r} merges with the end of the template when "
-                        "tokenised; add or remove a leading space, or end the template "
-                        "differently", param=f"{param}.options.{k}", code="option_boundary")
-
-    def _pack_run(self, ref, index: int) -> PackRun:
-        pack, context = resolve_pack(self.packs, ref, index)
-        queries = self._pack_query_list(pack)
-        return PackRun(pack, context, ref.decision, bool(ref.include_queries),
-                       frozenset(q.id for q in queries))
-
-    def _pack_query_list(self, pack: Pack) -> list[Query]:
-        """A pack's queries (built once per pack version)."""
-        found = self._pack_queries.get(pack.group)
-        if found is None:
-            found = self._pack_queries[pack.group] = [Query.model_validate(q)
-                                                      for q in pack.queries()]
-        return found
-
-
-def case_spellings(option: str) -> list[str]:
-    """The option as given, then its lower / Capitalised / UPPER forms, each with and without
-    a leading space, without repeats."""
-    base = option.strip()
-    out = [option]
-    for form in (base.lower(), base[:1].upper() + base[1:].lower(), base.upper()):
-        for s in (" " + form, form):
-            if s not in out:
-                out.append(s)
-    return out
