@@ -21,9 +21,11 @@ from spinf_worker.queue.keys import Keys
 from spinf_worker.queue.producer import Producer
 from spinf_worker.queue.replies import ReplyListener
 from spinf_worker.queue.settings import ServiceSettings
+from spinf_worker.request_limits import ServedTokens
 
 from .errors import UNAVAILABLE_RETRY_S, ServiceUnavailableError, WarmingUpError
 from .metrics import ApiMetrics
+from .tokens import TokenizerCache
 
 log = structlog.get_logger("spinf.api")
 
@@ -97,6 +99,8 @@ class Services:
     metrics: ApiMetrics
     started_ms: int = field(default_factory=lambda: int(time.time() * 1000))
     background: set[asyncio.Task] = field(default_factory=set)
+    tokenizers: TokenizerCache = field(default_factory=TokenizerCache)
+    pack_queries: dict = field(default_factory=dict)   # request_limits.pack_queries' cache
 
     def spawn(self, work: Coroutine, *, name: str) -> None:
         """Run ``work`` after the response; kept referenced so it is not collected, and
@@ -122,6 +126,21 @@ class Services:
         oldest_ms = (time.time() - self.settings.worker_ttl_s) * 1000
         return sorted((w for w in registered if w.heartbeat_ms >= oldest_ms),
                       key=lambda w: w.name), registered
+
+    async def served_models(self) -> set[str]:
+        """The models of the live workers (those loaded first), or of the registered ones
+        when none is live (a restarting fleet); empty with no worker at all."""
+        live, registered = await self.workers()
+        loaded = [w for w in live if w.available]
+        return {w.model for w in (loaded or live or registered)}
+
+    async def served_tokens(self) -> ServedTokens | None:
+        """The served model's tokenizer (api/tokens.py), when one model is served and its
+        tokenizer is on this machine; None otherwise (the workers then check the tokens)."""
+        models = await self.served_models()
+        if len(models) != 1:
+            return None
+        return await asyncio.to_thread(self.tokenizers.get, next(iter(models)))
 
     async def check_serving(self) -> None:
         """503 when the live workers cannot score yet: ``warming_up`` (Retry-After) while

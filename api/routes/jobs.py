@@ -16,7 +16,7 @@ from ..auth import V1_AUTH, Caller, CallerDep
 from ..errors import NotFoundError
 from ..models import Job, JobAccepted, JobRequest, error_responses, json_body
 from ..services import Services, ServicesDep, read_json
-from .scoring import IdempotencyKey, accepted, check_backlog, check_model, submit
+from .scoring import IdempotencyKey, accepted, check_backlog, check_limits, check_model, submit
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=V1_AUTH)
 
@@ -39,6 +39,7 @@ async def create_job(request: Request, services: ServicesDep, caller: CallerDep,
                      idempotency_key: IdempotencyKey = None) -> JSONResponse:
     job_request = JobRequest.parse(await read_json(request))
     await check_model(services, job_request.model)
+    await check_limits(services, job_request)
     await check_backlog(services)
     job_id = await submit(services, caller, Submission(
         request=job_request.score_request(), priority="interactive",

@@ -1,6 +1,7 @@
 """Synchronous scoring: POST /v1/score and the OpenAI-compatible POST /v1/chat/completions.
 
-Both validate everything first (nothing is queued for a request answered 4xx), submit one
+Both validate everything first (nothing is queued for a request answered 4xx: the limits
+the worker enforces are checked here first, check_limits), submit one
 interactive job and answer 200 with its result, as the hosted API does. ``Prefer:
 respond-async`` answers 202 with the job to poll at once; a result not ready within the sync
 timeout is a 503 (the job goes on: its id is in ``X-Job-Id``)."""
@@ -22,10 +23,10 @@ from spinf_worker.openai_compat import (
     score_request_from_chat,
     score_to_chat_completion,
 )
-from spinf_worker.pack_refs import resolve as resolve_pack
 from spinf_worker.protocol import ScoreRequest, ScoreResponse
 from spinf_worker.queue.producer import IdempotencyKeyReused, Submission
 from spinf_worker.queue.results import JobResult
+from spinf_worker.request_limits import check_request
 
 from ..auth import V1_AUTH, Caller, CallerDep
 from ..errors import IdempotencyKeyReusedError, RateLimitError, ServiceUnavailableError
@@ -53,14 +54,25 @@ async def check_model(services: Services, model: str | None) -> None:
             param="model")
 
 
-async def check_packs(services: Services, request: ScoreRequest) -> None:
-    """The packs a request names exist here, with its context and decision (a plain call on
-    a thread: the first one may fetch a git source)."""
-    refs = request.scoring.packs or []
-    if refs:
-        packs = await asyncio.to_thread(loaded_packs, tuple(services.settings.packs))
-        for index, ref in enumerate(refs):
-            resolve_pack(packs, ref, index)
+async def check_limits(services: Services, request: ScoreRequest) -> None:
+    """Refuse here what the worker would refuse, with its error: the packs a request names
+    (they exist here, with its context, decision, parameters, case rule, and their ids and
+    groups are theirs), the combinations per query and, with the served model's tokenizer
+    (api/tokens.py), each filled template's and option's tokens, option boundaries, each
+    content's tokens, the model's context and the processed tokens
+    (request_limits.check_request: the engine's own checks, in its order). Without a
+    tokenizer (none here, or no single served model) the token limits are the worker's
+    alone. On a thread: the first call may load the tokenizer or fetch a pack source."""
+    tokens = await services.served_tokens()
+    sources = tuple(services.settings.packs)
+
+    def check() -> None:
+        packs = loaded_packs(sources) if request.scoring.packs else {}
+        check_request(request, packs, tokens=tokens,
+                      max_content_tokens=services.settings.max_content_tokens,
+                      pack_cache=services.pack_queries)
+
+    await asyncio.to_thread(check)
 
 
 async def check_backlog(services: Services) -> None:
@@ -111,7 +123,7 @@ async def submit_and_wait(services: Services, caller: Caller, request: ScoreRequ
     """(job id, its result or None when not finished within ``timeout``)."""
     await services.check_serving()
     await check_model(services, request.model)
-    await check_packs(services, request)
+    await check_limits(services, request)
     await check_backlog(services)
     payload = request.model_dump(mode="json", exclude_none=True)
     job_id = await submit(services, caller, Submission(
