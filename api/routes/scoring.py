@@ -29,7 +29,12 @@ from spinf_worker.queue.results import JobResult
 from spinf_worker.request_limits import check_request
 
 from ..auth import V1_AUTH, Caller, CallerDep
-from ..errors import IdempotencyKeyReusedError, RateLimitError, ServiceUnavailableError
+from ..errors import (
+    IdempotencyKeyReusedError,
+    RateLimitError,
+    ServiceUnavailableError,
+    request_id_of,
+)
 from ..models import ChatCompletionRequest, JobAccepted, error_responses, json_body
 from ..services import Services, ServicesDep, read_json
 from .packs import loaded_packs
@@ -133,9 +138,10 @@ async def submit_and_wait(services: Services, caller: Caller, request: ScoreRequ
     return job_id, await services.listener.wait(job_id, timeout)
 
 
-def failed(result: JobResult, job_id: str) -> JSONResponse:
-    return JSONResponse({"error": result.openai_error}, status_code=result.status_code or 500,
-                        headers={"X-Job-Id": job_id})
+def failed(result: JobResult, job_id: str, request_id: str | None) -> JSONResponse:
+    """A job the worker refused or failed, in the envelope of every error reply."""
+    return JSONResponse({"error": result.openai_error, "request_id": request_id},
+                        status_code=result.status_code or 500, headers={"X-Job-Id": job_id})
 
 
 def prefers_async(header: str | None) -> bool:
@@ -147,7 +153,7 @@ def prefers_async(header: str | None) -> bool:
 
 async def answer(services, caller: Caller, score_request: ScoreRequest,
                  idempotency_key: str | None, x_sync_timeout: str | None, prefer: str | None,
-                 *, shape) -> JSONResponse:
+                 *, shape, request_id: str | None) -> JSONResponse:
     """Queue the request and answer its result in ``shape`` (200), its error, or the job
     (202) when the caller prefers to poll."""
     respond_async = prefers_async(prefer)
@@ -165,7 +171,7 @@ async def answer(services, caller: Caller, score_request: ScoreRequest,
             headers={"Retry-After": str(RETRY_AFTER_S), "X-Job-Id": job_id,
                      "Location": f"/v1/jobs/{job_id}"})
     if not result.succeeded:
-        return failed(result, job_id)
+        return failed(result, job_id, request_id)
     return JSONResponse(shape(result.body), headers={"X-Job-Id": job_id})
 
 
@@ -182,7 +188,7 @@ async def score(request: Request, services: ServicesDep, caller: CallerDep,
                 x_sync_timeout: SyncTimeout = None, prefer: Prefer = None) -> JSONResponse:
     score_request = ScoreRequest.parse(await read_json(request))
     return await answer(services, caller, score_request, idempotency_key, x_sync_timeout,
-                        prefer, shape=lambda body: body)
+                        prefer, shape=lambda body: body, request_id=request_id_of(request))
 
 
 @router.post("/chat/completions", response_model=ChatScoreResponse,
@@ -195,4 +201,5 @@ async def chat_completions(request: Request, services: ServicesDep, caller: Call
                            prefer: Prefer = None) -> JSONResponse:
     score_request = score_request_from_chat(await read_json(request))
     return await answer(services, caller, score_request, idempotency_key, x_sync_timeout,
-                        prefer, shape=score_to_chat_completion)
+                        prefer, shape=score_to_chat_completion,
+                        request_id=request_id_of(request))

@@ -198,9 +198,13 @@ def test_without_the_tokenizer_the_token_limits_are_the_workers(tiny_engine, set
         with InProcessWorker(tiny_engine, settings):
             job = wait_for(lambda: (lambda j: j if j["status"] == "failed" else None)(
                 client.get(f"/jobs/{accepted.json()['id']}").json()), what="the job to fail")
+            # a call waiting for its result gets the worker's refusal, in the envelope
+            assert_error(client.post("/score", json=over), 400, "option_too_long",
+                         "scoring.queries.0.options.0")
         assert job["status_code"] == 400
         assert (job["error"]["code"], job["error"]["param"]) == (
             "option_too_long", "scoring.queries.0.options.0")
+        assert entries_added(settings) == 2
 
 
 def test_a_request_over_the_pass_budget_is_scored_in_a_pass_of_its_own(tiny_engine, settings):
