@@ -196,3 +196,22 @@ def test_a_document_over_the_pass_budget_gets_a_pass_of_its_own():
     for alone in ("huge", "just-over"):
         assert [alone] in runner.passes, runner.passes
     assert all(sum(dict(docs)[n] for n in p) <= 1024 for p in runner.passes if len(p) > 1)
+
+
+def test_on_the_default_model_the_api_finds_what_the_engine_finds(default_engine):
+    """The API's tokenizer of the default model is the one the engine loaded (the converted
+    GGUF in the cache), with its presentation and context; the checks agree with the
+    engine's layout on every case, option boundaries of Gemma's tokenizer included."""
+    served = api_tokens.load(DEFAULT_MODEL)
+    assert served is not None
+    assert (served.mode, served.context) == (default_engine.presenter.mode,
+                                             default_engine.preparer.context)
+    boundary = body(query(template="\n\nRefund? Answer: {?}", options=["yes", "no"]))
+    for raw in [*CASES, boundary, body(text="word " * 4000)]:
+        (expected,) = default_engine.preparer.prepare_batch([raw])
+        if not isinstance(expected, SpinfError):
+            expected = None
+        elif expected.code == "model_not_served":
+            continue
+        found = _api_error(raw, served)
+        assert (found and found.to_error()) == (expected and expected.to_error()), raw
