@@ -19,8 +19,12 @@ from .metrics import ApiMetrics
 log = structlog.get_logger("spinf.api")
 
 REQUEST_ID_HEADER = b"x-request-id"
+
+
 class RequestContextMiddleware:
-    """A new X-Request-Id on every reply (a caller's own is ignored: ids are the server's),
+    """A new X-Request-Id on every reply (a caller's own is never read: ids are the server's,
+    so control characters, non-ASCII or over-long values the HTTP parser lets through never
+    reach a reply or a log line),
     kept in ``scope["state"]["request_id"]`` for the error handlers and bound into structlog's
     context; the id added to any error envelope a route built without it; request duration
     by route template; any unhandled exception becomes a 500 ``engine_error`` in the

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
 import time
 
@@ -98,6 +99,55 @@ def test_every_reply_has_a_new_server_request_id(settings):
         built = assert_error(replies[-1], 400, "invalid_field")
         assert built["message"] == "m"
         assert int(replies[-1].headers["content-length"]) == len(replies[-1].content)
+
+
+def raw_get(port: int, path: bytes, request_id: bytes) -> tuple[int, dict[bytes, bytes], bytes]:
+    """GET over a plain socket, so the X-Request-Id bytes go out exactly as given (httpx
+    refuses control characters); (status, headers by lowercased name, body)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as conn:
+        conn.sendall(b"GET " + path + b" HTTP/1.1\r\nHost: spinf\r\nX-Request-Id: " + request_id
+                     + b"\r\nConnection: close\r\n\r\n")
+        reply = b""
+        while chunk := conn.recv(65536):
+            reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    status_line, *lines = head.split(b"\r\n")
+    headers = dict(line.split(b": ", 1) for line in lines)
+    return int(status_line.split()[1]), {k.lower(): v for k, v in headers.items()}, body
+
+
+# h11 (uvicorn's HTTP/1.1 parser) lets these through to the app...
+ODD_IDS = [b"a\x01b", b"a\x1bb", b"a\x7fb", b"a\tb", "\u00e9".encode(), "\u00e9".encode("latin-1"),
+           b"\xff\xfe", b"x" * 8000, b"01ARZ3NDEKTSV4RRFFQ69G5FAV"]
+# ...and answers these itself: a plain-text 400 before any app code runs (docs/API.md)
+H11_REFUSED_IDS = [b"a\x00b", b"a\rb", b"a\x0bb", b"a\x0cb"]
+
+
+def short_repr(value: bytes) -> str:
+    return repr(value) if len(value) < 32 else f"{value[:8]!r}*{len(value)}"
+
+
+@pytest.mark.parametrize("request_id", ODD_IDS, ids=short_repr)
+def test_an_odd_x_request_id_gets_a_fresh_one(api_server, request_id):
+    for path, status in ((b"/healthz", 200), (b"/nowhere", 404)):
+        got, headers, body = raw_get(api_server.port, path, request_id)
+        assert got == status, body
+        fresh = headers[b"x-request-id"].decode("ascii")
+        assert ULID.match(fresh) and fresh.encode() != request_id
+        assert request_id not in body
+        if status >= 400:
+            assert json.loads(body)["request_id"] == fresh
+
+
+@pytest.mark.parametrize("request_id", H11_REFUSED_IDS, ids=short_repr)
+def test_what_h11_refuses_never_reaches_the_app(api_server, request_id):
+    """A limitation, kept visible: uvicorn has no hook for its own 400, so it is not the
+    envelope. Should uvicorn pass these on one day, they must get a fresh id like the rest."""
+    got, headers, body = raw_get(api_server.port, b"/nowhere", request_id)
+    if b"x-request-id" in headers:      # reached the app after all
+        assert ULID.match(headers[b"x-request-id"].decode("ascii")) and got == 404
+    else:
+        assert got == 400 and headers[b"content-type"].startswith(b"text/plain"), body
 
 
 def test_envelope_codes(settings):
