@@ -108,10 +108,47 @@ class Target:
         return self.url.copy_with(host=self.address)
 
 
-def _forbidden(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str | None:
-    """Why ``address`` is no place to send a webhook, or None when it is a public one."""
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+# IPv6 ranges that carry an IPv4 address which a relay or translator then reaches
+NAT64 = ipaddress.IPv6Network("64:ff9b::/96")             # RFC 6052: the IPv4 in the low 32 bits
+LOCAL_NAT64 = ipaddress.IPv6Network("64:ff9b:1::/48")     # RFC 8215: a site's own translator
+IPV4_COMPATIBLE = ipaddress.IPv6Network("::/96")          # ::a.b.c.d, deprecated (RFC 4291)
+
+
+def _embedded_ipv4(address: ipaddress.IPv6Address) -> list[tuple[str, ipaddress.IPv4Address]]:
+    """The IPv4 addresses inside an IPv6 one, with the form that carries them."""
+    found = []
+    if address.sixtofour is not None:
+        found.append(("6to4", address.sixtofour))
+    if address.teredo is not None:     # the client's address is stored inverted; teredo undoes it
+        server, client = address.teredo
+        found += [("Teredo server", server), ("Teredo client", client)]
+    if address in NAT64:
+        found.append(("NAT64", ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)))
+    if address in IPV4_COMPATIBLE and int(address) > 1:    # not :: or ::1
+        found.append(("IPv4-compatible", ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)))
+    return found
+
+
+def _forbidden(address: IPAddress) -> str | None:
+    """Why ``address`` is no place to send a webhook, or None when it is a public one. An IPv6
+    address that carries an IPv4 one (IPv4-mapped, IPv4-compatible, 6to4, Teredo, NAT64) is
+    refused when that IPv4 address would be: a relay or translator would deliver to it."""
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:     # the socket connects to that IPv4 address itself
+            reason = _forbidden(address.ipv4_mapped)
+            return reason and f"{reason}: the IPv4-mapped address {address.ipv4_mapped}"
+        for form, inner in _embedded_ipv4(address):
+            reason = _forbidden(inner)
+            if reason is not None:
+                return f"{reason}: the {form} address {inner}"
+        if address in NAT64:
+            # a public IPv4 host behind DNS64 (an IPv6-only network); the range itself counts
+            # as reserved (it lies in ::/8), so the embedded address alone decides
+            return None
+        if address in LOCAL_NAT64:
+            return "not global: local-use NAT64"    # its IPv4 position depends on the site
     for what in ("loopback", "link_local", "private", "multicast", "reserved", "unspecified"):
         if getattr(address, f"is_{what}"):
             return what.replace("_", "-")
@@ -138,7 +175,9 @@ class TargetGuard:
             except ValueError:
                 self.hosts.add(item.lower().rstrip("."))
 
-    def _allowed(self, address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    def _allowed(self, address: IPAddress) -> bool:
+        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+            address = address.ipv4_mapped    # the same host: an allowed IPv4 address allows it
         return any(address in net for net in self.networks if net.version == address.version)
 
     async def resolve(self, url: str) -> Target:

@@ -11,12 +11,14 @@ import asyncio
 import base64
 import contextlib
 import http.server
+import ipaddress
 import json
 import socket
 import threading
 import time
 import uuid
 
+import httpx
 import pytest
 import pytest_asyncio
 import standardwebhooks
@@ -35,6 +37,7 @@ from spinf_worker.webhooks import (
 )
 
 from ..conftest import WAIT_S
+from .live import InProcessWorker, LiveServer
 
 SECRET = new_secret()
 
@@ -227,6 +230,51 @@ async def test_guard_allows_listed_and_public_targets():
     assert pinned.request_url().host == pinned.address and pinned.url.host == "localhost"
 
 
+# IPv6 forms that carry an internal IPv4 address (a relay or translator would reach it): the
+# URL, the form and the embedded address the refusal names
+EMBEDDED = [
+    ("http://[2002:7f00:1::]/", "6to4", "127.0.0.1"),
+    ("http://[2002:a00:1::]:8080/hook", "6to4", "10.0.0.1"),
+    ("http://[2002:a9fe:a9fe::]/latest/meta-data/", "6to4", "169.254.169.254"),
+    ("http://[64:ff9b::7f00:1]/", "NAT64", "127.0.0.1"),
+    ("http://[64:ff9b::a9fe:a9fe]/", "NAT64", "169.254.169.254"),
+    ("http://[64:ff9b::c0a8:1]/", "NAT64", "192.168.0.1"),
+    ("http://[::ffff:127.0.0.1]/", "IPv4-mapped", "127.0.0.1"),
+    ("http://[::ffff:10.1.2.3]/", "IPv4-mapped", "10.1.2.3"),
+    ("http://[::127.0.0.1]/", "IPv4-compatible", "127.0.0.1"),
+    ("http://[::a9fe:a9fe]/", "IPv4-compatible", "169.254.169.254"),
+    # Teredo stores its client's address inverted: 80ff:fffe is 127.0.0.1, f5ff:fffe 10.0.0.1
+    ("http://[2001:0:4136:e378:8000:63bf:80ff:fffe]/", "Teredo client", "127.0.0.1"),
+    ("http://[2001:0:4136:e378:8000:63bf:f5ff:fffe]/", "Teredo client", "10.0.0.1"),
+    ("http://[2001:0:a00:1:8000:63bf:a2ff:fff1]/", "Teredo server", "10.0.0.1"),
+]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(("url", "form", "inner"), EMBEDDED, ids=[e[0] for e in EMBEDDED])
+async def test_guard_refuses_an_internal_ipv4_inside_ipv6(url, form, inner):
+    with pytest.raises(CallbackRefused) as refused:
+        await TargetGuard().resolve(url)
+    assert f"the {form} address {inner}" in str(refused.value)
+    # allowing the IPv4 address allows only itself (and its IPv4-mapped spelling, the same
+    # socket address), never a relay's way to it
+    if form == "IPv4-mapped":
+        allowed = await TargetGuard([inner]).resolve(url)
+        assert ipaddress.ip_address(allowed.address).ipv4_mapped == ipaddress.ip_address(inner)
+    else:
+        with pytest.raises(CallbackRefused):
+            await TargetGuard([inner]).resolve(url)
+
+
+@pytest.mark.asyncio
+async def test_guard_refuses_local_use_nat64_and_allows_public_embedded_ipv4():
+    with pytest.raises(CallbackRefused, match="local-use NAT64"):
+        await TargetGuard().resolve("http://[64:ff9b:1::5db8:d70e]/")
+    # a public IPv4 host as an IPv6-only network's DNS64 names it, and its mapped spelling
+    for url, address in (("http://[64:ff9b::5db8:d70e]/", "64:ff9b::5db8:d70e"),
+                         ("https://[::ffff:93.184.215.14]/", "::ffff:5db8:d70e")):
+        assert (await TargetGuard().resolve(url)).address == address
+
 # --- the dispatcher ---------------------------------------------------------------------------
 
 
@@ -373,3 +421,54 @@ async def test_entries_of_a_crashed_dispatcher_are_delivered(redis, keys, cb_set
         assert (await settled(redis, keys, theirs))["callback_status"] == "delivered"
     assert len(receiver.got("/mine")) == len(receiver.got("/theirs")) == 1
     assert await redis.xlen(keys.callbacks) == 0
+
+
+@pytest.mark.asyncio
+async def test_internal_ipv4_inside_ipv6_is_refused_at_delivery(redis, keys, cb_settings,
+                                                                receiver):
+    """Even with 127.0.0.1 allowed (cb_settings): the addresses getaddrinfo gives for each
+    form are checked before any request, and nothing reaches the receiver on loopback."""
+    urls = [f"http://[2002:7f00:1::]:{receiver.port}/6to4",
+            f"http://[64:ff9b::7f00:1]:{receiver.port}/nat64",
+            f"http://[::127.0.0.1]:{receiver.port}/compatible",
+            f"http://[2001:0:4136:e378:8000:63bf:80ff:fffe]:{receiver.port}/teredo",
+            f"http://[::ffff:10.0.0.1]:{receiver.port}/mapped"]
+    jobs = [await finished_job(redis, keys, url) for url in urls]
+    async with dispatching(redis, keys, cb_settings):
+        settled_jobs = [await settled(redis, keys, job_id) for job_id in jobs]
+    for url, job in zip(urls, settled_jobs, strict=True):
+        assert job["callback_status"] == "refused", (url, job)
+        assert job.get("callback_attempts", "0") == "0"
+        assert " address 1" in job["callback_last_error"], job["callback_last_error"]
+    assert not any(receiver.got(f"/{path}") for path in
+                   ("6to4", "nat64", "compatible", "teredo", "mapped"))
+    assert (await redis.hgetall(keys.stats))["callbacks_refused"] == str(len(urls))
+
+
+@pytest.mark.asyncio
+async def test_a_job_with_an_embedded_internal_callback_is_refused(tiny_engine, redis, keys,
+                                                                   cb_settings, receiver):
+    """End to end: the API takes the job (it checks only the scheme; the guard runs before
+    each delivery, where DNS is asked), the worker scores it, the dispatcher refuses the
+    callback, and the job says so."""
+    settings = cb_settings.model_copy(update={"callback_allow": []})
+    body = {"messages": [{"role": "user", "content": "Please refund me."}],
+            "scoring": {"queries": [{"id": "refund", "template": "\nRefund?{?}",
+                                     "options": [" yes", " no"]}]}}
+    urls = [f"http://[2002:7f00:1::]:{receiver.port}/api-6to4",
+            f"http://[::ffff:127.0.0.1]:{receiver.port}/api-mapped"]
+    with LiveServer(settings) as server, InProcessWorker(tiny_engine, settings):
+        async with httpx.AsyncClient(base_url=server.v1, timeout=WAIT_S) as client, \
+                dispatching(redis, keys, settings):
+            job_ids = []
+            for url in urls:
+                queued = await client.post("/jobs", json={**body, "callback": url})
+                assert queued.status_code == 202, queued.text
+                job_ids.append(queued.json()["id"])
+            for job_id in job_ids:
+                job = await settled(redis, keys, job_id)
+                assert job["status"] == "succeeded" and job["callback_status"] == "refused"
+                assert "loopback: the " in job["callback_last_error"]
+                shown = (await client.get(f"/jobs/{job_id}")).json()
+                assert shown["callback_status"] == "refused" and shown["response"]
+    assert not receiver.got("/api-6to4") and not receiver.got("/api-mapped")
