@@ -3,10 +3,9 @@ content (inputs, and the output/error files batches produce)."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
-
-from fastapi import APIRouter, File, Form, UploadFile
+from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
+from starlette.datastructures import UploadFile
 
 from spinf_worker.errors import InvalidRequestError
 from spinf_worker.queue import batches, files
@@ -37,10 +36,32 @@ async def check_owner(services: Services, caller: Caller, file_id: str,
                             code="file_not_found")
 
 
-@router.post("", response_model=FileObject, responses=error_responses(400, 401, 413))
-async def upload_file(services: ServicesDep, caller: CallerDep,
-                      file: Annotated[UploadFile, File()],
-                      purpose: Annotated[Literal["batch"], Form()]) -> dict:
+# The form is read in the route, not declared as File()/Form() parameters: FastAPI parses a
+# declared form before any dependency runs, so a caller without a key had its upload read (up
+# to max_file_bytes) and a malformed one answered 400 instead of 401.
+UPLOAD_BODY = {"required": True, "content": {"multipart/form-data": {"schema": {
+    "title": "Upload", "type": "object", "required": ["file", "purpose"],
+    "properties": {"file": {"title": "File", "type": "string",
+                            "contentMediaType": "application/octet-stream"},
+                   "purpose": {"title": "Purpose", "type": "string", "const": "batch"}}}}}}
+
+
+@router.post("", response_model=FileObject, responses=error_responses(400, 401, 413),
+             openapi_extra={"requestBody": UPLOAD_BODY})
+async def upload_file(request: Request, services: ServicesDep, caller: CallerDep) -> dict:
+    async with request.form() as form:
+        purpose = form.get("purpose")
+        if purpose != "batch":
+            raise InvalidRequestError("purpose: a form field that must be 'batch'",
+                                      param="purpose")
+        file = form.get("file")
+        if not isinstance(file, UploadFile):
+            raise InvalidRequestError("file: a file part is required", param="file")
+        return await _store_upload(services, caller, file, purpose)
+
+
+async def _store_upload(services: Services, caller: Caller, file: UploadFile,
+                        purpose: str) -> dict:
     limit = services.settings.max_file_bytes
     content = await file.read(limit + 1)
     if len(content) > limit:

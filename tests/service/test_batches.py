@@ -325,3 +325,27 @@ def test_uploads_and_batch_requests_are_checked(settings):
             refused = client.post("/batches", json={"input_file_id": input_file["id"], **body})
             assert refused.status_code == 400 and refused.json()["error"]["param"] == param
         assert client.get("/batches/batch_missing").status_code == 404
+
+
+def test_an_upload_without_a_key_is_a_401_before_its_form_is_read(settings):
+    """The key is checked before the multipart form is parsed: a malformed form without a key
+    was a 400 (found by test_schema_fuzz), and a well-formed one was read whole, then 401."""
+    settings = settings.model_copy(update={"api_keys": ["sk-up"]})
+    malformed = {"content": b"--b\r\n\xb5--b--\r\n",
+                 "headers": {"Content-Type": "multipart/form-data; boundary=b"}}
+    good = {"data": {"purpose": "batch"},
+            "files": {"file": ("in.jsonl", jsonl([score_line("a", "x")]), "application/jsonl")}}
+    with LiveServer(settings) as server:
+        anonymous = httpx.Client(base_url=server.v1, timeout=WAIT_S)
+        for credentials in ({}, {"Authorization": "Bearer sk-wrong"}):
+            for request in (malformed, good):
+                headers = {**request.get("headers", {}), **credentials}
+                refused = anonymous.post("/files", **{**request, "headers": headers})
+                assert refused.status_code == 401, refused.text
+                assert refused.json()["error"]["code"] == "invalid_token"
+        keyed = httpx.Client(base_url=server.v1, timeout=WAIT_S,
+                             headers={"Authorization": "Bearer sk-up"})
+        bad = keyed.post("/files", **malformed)
+        assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_field", bad.text
+        assert keyed.post("/files", **good).status_code == 200
+        assert keyed.post("/files", data={"purpose": "batch"}).json()["error"]["param"] == "file"
