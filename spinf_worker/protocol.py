@@ -94,6 +94,8 @@ class VideoPart(BaseModel):
 
 def _part_tag(value: Any) -> str | None:
     kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    if not isinstance(kind, str):    # an object or array type is no known part: a 400
+        return None
     return {"text": "text_part", "image_url": "image_url_part",
             "input_audio": "input_audio_part", "video": "video_part"}.get(kind)
 

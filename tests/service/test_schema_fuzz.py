@@ -11,8 +11,7 @@ generation, 20 generated cases at most per operation in the fuzzing phase, besid
 coverage phase's fixed boundary cases; no example database, no stateful phase (no links).
 
 No operation is excluded: every one of the schema runs, /v0/drain included (draining only
-makes /readyz answer 503, and DELETE /v0/drain ends it). One input is left out of generation
-while it is a known 500 (unhashable_part_type; test_unhashable_part_type_is_a_400 tracks it).
+makes /readyz answer 503, and DELETE /v0/drain ends it).
 
 The schema is taken from create_app(...).openapi() at import, so that each operation is a test
 of its own; the server fixture checks that its /openapi.json is that same document."""
@@ -26,7 +25,6 @@ import uuid
 from collections.abc import Iterator
 
 import httpx
-import hypothesis
 import pytest
 import redis as redis_sync
 import schemathesis
@@ -111,18 +109,6 @@ unauthenticated = schemathesis.openapi.from_dict(SPEC, config=config(3, coverage
 
 def protected(case) -> bool:
     return bool(SPEC["paths"][case.path][case.method.lower()].get("security"))
-
-
-def unhashable_part_type(case) -> bool:
-    """A content part whose "type" is an object or an array: a 500 until protocol.py's
-    _part_tag checks that the type is a string (test_unhashable_part_type_is_a_400)."""
-    def walk(value) -> bool:
-        if isinstance(value, dict):
-            if isinstance(value.get("type"), dict | list):
-                return True
-            return any(walk(item) for item in value.values())
-        return isinstance(value, list) and any(walk(item) for item in value)
-    return walk(case.body)
 
 
 # ---- the checks ----------------------------------------------------------------------------
@@ -222,8 +208,6 @@ def credentials(case) -> dict[str, str]:
 
 @schema.parametrize()
 def test_no_5xx_and_every_4xx_is_the_envelope(case, server):
-    # the one known 500 is left out of generation until protocol.py is fixed (see below)
-    hypothesis.assume(not unhashable_part_type(case))
     response = case.call(base_url=server.url, headers=credentials(case), timeout=WAIT_S)
     case.validate_response(response, checks=CHECKS)
 
@@ -239,9 +223,6 @@ def test_without_a_valid_key_every_protected_operation_is_a_401(case, server):
                                                  unauthorized])
 
 
-# strict: once protocol.py is fixed this passes, and then the xfail and the assume go
-@pytest.mark.xfail(strict=True, reason="protocol.py _part_tag looks a content part's type up "
-                                       "in a dict: an object or array type is a TypeError")
 @pytest.mark.parametrize("part_type", [{}, []], ids=["object", "array"])
 def test_unhashable_part_type_is_a_400(server, part_type):
     """Found by the run above: {"type": {}} as a content part was a 500 on /v1/score,
