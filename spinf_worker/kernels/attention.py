@@ -85,15 +85,14 @@ def packed_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pla
         branch_out = out[base + doc.root:base + doc.tokens]
         k_doc, v_doc = k[base:base + doc.tokens], v[base:base + doc.tokens]
         for tiles in doc.branches:
+            windowed = sliding and tiles.path_window is not None
+            path_ok = tiles.path_window if windowed else tiles.path_ok
             for lo in range(0, tiles.rows.shape[0], BRANCH_TILE):
                 tile = slice(lo, lo + BRANCH_TILE)
                 rows, path = tiles.rows[tile], tiles.path[tile]
-                path_ok = (tiles.path_window if sliding and tiles.path_window is not None
-                           else tiles.path_ok)[tile]
-                root_ok = (tiles.root_window[tile] if sliding and tiles.root_window is not None
-                           else None)
                 o = _branch_attention(branch_q[rows], k[root], v[root], k_doc[path],
-                                      v_doc[path], root_ok, path_ok, scale)
+                                      v_doc[path], tiles.root_window[tile] if windowed else None,
+                                      path_ok[tile], scale)
                 real = min(BRANCH_TILE, tiles.real - lo)
                 branch_out[rows[:real]] = o[:real]
     return out
