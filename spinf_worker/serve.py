@@ -347,6 +347,7 @@ def _api_server(settings: ServiceSettings, host: str, port: int):
     import uvicorn
 
     from api.app import create_app
+    from api.http_protocol import EnvelopeH11Protocol
 
     class ApiServer(uvicorn.Server):
         # signals belong to the whole process (run_tiers), not to the HTTP tier alone
@@ -357,8 +358,10 @@ def _api_server(settings: ServiceSettings, host: str, port: int):
         def install_signal_handlers(self) -> None:   # uvicorn < 0.29
             pass
 
+    # EnvelopeH11Protocol: a request the HTTP parser refuses gets the error envelope too
     config = uvicorn.Config(create_app(settings), host=host, port=port, log_config=None,
-                            timeout_graceful_shutdown=API_GRACE_S, server_header=False)
+                            timeout_graceful_shutdown=API_GRACE_S, server_header=False,
+                            http=EnvelopeH11Protocol)
     return ApiServer(config)
 
 

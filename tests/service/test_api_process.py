@@ -1,0 +1,128 @@
+"""``spinf-serve api`` as a real process (no torch), as deployed: a request its HTTP parser
+refuses is answered in the error envelope with a fresh X-Request-Id, over a raw socket so
+the bytes go out exactly as written; a bad API keys file stops the start in one line."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from ..conftest import WAIT_S
+from .live import wait_for
+from .test_api import ULID
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _environ(**more: str) -> dict[str, str]:
+    return {**{k: v for k, v in os.environ.items() if not k.startswith("SPINF_")},
+            "PYTHONPATH": str(ROOT), **more}
+
+
+def _api_args(settings, port: int) -> list[str]:
+    return [sys.executable, "-m", "spinf_worker.cli", "api", "--redis", settings.redis_url,
+            "--prefix", settings.prefix, "--port", str(port)]
+
+
+@contextlib.contextmanager
+def api_process(settings, log_path: Path) -> Iterator[int]:
+    """``spinf-serve api`` on a free port until it answers /healthz; yields the port."""
+    port = _free_port()
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(_api_args(settings, port), cwd=ROOT, env=_environ(),
+                                   stdout=log, stderr=subprocess.STDOUT)
+
+    def healthy() -> bool:
+        assert process.poll() is None, log_path.read_text()
+        with contextlib.suppress(httpx.TransportError):
+            return httpx.get(f"http://127.0.0.1:{port}/healthz",
+                             timeout=WAIT_S).status_code == 200
+        return False
+
+    try:
+        wait_for(healthy, WAIT_S, 0.2, "the API process to start")
+        yield port
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(WAIT_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def raw_request(port: int, request: bytes) -> tuple[int, dict[bytes, bytes], bytes]:
+    """Send ``request`` as is; (status, headers by lowercased name, body)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as conn:
+        conn.sendall(request)
+        reply = b""
+        while chunk := conn.recv(65536):
+            reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    status_line, *lines = head.split(b"\r\n")
+    headers = dict(line.split(b": ", 1) for line in lines)
+    return int(status_line.split()[1]), {k.lower(): v for k, v in headers.items()}, body
+
+
+def get(headers: bytes) -> bytes:
+    return (b"GET /healthz HTTP/1.1\r\nHost: spinf\r\n" + headers
+            + b"Connection: close\r\n\r\n")
+
+
+MALFORMED = {
+    "nul in x-request-id": get(b"X-Request-Id: a\x00b\r\n"),
+    "vt in x-request-id": get(b"X-Request-Id: a\x0bb\r\n"),
+    "form feed in another header": get(b"X-Note: a\x0cb\r\n"),
+    "cr in a header value": get(b"X-Request-Id: a\rb\r\n"),
+    "control char in a header name": get(b"X-Re\x01quest-Id: abc\r\n"),
+    "header without a colon": get(b"Not a header line\r\n"),
+    "bad request line": b"GET\x00/healthz HTTP/1.1\r\nHost: spinf\r\n\r\n",
+    "not http at all": b"hello there\r\n\r\n",
+}
+
+
+@pytest.fixture
+def api_port(settings, tmp_path) -> Iterator[int]:
+    with api_process(settings, tmp_path / "api.log") as port:
+        yield port
+
+
+@pytest.mark.parametrize("request_bytes", MALFORMED.values(), ids=MALFORMED.keys())
+def test_a_request_the_parser_refuses_gets_the_envelope(api_port, request_bytes):
+    status, headers, body = raw_request(api_port, request_bytes)
+    assert status == 400, body
+    assert headers[b"content-type"] == b"application/json"
+    assert int(headers[b"content-length"]) == len(body)
+    request_id = headers[b"x-request-id"].decode("ascii")
+    assert ULID.match(request_id)
+    error = json.loads(body)
+    assert error["request_id"] == request_id
+    assert error["error"]["type"] == "invalid_request"
+    assert error["error"]["code"] == "malformed_request"
+    assert set(error["error"]) == {"type", "code", "message", "param"}
+
+
+def test_each_refused_request_gets_its_own_id(api_port):
+    ids = {raw_request(api_port, MALFORMED["nul in x-request-id"])[1][b"x-request-id"]
+           for _ in range(3)}
+    assert len(ids) == 3
+    # and the server goes on answering well-formed requests
+    status, headers, _ = raw_request(api_port, get(b""))
+    assert status == 200 and ULID.match(headers[b"x-request-id"].decode("ascii"))
