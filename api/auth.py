@@ -38,6 +38,11 @@ OPEN_TENANT = "default"
 TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
+class ApiKeysError(ValueError):
+    """A key entry, or the keys file, that cannot be used; the message names the entry
+    (``SPINF_API_KEYS[n]``, or the file and its line)."""
+
+
 @dataclass(frozen=True)
 class ApiKey:
     secret: bytes
@@ -74,12 +79,12 @@ def parse_key_entry(entry: str, where: str) -> ApiKey | None:
     if not parts:
         return None
     if len(parts) > 2:
-        raise ValueError(f"{where}: expected '<key>' or '<key> <tenant>', got {len(parts)} "
+        raise ApiKeysError(f"{where}: expected '<key>' or '<key> <tenant>', got {len(parts)} "
                          "fields")
     secret = parts[0]
     tenant = parts[1] if len(parts) == 2 else key_tenant(secret)
     if not TENANT_NAME.fullmatch(tenant):
-        raise ValueError(f"{where}: tenant {tenant!r} must be 1-64 letters, digits, '.', '_' "
+        raise ApiKeysError(f"{where}: tenant {tenant!r} must be 1-64 letters, digits, '.', '_' "
                          "or '-', starting with a letter or digit")
     return ApiKey(secret.encode(), tenant)
 
@@ -87,21 +92,32 @@ def parse_key_entry(entry: str, where: str) -> ApiKey | None:
 def load_api_keys(settings: ServiceSettings) -> tuple[ApiKey, ...]:
     """Keys from settings.api_keys plus settings.api_keys_file (one entry per line; blank
     lines and lines starting with # are skipped), and the server's token. A missing file, a
-    malformed entry or a key listed for two tenants is an error at start-up."""
+    malformed entry or a key listed for two tenants is an ApiKeysError at start-up."""
     entries = [(entry, f"SPINF_API_KEYS[{n}]") for n, entry in enumerate(settings.api_keys)]
     if settings.api_keys_file:
-        lines = Path(settings.api_keys_file).read_text(encoding="utf-8").splitlines()
+        lines = _read_keys_file(settings.api_keys_file)
         entries += [(line, f"{settings.api_keys_file}:{n}") for n, line in enumerate(lines, 1)
                     if not line.strip().startswith("#")]
     keys: dict[bytes, ApiKey] = {}
     for entry, where in entries:
         key = parse_key_entry(entry, where)
         if key is not None and keys.setdefault(key.secret, key).tenant != key.tenant:
-            raise ValueError(f"{where}: this key is already listed for another tenant")
+            raise ApiKeysError(f"{where}: this key is already listed for another tenant")
     token = (settings.token or "").strip()
     if token:   # its own tenant, unless listed with one above
         keys.setdefault(token.encode(), ApiKey(token.encode(), key_tenant(token)))
     return tuple(keys.values())
+
+
+def _read_keys_file(path: str) -> list[str]:
+    try:
+        return Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as err:
+        raise ApiKeysError(f"{path}: the API keys file cannot be read: "
+                           f"{err.strerror or err}") from None
+    except UnicodeDecodeError as err:
+        line = Path(path).read_bytes()[:err.start].count(b"\n") + 1
+        raise ApiKeysError(f"{path}:{line}: the API keys file must be UTF-8 text") from None
 
 
 def _match(token: bytes, keys: tuple[ApiKey, ...]) -> ApiKey | None:

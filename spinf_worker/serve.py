@@ -347,6 +347,7 @@ def _api_server(settings: ServiceSettings, host: str, port: int):
     import uvicorn
 
     from api.app import create_app
+    from api.auth import ApiKeysError
     from api.http_protocol import EnvelopeH11Protocol
 
     class ApiServer(uvicorn.Server):
@@ -358,8 +359,12 @@ def _api_server(settings: ServiceSettings, host: str, port: int):
         def install_signal_handlers(self) -> None:   # uvicorn < 0.29
             pass
 
+    try:
+        app = create_app(settings)
+    except ApiKeysError as err:     # a bad keys file: one line naming it, not a traceback
+        raise ServiceError(str(err)) from None
     # EnvelopeH11Protocol: a request the HTTP parser refuses gets the error envelope too
-    config = uvicorn.Config(create_app(settings), host=host, port=port, log_config=None,
+    config = uvicorn.Config(app, host=host, port=port, log_config=None,
                             timeout_graceful_shutdown=API_GRACE_S, server_header=False,
                             http=EnvelopeH11Protocol)
     return ApiServer(config)

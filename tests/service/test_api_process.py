@@ -126,3 +126,41 @@ def test_each_refused_request_gets_its_own_id(api_port):
     # and the server goes on answering well-formed requests
     status, headers, _ = raw_request(api_port, get(b""))
     assert status == 200 and ULID.match(headers[b"x-request-id"].decode("ascii"))
+
+
+@pytest.mark.parametrize(("content", "line", "fragment"), [
+    ("good-key tenant-a\nkey-b two spaces\n", 2, "expected '<key>' or '<key> <tenant>'"),
+    ("# comment\n\nkey-a :bad\n", 3, "tenant ':bad'"),
+    ("key-a tenant-a\nkey-a tenant-b\n", 2, "already listed for another tenant"),
+], ids=["three fields", "bad tenant", "key of two tenants"])
+@pytest.mark.parametrize("command", ["api", "serve"])
+def test_a_bad_keys_file_is_one_line_naming_the_file_and_line(settings, tmp_path, command,
+                                                              content, line, fragment):
+    keys_file = tmp_path / "keys.txt"
+    keys_file.write_text(content)
+    args = _api_args(settings, _free_port())
+    args[3] = command
+    if command == "serve":
+        args += ["--state-dir", str(tmp_path / "state")]
+    proc = subprocess.run(args, cwd=ROOT, env=_environ(SPINF_API_KEYS_FILE=str(keys_file)),
+                          capture_output=True, text=True, timeout=WAIT_S * 2)
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr, proc.stderr
+    errors = [text for text in proc.stderr.splitlines() if text.startswith("spinf-serve:")]
+    assert len(errors) == 1, proc.stderr
+    assert f"{keys_file}:{line}" in errors[0] and fragment in errors[0], proc.stderr
+
+
+@pytest.mark.parametrize("make", [lambda path: None,
+                                  lambda path: path.write_bytes(b"key-a \xff\xfe\n")],
+                         ids=["missing", "not utf-8"])
+def test_an_unreadable_keys_file_is_one_line_naming_it(settings, tmp_path, make):
+    keys_file = tmp_path / "keys.txt"
+    make(keys_file)
+    proc = subprocess.run(_api_args(settings, _free_port()), cwd=ROOT,
+                          env=_environ(SPINF_API_KEYS_FILE=str(keys_file)),
+                          capture_output=True, text=True, timeout=WAIT_S * 2)
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr, proc.stderr
+    errors = [text for text in proc.stderr.splitlines() if text.startswith("spinf-serve:")]
+    assert len(errors) == 1 and str(keys_file) in errors[0], proc.stderr
