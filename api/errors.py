@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from spinf_worker.errors import InvalidRequestError, SpinfError, error_object
 
@@ -98,6 +99,8 @@ class BodyTooLarge(HTTPException):
                          detail=f"the request body is larger than {limit} bytes")
 
 
+HTTP_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+
 # status -> code for HTTPExceptions raised by FastAPI, Starlette or us
 _HTTP_CODES = {
     400: "invalid_field",
@@ -143,10 +146,28 @@ async def _http_error(request: Request, error: StarletteHTTPException) -> JSONRe
     message = error.detail if isinstance(error.detail, str) else str(error.detail)
     if status == 404 and message == "Not Found":
         message = f"no route {request.method} {request.url.path}"
-    elif status == 405:
+    headers = getattr(error, "headers", None)
+    if status == 405:
         message = f"method {request.method} is not allowed on {request.url.path}"
+        headers = {**(headers or {}), "Allow": _allowed_methods(request)}
     return JSONResponse(envelope(status, message, request_id_of(request), code=code),
-                        status_code=status, headers=getattr(error, "headers", None))
+                        status_code=status, headers=headers)
+
+
+def _allowed_methods(request: Request) -> str:
+    """Every method the request's path takes: the router's 405 names those of the first route
+    on the path only (GET and POST /v1/batches are two routes). Each method is asked of the
+    routes as the router asks them, so included routers and path converters count."""
+    allowed = [method for method in HTTP_METHODS if any(
+        route.matches(_with_method(request.scope, method))[0] is Match.FULL
+        for route in request.app.router.routes)]
+    return ", ".join(allowed)
+
+
+def _with_method(scope: dict, method: str) -> dict:
+    # one level copied: matching may note its progress in a dict of the scope
+    return {**{k: dict(v) if isinstance(v, dict) else v for k, v in scope.items()},
+            "method": method}
 
 
 def validation_error(error: RequestValidationError) -> InvalidRequestError:
