@@ -282,7 +282,7 @@ class Drain(BaseModel):
 # Bodies the routes read themselves (so every problem gets our error with its exact param);
 # create_app adds their schemas to /openapi.json.
 DOCUMENTED_BODIES: tuple[type[BaseModel], ...] = (ScoreRequest, JobRequest,
-                                                  ChatCompletionRequest)
+                                                  ChatCompletionRequest, BatchCreate)
 
 
 def json_body(model: type[BaseModel]) -> dict:

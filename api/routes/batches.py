@@ -5,15 +5,17 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
 
 from spinf_worker.errors import InvalidRequestError
 from spinf_worker.queue import batches, files
 
 from ..auth import V1_AUTH, Caller, CallerDep
-from ..errors import NotFoundError
-from ..models import Batch, BatchCreate, BatchList, error_responses
-from ..services import Services, ServicesDep
+from ..errors import NotFoundError, validation_error
+from ..models import Batch, BatchCreate, BatchList, error_responses, json_body
+from ..services import Services, ServicesDep, read_json
 from .files import check_owner
 from .scoring import check_backlog
 
@@ -31,9 +33,20 @@ async def _check_owner(services: Services, caller: Caller, batch_id: str) -> Non
         raise _not_found(batch_id)
 
 
+def _batch_create(data: object) -> BatchCreate:
+    try:
+        return BatchCreate.model_validate(data)
+    except ValidationError as err:
+        raise validation_error(RequestValidationError(err.errors(include_url=False))) from None
+
+
+# The body is read in the route, not declared as a parameter: FastAPI parses a declared body
+# before any dependency runs, so invalid JSON without a key was a 400, not the 401.
 @router.post("", response_model=Batch, responses=error_responses(400, 401, 404, 429),
+             openapi_extra=json_body(BatchCreate),
              summary="Start a batch over an uploaded JSONL file")
-async def create_batch(body: BatchCreate, services: ServicesDep, caller: CallerDep) -> dict:
+async def create_batch(request: Request, services: ServicesDep, caller: CallerDep) -> dict:
+    body = _batch_create(await read_json(request))
     await check_owner(services, caller, body.input_file_id, param="input_file_id")
     meta = await files.get_file(services.redis, services.keys, body.input_file_id)
     if meta is None:
