@@ -6,6 +6,8 @@
   thread with its own event loop (no model load: fast).
 - ``subprocess_worker(settings, model)``: ``spinf-serve worker`` as a real process, the way
   it is deployed.
+- ``api_process(settings, log_path)``: ``spinf-serve api`` as a real process, to kill.
+- ``PrivateRedis(directory, aof=...)``: a redis-server of its own, to kill and start again.
 
 Fixtures: ``api_server`` (a LiveServer on the ``settings`` fixture) and ``tiny_worker`` (an
 InProcessWorker on ``tiny_engine``). To use one, name it in the test module:
@@ -27,6 +29,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import redis as redis_sync
 import uvicorn
@@ -181,6 +184,87 @@ def subprocess_worker(settings: ServiceSettings, model: str, *, device: str = "c
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def api_process(settings: ServiceSettings, log_path: Path, **env
+                ) -> Iterator[tuple[subprocess.Popen, str]]:
+    """``spinf-serve api`` as its own process; yields it and its /v1 URL. Killed (SIGKILL)
+    at the end if still running."""
+    port = free_port()
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("SPINF_")}
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "spinf_worker.cli", "api", "--redis", settings.redis_url,
+             "--prefix", settings.prefix, "--port", str(port), "--log-format", "json"],
+            cwd=ROOT, env={**environ, "PYTHONPATH": str(ROOT), **env}, stdout=log,
+            stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        assert process.poll() is None, log_path.read_text()
+        with contextlib.suppress(httpx.TransportError):
+            return httpx.get(f"{url}/healthz", timeout=WAIT_S).status_code == 200
+        return False
+
+    try:
+        wait_for(healthy, WAIT_S, 0.2, "the API process to start")
+        yield process, f"{url}/v1"
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait(WAIT_S)
+
+
+class PrivateRedis:
+    """redis-server on a fixed free port of 127.0.0.1, killed (SIGKILL, as in a crash) and
+    started again on the same port and directory."""
+
+    def __init__(self, directory: Path, *, aof: bool):
+        self.port = free_port()
+        self.directory = directory
+        self.aof = aof
+        # appendfsync always: what was acknowledged before the kill is there after it
+        self.persistence = (["--appendonly", "yes", "--appendfsync", "always"] if aof
+                            else ["--appendonly", "no"])
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> PrivateRedis:
+        self.process = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             *self.persistence, "--dir", str(self.directory)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_for(self._answers, WAIT_S, what="redis-server to answer")
+        return self
+
+    def _answers(self) -> bool:
+        assert self.process is not None and self.process.poll() is None, "redis-server exited"
+        client = redis_sync.Redis(port=self.port, socket_timeout=WAIT_S)
+        try:
+            return client.ping()
+        except redis_sync.ConnectionError:   # refused, or LOADING its AOF
+            return False
+        finally:
+            client.close()
+
+    def kill(self) -> None:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(WAIT_S)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.kill()
 
 
 def stream_length(settings: ServiceSettings) -> int:

@@ -7,13 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,7 +21,7 @@ from spinf_worker.queue.keys import Keys
 from spinf_worker.queue.redis_client import connect
 
 from ..conftest import WAIT_S
-from .live import ROOT, InProcessWorker, LiveServer, jsonl, wait_for
+from .live import InProcessWorker, LiveServer, api_process, jsonl, wait_for
 from .test_batches import TEXTS, batch_in, lines_of, score_line, upload
 
 LEASE_S = 2.0        # the killed queuer's lease: another instance takes over this long after
@@ -39,42 +34,6 @@ def sync_redis(redis_url) -> Iterator[redis_sync.Redis]:
     client = redis_sync.Redis.from_url(redis_url, decode_responses=True)
     yield client
     client.close()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@contextlib.contextmanager
-def api_process(settings, log_path: Path, **env
-                ) -> Iterator[tuple[subprocess.Popen, str]]:
-    """``spinf-serve api`` as its own process; yields it and its /v1 URL. Killed (SIGKILL)
-    at the end if still running."""
-    port = _free_port()
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("SPINF_")}
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "spinf_worker.cli", "api", "--redis", settings.redis_url,
-             "--prefix", settings.prefix, "--port", str(port), "--log-format", "json"],
-            cwd=ROOT, env={**environ, "PYTHONPATH": str(ROOT), **env}, stdout=log,
-            stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-
-    def healthy() -> bool:
-        assert process.poll() is None, log_path.read_text()
-        with contextlib.suppress(httpx.TransportError):
-            return httpx.get(f"{url}/healthz", timeout=WAIT_S).status_code == 200
-        return False
-
-    try:
-        wait_for(healthy, WAIT_S, 0.2, "the API process to start")
-        yield process, f"{url}/v1"
-    finally:
-        if process.poll() is None:
-            process.kill()
-        process.wait(WAIT_S)
 
 
 def batch_fields(client: redis_sync.Redis, keys: Keys, batch_id: str) -> dict:

@@ -6,11 +6,7 @@ or with nothing — requests answer as before, on the same pooled clients, with 
 from __future__ import annotations
 
 import shutil
-import signal
-import socket
-import subprocess
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
@@ -19,7 +15,7 @@ import redis as redis_sync
 from spinf_worker.protocol import ScoreResponse
 
 from ..conftest import WAIT_S
-from .live import InProcessWorker, LiveServer, wait_for
+from .live import InProcessWorker, LiveServer, PrivateRedis, wait_for
 from .test_api import assert_error
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None,
@@ -31,53 +27,6 @@ BODY = {"messages": MESSAGES, "scoring": SCORING}
 # more requests at once than one connection serves: the pools hold many connections, all
 # of them left stale by the restart
 CONCURRENCY = 16
-
-
-class PrivateRedis:
-    """redis-server on a fixed free port of 127.0.0.1, killed (SIGKILL, as in a crash) and
-    started again on the same port and directory."""
-
-    def __init__(self, directory: Path, *, aof: bool):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            self.port = probe.getsockname()[1]
-        self.directory = directory
-        self.aof = aof
-        # appendfsync always: what was acknowledged before the kill is there after it
-        self.persistence = (["--appendonly", "yes", "--appendfsync", "always"] if aof
-                            else ["--appendonly", "no"])
-        self.process: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> PrivateRedis:
-        self.process = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             *self.persistence, "--dir", str(self.directory)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_for(self._answers, WAIT_S, what="redis-server to answer")
-        return self
-
-    def _answers(self) -> bool:
-        assert self.process is not None and self.process.poll() is None, "redis-server exited"
-        client = redis_sync.Redis(port=self.port, socket_timeout=WAIT_S)
-        try:
-            return client.ping()
-        except redis_sync.ConnectionError:   # refused, or LOADING its AOF
-            return False
-        finally:
-            client.close()
-
-    def kill(self) -> None:
-        assert self.process is not None
-        self.process.send_signal(signal.SIGKILL)
-        self.process.wait(WAIT_S)
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.kill()
 
 
 @pytest.fixture
