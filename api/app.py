@@ -28,6 +28,7 @@ from .metrics import ApiMetrics
 from .middleware import BodyLimitMiddleware, RequestContextMiddleware
 from .models import DOCUMENTED_BODIES
 from .routes import ROUTERS
+from .routes.scoring import limits_check
 from .services import Services
 
 log = structlog.get_logger("spinf.api")
@@ -59,7 +60,9 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
                             producer=Producer(queue_redis, keys, settings), listener=listener,
                             metrics=metrics)
         app.state.services = services
-        keeper = QueueKeeper(redis, keys, services.producer)   # resumes batches left half-queued
+        # resumes batches left half-queued, with the checks a batch's lines get when it starts
+        keeper = QueueKeeper(redis, keys, services.producer,
+                             checks=lambda: limits_check(services))
         keeper.start()
         log.info("api started", prefix=settings.prefix, instance=listener.instance_id)
         try:

@@ -17,7 +17,7 @@ from ..errors import NotFoundError, validation_error
 from ..models import Batch, BatchCreate, BatchList, error_responses, json_body
 from ..services import Services, ServicesDep, read_json
 from .files import check_owner
-from .scoring import check_backlog
+from .scoring import check_backlog, limits_check
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"], dependencies=V1_AUTH)
 
@@ -62,8 +62,10 @@ async def create_batch(request: Request, services: ServicesDep, caller: CallerDe
         endpoint=body.endpoint, completion_window=body.completion_window,
         metadata=body.metadata, ttl_s=services.settings.result_ttl_s, tenant=caller.tenant)
     # Reading and queueing a large file takes a while: after the response, in the background.
+    # Each line gets the checks of the synchronous routes: one over a limit is an error line.
     services.spawn(batches.enqueue_batch(services.redis, services.keys, services.producer,
-                                         batch["id"]), name=f"enqueue-{batch['id']}")
+                                         batch["id"], checks=lambda: limits_check(services)),
+                   name=f"enqueue-{batch['id']}")
     return batch
 
 

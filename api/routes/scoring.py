@@ -24,6 +24,7 @@ from spinf_worker.openai_compat import (
     score_to_chat_completion,
 )
 from spinf_worker.protocol import ScoreRequest, ScoreResponse
+from spinf_worker.queue.batches import RequestCheck
 from spinf_worker.queue.producer import IdempotencyKeyReused, Submission
 from spinf_worker.queue.results import JobResult
 from spinf_worker.request_limits import check_request
@@ -59,25 +60,31 @@ async def check_model(services: Services, model: str | None) -> None:
             param="model")
 
 
-async def check_limits(services: Services, request: ScoreRequest) -> None:
-    """Refuse here what the worker would refuse, with its error: the packs a request names
-    (they exist here, with its context, decision, parameters, case rule, and their ids and
-    groups are theirs), the combinations per query and, with the served model's tokenizer
-    (api/tokens.py), each filled template's and option's tokens, option boundaries, each
-    content's tokens, the model's context and the processed tokens
-    (request_limits.check_request: the engine's own checks, in its order). Without a
-    tokenizer (none here, or no single served model) the token limits are the worker's
-    alone. On a thread: the first call may load the tokenizer or fetch a pack source."""
+async def limits_check(services: Services) -> RequestCheck:
+    """What ``check_limits`` runs, as a function of the request (batch queueing runs it on
+    each line): the packs a request names (they exist here, with its context, decision,
+    parameters, case rule, and their ids and groups are theirs), the combinations per query
+    and, with the served model's tokenizer (api/tokens.py), each filled template's and
+    option's tokens, option boundaries, each content's tokens, the model's context and the
+    processed tokens (request_limits.check_request: the engine's own checks, in its order).
+    Without a tokenizer (none here, or no single served model) the token limits are the
+    worker's alone. The function may load a pack source: run it on a thread."""
     tokens = await services.served_tokens()
     sources = tuple(services.settings.packs)
 
-    def check() -> None:
+    def check(request: ScoreRequest) -> None:
         packs = loaded_packs(sources) if request.scoring.packs else {}
         check_request(request, packs, tokens=tokens,
                       max_content_tokens=services.settings.max_content_tokens,
                       pack_cache=services.pack_queries)
 
-    await asyncio.to_thread(check)
+    return check
+
+
+async def check_limits(services: Services, request: ScoreRequest) -> None:
+    """Refuse here what the worker would refuse, with its error (``limits_check``). On a
+    thread: the first call may load the tokenizer or fetch a pack source."""
+    await asyncio.to_thread(await limits_check(services), request)
 
 
 async def check_backlog(services: Services) -> None:

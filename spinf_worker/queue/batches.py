@@ -7,8 +7,9 @@ Life of a batch (``<base>:batch:<id>`` hash, see docs/QUEUE.md):
 - ``enqueue_batch``: ``in_progress``; reads the input JSONL in chunks of lines, holding the
   batch's *queuer lease* (a key with a TTL it renews). A valid line becomes a bulk job
   (``batch_id``, ``custom_id``) and its custom_id joins the batch's *pending* set; an invalid
-  line (bad JSON, bad body, a custom_id an earlier line already had, valid or not, url other
-  than the endpoint) goes straight to the error list. A chunk is committed by one Lua script:
+  line (bad JSON, bad body, a request the API's checks refuse (``RequestChecks``: the limits
+  the synchronous routes check), a custom_id an earlier line already had, valid or not, url
+  other than the endpoint) goes straight to the error list. A chunk is committed by one Lua script:
   job records, stream entries, pending ids, error lines, ``total`` and the progress
   ``queued_line`` (the last input line handled) together, and only while the caller holds the
   lease and ``queued_line`` is still what it started from, so no line is queued twice.
@@ -38,7 +39,7 @@ Error lines: ``error`` is always ``{"code", "message"}`` (plus ``line``, the 1-b
 for lines rejected while reading the file). ``response`` is ``null`` for lines that never
 became a request (bad JSON, bad line shape, duplicate custom_id, cancelled) and
 ``{"status_code", "request_id", "body": {"error": ...}}`` for requests that were answered with
-an error (invalid body: 400 with ``request_id`` null; a job the worker failed or that expired:
+an error (invalid body or over a limit: its status, 400 or 413, with ``request_id`` null; a job the worker failed or that expired:
 its status with the job id), as OpenAI does.
 """
 
@@ -50,6 +51,7 @@ import contextlib
 import json
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +78,12 @@ LINES_PER_CHUNK = 64          # input lines committed together (one script call)
 CHUNK_BYTES = 4 << 20         # ... or fewer, so one call stays a few MiB (a longer line: alone)
 BACKLOG_POLL_S = 0.2          # a queuer paused by a full backlog looks again this often
 ACTIVE = ("validating", "in_progress", "cancelling")
+
+# What the API checks of a request before queueing it (the limits a worker enforces), raising
+# the SpinfError its synchronous route answers; asked for once per chunk of lines, since
+# what it knows (the served model's tokenizer) may change while a large file is queued.
+RequestCheck = Callable[[ScoreRequest], None]
+RequestChecks = Callable[[], Awaitable[RequestCheck]]
 
 
 def output_file_id(batch_id: str) -> str:
@@ -491,8 +499,10 @@ class LineError(Exception):
         self.custom_id = custom_id  # when the line got as far as naming one
 
 
-def parse_line(text: str, endpoint: str) -> tuple[str, dict]:
-    """One input line -> (custom_id, the scoring request to queue). Raises LineError."""
+def parse_line(text: str, endpoint: str, check: RequestCheck | None = None
+               ) -> tuple[str, dict]:
+    """One input line -> (custom_id, the scoring request to queue), the request passing
+    ``check``. Raises LineError."""
     try:
         line = orjson.loads(text)   # as the API reads a body (api/services.read_json)
     except orjson.JSONDecodeError as err:
@@ -503,7 +513,7 @@ def parse_line(text: str, endpoint: str) -> tuple[str, dict]:
     if not isinstance(custom_id, str) or not custom_id:
         raise LineError("missing_custom_id", "the line needs a non-empty string 'custom_id'")
     try:
-        return custom_id, _line_body(line, endpoint)
+        return custom_id, _line_body(line, endpoint, check)
     except LineError as err:
         err.custom_id = custom_id
         raise
@@ -519,7 +529,7 @@ def _custom_id_of(text: str) -> str | None:
     return custom_id if isinstance(custom_id, str) and custom_id else None
 
 
-def _line_body(line: dict, endpoint: str) -> dict:
+def _line_body(line: dict, endpoint: str, check: RequestCheck | None) -> dict:
     if line.get("method", "POST") != "POST":
         raise LineError("invalid_method", "'method' must be \"POST\"")
     if line.get("url") != endpoint:
@@ -531,6 +541,8 @@ def _line_body(line: dict, endpoint: str) -> dict:
             request = score_request_from_chat(body)
         else:
             request = ScoreRequest.parse(body)
+        if check is not None:
+            check(request)
     except SpinfError as err:
         response = {"status_code": err.status, "request_id": None, "body": err.to_openai()}
         raise LineError(err.code or "invalid_request", err.message, response=response) from None
@@ -558,11 +570,12 @@ class _Line:
         return len(self.payload or self.error or "")
 
 
-def _validate(number: int, text: str, endpoint: str, seen: set[str]) -> _Line:
+def _validate(number: int, text: str, endpoint: str, seen: set[str],
+              check: RequestCheck | None = None) -> _Line:
     """Parse one line; ``seen`` (the custom_ids of the lines before it) gains its custom_id."""
     error: LineError | None = None
     try:
-        custom_id, body = parse_line(text, endpoint)
+        custom_id, body = parse_line(text, endpoint, check)
     except LineError as err:
         error, custom_id = err, err.custom_id
     if custom_id is not None:
@@ -576,6 +589,18 @@ def _validate(number: int, text: str, endpoint: str, seen: set[str]) -> _Line:
                                                          separators=(",", ":")))
     return _Line(number, custom_id, payload=json.dumps(body, separators=(",", ":")),
                  model=body.get("model"))
+
+
+def _fill(chunk: list[_Line], lines: list[tuple[int, str]], at: int, endpoint: str,
+          seen: set[str], check: RequestCheck | None) -> int:
+    """Validate lines from ``at`` into ``chunk`` up to a chunk's lines or bytes; the next
+    line's index."""
+    size = sum(line.size for line in chunk)
+    while at < len(lines) and len(chunk) < LINES_PER_CHUNK and size < CHUNK_BYTES:
+        chunk.append(_validate(*lines[at], endpoint, seen, check))
+        size += chunk[-1].size
+        at += 1
+    return at
 
 
 def _fitting(chunk: list[_Line], room: int) -> int:
@@ -613,8 +638,10 @@ COMMITTED, FINALIZED, DRAIN, MISSING, TAKEN, STOPPED, FULL = 1, 2, 3, -1, -2, -4
 class _Queuer:
     """Queues one batch's input under its lease (``enqueue_batch``)."""
 
-    def __init__(self, redis, keys: Keys, settings, batch_id: str, token: str):
+    def __init__(self, redis, keys: Keys, settings, batch_id: str, token: str,
+                 checks: RequestChecks | None = None):
         self.redis, self.keys, self.batch_id, self.token = redis, keys, batch_id, token
+        self.checks = checks
         self.lease_ms = max(1, int(settings.batch_lease_s * 1000))
         self.job_ttl_s = settings.result_ttl_s
         self.limit = max(1, settings.max_backlog)   # an empty queue always takes a line
@@ -663,12 +690,10 @@ class _Queuer:
         room: int | None = None   # the room the last refusal reported
         stopping = False          # cancelled: seal what was queued
         while True:
-            size = sum(line.size for line in chunk)
-            while (not stopping and at < len(lines) and len(chunk) < LINES_PER_CHUNK
-                   and size < CHUNK_BYTES):
-                chunk.append(_validate(*lines[at], endpoint, seen))
-                size += chunk[-1].size
-                at += 1
+            if not stopping and at < len(lines) and len(chunk) < LINES_PER_CHUNK:
+                check = await self.checks() if self.checks is not None else None
+                # on a thread: parsing and counting tokens would hold up the API's loop
+                at = await asyncio.to_thread(_fill, chunk, lines, at, endpoint, seen, check)
             take = 0 if stopping else _fitting(chunk, room) if room is not None else len(chunk)
             part = chunk[:take]
             code, room = await self._commit(
@@ -731,19 +756,21 @@ class _Queuer:
                            self.token, self.lease_ms) == 1
 
 
-async def enqueue_batch(redis, keys: Keys, producer, batch_id: str) -> None:
+async def enqueue_batch(redis, keys: Keys, producer, batch_id: str,
+                        checks: RequestChecks | None = None) -> None:
     """Queue the batch's input file as bulk jobs (see the module doc), from where queueing
     stopped when it was begun before. Returns at once when another process holds the lease.
 
     ``producer``: a ``spinf_worker.queue.producer.Producer`` (its settings: the lease, the
-    backlog limit, the job records' TTL)."""
+    backlog limit, the job records' TTL). ``checks``: the API's checks of each line's
+    request; a line refused by them is an error line, never queued."""
     settings = producer.settings
     token = uuid.uuid4().hex
     lease = keys.batch_queuer(batch_id)
     if not await redis.set(lease, token, nx=True, px=max(1, int(settings.batch_lease_s * 1000))):
         return
     try:
-        await _Queuer(redis, keys, settings, batch_id, token).run()
+        await _Queuer(redis, keys, settings, batch_id, token, checks).run()
     finally:
         # stopped for whatever reason: another instance may take over at once
         with contextlib.suppress(RedisError):
@@ -756,8 +783,8 @@ class QueueKeeper:
     lapsed (queueing on from ``queued_line``, or the drain of a cancel). One per API process;
     several keepers race harmlessly (the lease decides)."""
 
-    def __init__(self, redis, keys: Keys, producer):
-        self.redis, self.keys, self.producer = redis, keys, producer
+    def __init__(self, redis, keys: Keys, producer, checks: RequestChecks | None = None):
+        self.redis, self.keys, self.producer, self.checks = redis, keys, producer, checks
         self.interval_s = max(0.05, producer.settings.batch_lease_s / 2)
         self._task: asyncio.Task | None = None
         self._resuming: dict[str, asyncio.Task] = {}
@@ -791,7 +818,7 @@ class QueueKeeper:
                     self.keys.batch_queuer(batch_id)):
                 continue
             task = asyncio.create_task(
-                enqueue_batch(self.redis, self.keys, self.producer, batch_id),
+                enqueue_batch(self.redis, self.keys, self.producer, batch_id, self.checks),
                 name=f"resume-{batch_id}")
             self._resuming[batch_id] = task
             task.add_done_callback(lambda t, b=batch_id: self._done(b, t))
