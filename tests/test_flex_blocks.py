@@ -1,7 +1,9 @@
 """The tree rule on CUDA (kernels/flex_tree.py), checked on the CPU: each readout sees exactly
-its one-question prompt, every visible (query, key) pair lies in a kept key block, full blocks
-are fully visible, few blocks are kept needlessly, and a document keeps the same blocks
-wherever it lands in the pass."""
+its one-question prompt, a branch row's keys are its root's (FlexAttention) and its parent
+chain (kernels/branch_paths.py), every visible (query, key) pair of the root rule lies in a
+kept key block, full blocks are fully visible, few blocks are kept needlessly, a document
+keeps the same blocks wherever it lands in the pass, and a branch row visits its root's
+blocks in the same order whatever other questions share its document."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from torch.nn.attention.flex_attention import create_mask
 
 from spinf_worker.engine.layout import Branch, DocTree
 from spinf_worker.engine.runner import pass_rows
-from spinf_worker.kernels.flex_tree import BLOCK, TreeTokens, tree_blocks, tree_mask
+from spinf_worker.kernels.flex_tree import BLOCK, TreeTokens, root_blocks, root_mask, tree_mask
 
 WINDOW = 96
 
@@ -38,15 +40,15 @@ def _tokens(docs: list, pad_blocks: int = 2) -> TreeTokens:
     return TreeTokens.of_pass(torch.from_numpy(pass_rows(docs, rows, 0)))
 
 
-def _visible(t: TreeTokens, window: int | None) -> torch.Tensor:
+def _visible(t: TreeTokens, window: int | None, rule=tree_mask) -> torch.Tensor:
     n = t.doc.shape[0]
-    return create_mask(tree_mask(t, window), None, None, n, n, device="cpu")[0, 0]
+    return create_mask(rule(t, window), None, None, n, n, device="cpu")[0, 0]
 
 
 def test_pass_rows_place_each_document_and_pad_the_rest():
     docs = _docs(4, n=3)
     rows = sum(d.length for d in docs) + BLOCK
-    ids, pos, doc, end = torch.from_numpy(pass_rows(docs, rows, 5)).long()
+    ids, pos, doc, end, root_end, parent = torch.from_numpy(pass_rows(docs, rows, 5)).long()
     start = 0
     for i, d in enumerate(docs):
         here = slice(start, start + d.length)
@@ -57,9 +59,17 @@ def test_pass_rows_place_each_document_and_pad_the_rest():
         # a real row's subtree stays in its document; a padding row's is itself
         assert torch.equal(end[here] <= start + d.tokens, real)
         assert (end[here] > row).all() and torch.equal(end[here][~real], row[~real] + 1)
+        # a padding row's root is empty; root rows have no parent, branch rows one before them
+        assert torch.equal(root_end[here], torch.where(real, start + d.root, row))
+        branch = (row >= start + d.root) & real
+        assert (parent[here][~branch] == -1).all()
+        up = parent[here][branch]
+        assert ((up == -1) | ((up >= start + d.root) & (up < row[branch]))).all()
         start += d.length
     assert (ids[start:] == 5).all() and (pos[start:] == 0).all() and (doc[start:] == -1).all()
     assert torch.equal(end[start:], torch.arange(start, rows) + 1)
+    assert torch.equal(root_end[start:], torch.arange(start, rows))
+    assert (parent[start:] == -1).all()
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -110,9 +120,30 @@ def test_cpu_paths_are_the_masks_branch_keys(seed):
         start += d.length
 
 
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_branch_row_sees_its_root_and_its_parent_chain(seed, window):
+    """FlexAttention's root part and the path kernel's parent walk are together the tree rule
+    (the path kernel drops the chain's keys outside the window itself)."""
+    docs = _docs(seed, n=2)
+    t = _tokens(docs, pad_blocks=0)
+    tree, root = _visible(t, window), _visible(t, window, root_mask)
+    assert not (root & ~tree).any()
+    parent = t.parent.tolist()
+    for q in torch.nonzero((torch.arange(len(parent)) >= t.root_end) & (t.doc >= 0)
+                           ).flatten().tolist():
+        chain, key = [], q
+        while key >= 0:
+            if window is None or t.pos[q] - t.pos[key] < window:
+                chain.append(key)
+            key = parent[key]
+        keys = torch.nonzero(tree[q] & ~root[q]).flatten().tolist()
+        assert keys == sorted(chain) and (torch.tensor(keys) >= t.root_end[q]).all()
+
+
 def _dense_blocks(t: TreeTokens, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     n = t.doc.shape[0]
-    blocks = _visible(t, window).view(n // BLOCK, BLOCK, n // BLOCK, BLOCK)
+    blocks = _visible(t, window, root_mask).view(n // BLOCK, BLOCK, n // BLOCK, BLOCK)
     return blocks.any(3).any(1), blocks.all(3).all(1)
 
 
@@ -120,11 +151,15 @@ def _dense_blocks(t: TreeTokens, window: int | None) -> tuple[torch.Tensor, torc
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_kept_blocks_cover_every_visible_pair(seed, window):
     t = _tokens(_docs(seed))
-    (kept, full), (exact, exact_full) = tree_blocks(t, window), _dense_blocks(t, window)
+    (kept, full), (exact, exact_full) = root_blocks(t, window), _dense_blocks(t, window)
     assert not (exact & ~kept).any()          # nothing visible is skipped
     assert kept.sum() <= 1.6 * exact.sum()    # and little is visited for nothing
     assert not (full & ~exact_full).any()     # no mask skipped where it would hide a key
-    assert full.sum() >= 0.5 * exact_full.sum()
+    # full blocks only where every query is a root row, and most of those
+    rows = torch.arange(t.doc.shape[0])
+    root_only = ((t.doc >= 0) & (rows < t.root_end)).view(-1, BLOCK).all(1)
+    assert not full[~root_only].any()
+    assert full.sum() >= 0.5 * (exact_full & root_only[:, None]).sum()
 
 
 def test_a_document_keeps_the_same_blocks_wherever_it_lands():
@@ -135,7 +170,7 @@ def test_a_document_keeps_the_same_blocks_wherever_it_lands():
     def own(docs_in_pass: list) -> tuple[torch.Tensor, torch.Tensor]:
         at = next(i for i, d in enumerate(docs_in_pass) if d is target)
         start = sum(d.length for d in docs_in_pass[:at]) // BLOCK
-        kept, full = tree_blocks(_tokens(docs_in_pass), WINDOW)
+        kept, full = root_blocks(_tokens(docs_in_pass), WINDOW)
         assert not kept[start:start + nb, :start].any()
         assert not kept[start:start + nb, start + nb:].any()
         mine = slice(start, start + nb)
@@ -145,3 +180,33 @@ def test_a_document_keeps_the_same_blocks_wherever_it_lands():
     for order in (docs, docs[::-1]):
         kept, full = own(order)
         assert torch.equal(kept, alone[0]) and torch.equal(full, alone[1])
+
+
+@pytest.mark.parametrize("window", [None, WINDOW])
+@pytest.mark.parametrize("seed", range(4))
+def test_a_branch_row_visits_its_roots_blocks_alike_whatever_else_is_asked(seed, window):
+    """FlexAttention reduces a row over the key blocks its query block visits, partial ones
+    first, then full ones; blocks where the row sees nothing leave its sums as they are. So a
+    branch row's bits depend only on which of its visible blocks are visited in which order:
+    the same list, all partial, whatever other branches share the document and its blocks."""
+    rng = random.Random(seed)
+    root = [2] + [7] * rng.randint(100, 500)
+    target = Branch([9, 10, 10, 9], [[11], [12, 11]])
+
+    def visits(others: list[Branch]) -> list[tuple[int, bool]]:
+        at = rng.randint(0, len(others))
+        doc = DocTree(root, others[:at] + [target] + others[at:]).flatten(0)
+        t = _tokens([doc], pad_blocks=0)
+        row = int(doc.readout_rows[at])     # the others' options are one token each
+        keep, full = root_blocks(t, window)
+        sees = _visible(t, window, root_mask)[row].view(-1, BLOCK).any(1)
+        qb = row // BLOCK
+        assert not full[qb].any()
+        return [(b, bool(full[qb, b])) for b in torch.nonzero(keep[qb] & sees).flatten().tolist()]
+
+    alone = visits([])
+    for _ in range(3):
+        others = [Branch([rng.choice((9, 10)) for _ in range(rng.randint(0, 30))],
+                         [[rng.choice((11, 12))] for _ in range(rng.randint(1, 3))])
+                  for _ in range(rng.randint(1, 40))]
+        assert visits(others) == alone

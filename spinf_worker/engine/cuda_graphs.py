@@ -4,7 +4,7 @@ A small model's pass is a few hundred short kernels: launching them one by one f
 costs more host time than the device spends running them, and the host is also the one
 laying out the next requests. Each pass-size bucket's whole forward (block masks from the
 tree tensors, every layer, the final norm) is captured once and then replayed: the host
-copies the pass's [4, rows] input rows (engine/runner.pass_rows) into the graph's buffer and
+copies the pass's input rows (engine/runner.pass_rows) into the graph's buffer and
 launches one graph.
 
 A replay computes every row of the bucket, padding too; the kernels are row-wise or
@@ -17,17 +17,16 @@ from __future__ import annotations
 
 import torch
 
-from .pass_plan import cuda_pass_plan
+from .pass_plan import cuda_pass_plan, pass_rows
 
 
 class PassGraph:
-    """One bucket's captured forward: ``inputs`` [4, rows] int32 in, ``hidden`` out."""
+    """One bucket's captured forward: ``inputs`` [PASS_ROWS, rows] int32 in, ``hidden`` out."""
 
     def __init__(self, model: torch.nn.Module, rows: int, pool):
         device = next(model.parameters()).device
-        self.inputs = torch.zeros(4, rows, dtype=torch.int32, device=device)
-        self.inputs[2] = -1      # capture on a pass of padding rows only
-        self.inputs[3] = torch.arange(1, rows + 1, device=device)
+        # capture on a pass of padding rows only
+        self.inputs = torch.from_numpy(pass_rows([], rows, 0)).to(device)
 
         def forward() -> torch.Tensor:
             plan = cuda_pass_plan(model, self.inputs)
@@ -54,7 +53,7 @@ class PassGraphs:
 
     @torch.inference_mode()
     def run(self, inputs: torch.Tensor) -> torch.Tensor:
-        """``inputs``: a pass's [4, rows] int32 rows on the host. Returns the final-norm hidden
+        """``inputs``: a pass's [PASS_ROWS, rows] int32 rows on the host. Returns the final-norm hidden
         states of every row (a buffer the next replay of this bucket overwrites)."""
         rows = inputs.shape[1]
         graph = self.graphs.get(rows)

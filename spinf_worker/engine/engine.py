@@ -31,7 +31,7 @@ from .respond import build_response
 from .runner import DocScores, ModelRunner, PendingPass
 from .scheduler import PassScheduler
 
-KERNEL_VERSION = "prefix-tree-fused-3"   # bump when a change moves any score's bits
+KERNEL_VERSION = "prefix-tree-fused-4"   # bump when a change moves any score's bits
 PREPARE_CHUNK = 8       # requests whose contents are tokenised together (in parallel);
 #                         few enough that the first pass starts early
 

@@ -1,20 +1,51 @@
-"""How a pass attends on CUDA: the block masks of its tree, built from the pass's device rows.
+"""A pass on CUDA: its rows as one device array, and how it attends (the block masks of its
+tree and the branch rows' own paths, built from those rows on the device).
 
 Shared by the eager runner (engine/runner.py) and the captured graphs (engine/cuda_graphs.py),
 so neither imports the other for it."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..kernels.attention import AttentionPlan
+from .layout import FlatDoc
+
+PASS_ROWS = 6    # the rows of pass_rows' array
 
 
 def cuda_pass_plan(model: torch.nn.Module, inputs: torch.Tensor,
                    real_rows: int | None = None) -> AttentionPlan:
-    """How a pass's [4, rows] device rows (``pass_rows``) attend on CUDA: the block masks of
-    its tree. ``real_rows``: compute only those (None: every row, padding too)."""
+    """How a pass's [PASS_ROWS, rows] device rows (``pass_rows``) attend on CUDA.
+    ``real_rows``: compute only those (None: every row, padding too)."""
     from ..kernels.flex_tree import TreeTokens, build_flex_plan
 
     flex = build_flex_plan(TreeTokens.of_pass(inputs), model.cfg.sliding_window)
     return AttentionPlan([], flex=flex, rows=real_rows or inputs.shape[1])
+
+
+def pass_rows(docs: list[FlatDoc], rows: int, pad_id: int) -> np.ndarray:
+    """A pass padded to ``rows``, as one int32 [PASS_ROWS, rows] array (one upload): token ids,
+    positions, and the tree tensors of kernels/flex_tree.TreeTokens: the document (-1 for
+    padding); the end of each row's subtree as a pass row (k is on q's path iff
+    k <= q < end[k]); the end of the row's root (a branch row is one at or past it; a padding
+    row's root is empty, it ends at the row itself); and a branch row's parent on its own path (-1 at its first branch
+    token, and for root and padding rows)."""
+    out = np.empty((PASS_ROWS, rows), dtype=np.int32)
+    out[0], out[1], out[2], out[5] = pad_id, 0, -1, -1
+    # a padding row: its subtree is itself, and so is its path (its root is empty)
+    out[3], out[4] = np.arange(1, rows + 1), np.arange(rows)
+    start = 0
+    for i, doc in enumerate(docs):
+        end = start + doc.length
+        out[0, start:end] = doc.input_ids.numpy()
+        out[1, start:end] = doc.positions.numpy()
+        out[2, start:start + doc.tokens] = i
+        out[3, start:end] = doc.span_end + start
+        out[4, start:start + doc.tokens] = start + doc.root
+        parent = doc.block.parent
+        out[5, start + doc.root:start + doc.tokens] = np.where(parent >= 0,
+                                                               parent + start + doc.root, -1)
+        start = end
+    return out

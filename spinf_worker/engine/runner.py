@@ -11,7 +11,7 @@ import torch
 
 from ..kernels.attention import AttentionPlan, BranchTiles, DocSpan
 from .layout import FlatDoc
-from .pass_plan import cuda_pass_plan
+from .pass_plan import cuda_pass_plan, pass_rows
 
 READOUT_CHUNK = 1024  # LM-head rows at a time (a multiple of READOUT_TILE)
 PASS_BUCKET = 4096    # CUDA passes are padded to a multiple of this
@@ -226,21 +226,3 @@ def doc_span(doc: FlatDoc, start: int, window: int, dev: torch.device) -> DocSpa
 
 def _body_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for name, p in model.named_parameters() if "embed" not in name)
-
-
-def pass_rows(docs: list[FlatDoc], rows: int, pad_id: int) -> np.ndarray:
-    """A pass padded to ``rows``, as one int32 [4, rows] array (one upload): token ids,
-    positions, and the tree tensors of kernels/flex_tree.TreeTokens (document, -1 for padding;
-    the end of each row's subtree as a pass row, so k is on q's path iff k <= q < end[k])."""
-    out = np.empty((4, rows), dtype=np.int32)
-    out[0], out[1], out[2] = pad_id, 0, -1
-    out[3] = np.arange(1, rows + 1)      # a padding row: its own subtree
-    start = 0
-    for i, doc in enumerate(docs):
-        end = start + doc.length
-        out[0, start:end] = doc.input_ids.numpy()
-        out[1, start:end] = doc.positions.numpy()
-        out[2, start:start + doc.tokens] = i
-        out[3, start:end] = doc.span_end + start
-        start = end
-    return out

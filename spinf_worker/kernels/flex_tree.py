@@ -1,12 +1,17 @@
-"""Packed tree attention on CUDA through FlexAttention.
+"""Packed tree attention on CUDA: FlexAttention for the root part, a path kernel for the rest.
 
-The tree rule becomes a ``mask_mod`` over per-token tensors of the pass (each row's subtree
-end and position). Which 128-token key blocks each query block visits, and in which of them
-every query sees every key (no ``mask_mod`` needed), comes from per-block summaries of the
-tree (``tree_blocks``: a few [blocks, blocks] comparisons, not the dense [rows, rows] mask),
-so a document's key blocks are the same tiles, visited in the same order, wherever the
-128-aligned document lands in the pass. Passes are padded to a few
-fixed sizes so the compiled kernels are reused.
+Every row attends to its document's root through FlexAttention: root rows causally, branch
+rows (questions' tokens) to the whole root. The rule is a ``mask_mod`` over per-token tensors of
+the pass; which 128-token key blocks each query block visits, and in which of them every query
+sees every key (no ``mask_mod`` needed), comes from per-block summaries of the tree
+(``root_blocks``: a few [blocks, blocks] comparisons, not the dense [rows, rows] mask), so a
+document's key blocks are the same tiles, visited in the same order, wherever the 128-aligned
+document lands in the pass. A branch row's own path (its question's tokens down to itself)
+is attended by kernels/branch_paths.py and merged in through the log-sum-exps: in FlexAttention
+a row's path keys would share key blocks with other branches, and its bits would depend on the
+other questions asked. For the same reason a query block holding branch rows has no full
+blocks: its rows visit their root's blocks in block order, whatever rows share the block.
+Passes are padded to a few fixed sizes so the compiled kernels are reused.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from dataclasses import dataclass
 from functools import cache
 
 import torch
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
 BLOCK = 128
 # Heads wider than 256 (Gemma 4's global layers: 512): FlexAttention's default tiles ask for
@@ -28,26 +33,30 @@ WIDE_HEAD_OPTIONS = {"BLOCK_M": 64, "BLOCK_N": 32, "num_stages": 2, "num_warps":
 class TreeTokens:
     """Per-row tensors of a pass, on the device."""
 
-    doc: torch.Tensor      # document index, -1 for padding rows
-    end: torch.Tensor      # end of the row's subtree (pass rows): k is on q's path iff k <= q < end[k]
+    doc: torch.Tensor       # document index, -1 for padding rows
+    end: torch.Tensor       # end of the row's subtree (pass rows): k is on q's path iff k <= q < end[k]
     pos: torch.Tensor
+    root_end: torch.Tensor  # end of the row's root: rows at or past it are branch rows
+    parent: torch.Tensor    # a branch row's parent on its own path; -1 past its first token
 
     @classmethod
     def of_pass(cls, inputs: torch.Tensor) -> TreeTokens:
-        """From a pass's [4, rows] rows (engine/runner.pass_rows): ids, positions, document,
-        subtree end."""
-        return cls(inputs[2], inputs[3], inputs[1])
+        """From a pass's rows (engine/pass_plan.pass_rows): ids, positions, document, subtree
+        end, root end, parent."""
+        return cls(inputs[2], inputs[3], inputs[1], inputs[4], inputs[5])
 
 
 @dataclass
 class FlexPlan:
     full: BlockMask
     window: BlockMask
+    tokens: TreeTokens      # the branch rows' own paths (kernels/branch_paths.py)
+    window_size: int
 
 
 def build_flex_plan(tokens: TreeTokens, window: int) -> FlexPlan:
-    return FlexPlan(_block_mask(tokens, tree_mask(tokens, None), None),
-                    _block_mask(tokens, tree_mask(tokens, window), window))
+    return FlexPlan(_block_mask(tokens, root_mask(tokens, None), None),
+                    _block_mask(tokens, root_mask(tokens, window), window), tokens, window)
 
 
 def tree_mask(tokens: TreeTokens, window: int | None):
@@ -65,11 +74,21 @@ def tree_mask(tokens: TreeTokens, window: int | None):
     return visible if window is None else visible_in_window
 
 
+def root_mask(tokens: TreeTokens, window: int | None):
+    """The ``mask_mod`` of the tree rule restricted to root keys: what FlexAttention computes."""
+    tree, root_end = tree_mask(tokens, window), tokens.root_end
+
+    def visible_in_root(b, h, q, k):
+        return tree(b, h, q, k) & (k < root_end[q])
+
+    return visible_in_root
+
+
 def _block_mask(tokens: TreeTokens, mask_mod, window: int | None) -> BlockMask:
     """Each query block visits its partial key blocks, then its full ones (no ``mask_mod``
     there), each list in block order."""
     n = tokens.doc.shape[0]
-    keep, full = tree_blocks(tokens, window)
+    keep, full = root_blocks(tokens, window)
     partial = keep & ~full
 
     def listed(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,13 +101,15 @@ def _block_mask(tokens: TreeTokens, mask_mod, window: int | None) -> BlockMask:
                                     compute_q_blocks=False)
 
 
-def tree_blocks(tokens: TreeTokens, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two [blocks, blocks] bool tensors over (query block, key block) pairs: ``keep``, the
-    pairs where some query may see some key (a superset of the exact rule that depends only
-    on the document's own blocks), and ``full``, those where every query sees every key."""
+def root_blocks(tokens: TreeTokens, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two [blocks, blocks] bool tensors over (query block, key block) pairs of ``root_mask``:
+    ``keep``, the pairs where some query may see some key (a superset of the exact rule that
+    depends only on the document's own blocks), and ``full``, those where every query sees
+    every key, only in query blocks of root rows alone."""
     n = tokens.doc.shape[0]
     nb = n // BLOCK
-    doc, end, pos = (t.view(nb, BLOCK) for t in (tokens.doc, tokens.end, tokens.pos))
+    doc, end, pos, root_end = (t.view(nb, BLOCK) for t in (tokens.doc, tokens.end, tokens.pos,
+                                                           tokens.root_end))
     row = torch.arange(n, device=doc.device, dtype=end.dtype).view(nb, BLOCK)
     real = doc >= 0
     big = torch.iinfo(torch.int32).max
@@ -101,11 +122,14 @@ def tree_blocks(tokens: TreeTokens, window: int | None) -> tuple[torch.Tensor, t
 
     block_doc = doc.amax(1)                 # a document's rows never share a block with another's
     row_lo, row_hi = lo(row), hi(row)
+    block_root_end = hi(root_end)           # one document per block: one root end
     q, k = (slice(None), None), (None, slice(None))
     keep = ((block_doc[q] == block_doc[k]) & (block_doc[q] >= 0)
-            & (row_lo[k] <= row_hi[q]) & (hi(end)[k] > row_lo[q]))
+            & (row_lo[k] <= row_hi[q]) & (hi(end)[k] > row_lo[q])
+            & (row_lo[k] < block_root_end[q]))
     all_real = real.all(1)
-    full = (keep & all_real[q] & all_real[k]
+    all_root = all_real & (row_hi < block_root_end)
+    full = (keep & all_root[q] & all_root[k]
             & (row_hi[k] <= row_lo[q]) & (lo(end)[k] > row_hi[q]))
     if window is not None:
         pos_lo, pos_hi = lo(pos), hi(pos)
@@ -125,9 +149,14 @@ def _compiled_flex():
 def flex_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: FlexPlan, *,
                         sliding: bool, scale: float) -> torch.Tensor:
     """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq, D]."""
+    from .branch_paths import add_branch_paths
+
     qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
     options = WIDE_HEAD_OPTIONS if q.shape[-1] > 256 else None
-    out = _compiled_flex()(qh, kh, vh, block_mask=plan.window if sliding else plan.full,
-                           scale=scale, enable_gqa=q.shape[1] != k.shape[1],
-                           kernel_options=options)
-    return out[0].transpose(0, 1)
+    out, aux = _compiled_flex()(qh, kh, vh, block_mask=plan.window if sliding else plan.full,
+                                scale=scale, enable_gqa=q.shape[1] != k.shape[1],
+                                kernel_options=options, return_aux=AuxRequest(lse=True))
+    out = out[0].transpose(0, 1)
+    add_branch_paths(q, k, v, out, aux.lse[0], plan.tokens,
+                     plan.window_size if sliding else None, scale)
+    return out

@@ -163,3 +163,30 @@ def test_cuda_graph_passes_equal_eager_passes(scheme):
     assert bits(graphed.finish(first)) == want
     assert bits(graphed.finish(second)) == bits(eager.run(docs[::-1]))
     assert len(graphed.graphs.graphs) == 1
+
+
+@pytest.mark.parametrize("cuda_graphs", [True, False])
+@pytest.mark.parametrize("scheme", ["bf16", "fp8"])
+def test_a_questions_bits_do_not_depend_on_the_other_questions(scheme, cuda_graphs):
+    """Other questions of the same document, before or after it, sharing its first tokens or
+    not, longer or shorter: the question's logprobs are bit-identical to it asked alone
+    (its path keys never share FlexAttention's key blocks with other branches)."""
+    rng = random.Random(7)
+    root = [2] + [rng.randint(3, 4000) for _ in range(300)]    # longer than the window
+    target = Branch([rng.randint(3, 4000) for _ in range(6)], [[11], [12, 13], [14]])
+    runner = _runner("cuda", torch.bfloat16, fp8=scheme == "fp8", cuda_graphs=cuda_graphs)
+
+    def target_bits(others: list[Branch], at: int) -> list[float]:
+        doc = DocTree(root, others[:at] + [target] + others[at:]).flatten(0)
+        return runner.run([doc])[0].branch(at).tolist()
+
+    def other() -> Branch:
+        shared = target.prefix[:rng.randint(0, len(target.prefix))]
+        return Branch(shared + [rng.randint(3, 4000) for _ in range(rng.randint(0, 40))],
+                      [[rng.choice((11, 12, 15)), rng.randint(3, 4000)][:rng.randint(1, 2)]
+                       for _ in range(rng.randint(1, 3))])
+
+    alone = target_bits([], 0)
+    for _ in range(6):
+        others = [other() for _ in range(rng.randint(1, 30))]
+        assert target_bits(others, rng.randint(0, len(others))) == alone
