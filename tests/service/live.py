@@ -35,6 +35,7 @@ import redis as redis_sync
 import uvicorn
 
 from api.app import create_app
+from api.http_protocol import EnvelopeH11Protocol
 from spinf_worker.queue.keys import Keys
 from spinf_worker.queue.settings import ServiceSettings
 
@@ -66,8 +67,10 @@ class LiveServer:
         self._socket.bind(("127.0.0.1", 0))
         self.port = self._socket.getsockname()[1]
         # log_config=None: leave the test process's logging alone
+        # http: the protocol serve.py runs, so a request h11 refuses gets the envelope here too
         config = uvicorn.Config(self.app, log_config=None, log_level="warning",
-                                lifespan="on", timeout_graceful_shutdown=5)
+                                lifespan="on", timeout_graceful_shutdown=5,
+                                http=EnvelopeH11Protocol)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run,
                                         kwargs={"sockets": [self._socket]},

@@ -116,10 +116,12 @@ def raw_get(port: int, path: bytes, request_id: bytes) -> tuple[int, dict[bytes,
     return int(status_line.split()[1]), {k.lower(): v for k, v in headers.items()}, body
 
 
-# h11 (uvicorn's HTTP/1.1 parser) lets these through to the app; what it refuses (NUL, CR, VT,
-# FF) is answered in the envelope by the served protocol (test_api_process.py)
+# h11 (uvicorn's HTTP/1.1 parser) lets these through to the app...
 ODD_IDS = [b"a\x01b", b"a\x1bb", b"a\x7fb", b"a\tb", "\u00e9".encode(), "\u00e9".encode("latin-1"),
            b"\xff\xfe", b"x" * 8000, b"01ARZ3NDEKTSV4RRFFQ69G5FAV"]
+# ...and refuses these before the app: the served protocol answers them in the envelope
+# (api/http_protocol.py; more kinds against a spinf-serve api process: test_api_process.py)
+H11_REFUSED_IDS = [b"a\x00b", b"a\rb", b"a\x0bb", b"a\x0cb"]
 
 
 def short_repr(value: bytes) -> str:
@@ -136,6 +138,15 @@ def test_an_odd_x_request_id_gets_a_fresh_one(api_server, request_id):
         assert request_id not in body
         if status >= 400:
             assert json.loads(body)["request_id"] == fresh
+
+
+@pytest.mark.parametrize("request_id", H11_REFUSED_IDS, ids=short_repr)
+def test_what_h11_refuses_gets_the_envelope_and_a_fresh_id(api_server, request_id):
+    got, headers, body = raw_get(api_server.port, b"/healthz", request_id)
+    assert got == 400 and headers[b"content-type"] == b"application/json", body
+    fresh = headers[b"x-request-id"].decode("ascii")
+    assert ULID.match(fresh) and json.loads(body)["request_id"] == fresh
+    assert json.loads(body)["error"]["code"] == "malformed_request"
 
 
 def test_envelope_codes(settings):
