@@ -5,11 +5,12 @@ Starts a private ``redis-server`` (AOF, ``appendfsync always``, on a free port),
 
 - submits ``--docs`` documents as bulk batches (``POST /v1/files`` + ``POST /v1/batches``,
   ``--batch-size`` lines each) at a steady pace over the first 80% of the run;
-- at moments drawn from ``--seed`` (``random.Random``) between 10% and 90% of the run,
-  SIGKILLs a worker ``--worker-kills`` times (each restarted a few seconds later, under its old
-  name or a new one, so both the re-read of its own pending entries and the reclaim by others
-  happen) and kills Redis (SIGKILL) ``--redis-restarts`` times, starting it again from its AOF
-  after a few seconds down;
+- at moments drawn from ``--seed`` (``random.Random``) between 10% and 80% of the run
+  (while documents come in), SIGKILLs a worker ``--worker-kills`` times (frozen with SIGSTOP
+  first and killed once it holds entries; restarted a few seconds later under its old name or a new one, so both the
+  re-read of its own pending entries and the reclaim by others happen) and kills Redis
+  (SIGKILL) ``--redis-restarts`` times while the streams hold work, starting it again from its
+  AOF after a few seconds down. A fault waits at most ``--fault-wait-s`` for work to hit;
 - every ``--sample-s`` samples Redis ``used_memory`` / ``used_memory_rss``, the RSS of every
   process (psutil when installed, else ``VmRSS`` of /proc/<pid>/status), the backlog and the
   answers so far.
@@ -254,6 +255,17 @@ def sample(service: Service, keys: Keys, t: float, answered: int) -> dict:
     return point
 
 
+def backlog(service: Service, keys: Keys) -> int:
+    """Entries in the work streams, waiting or held (acked ones are deleted)."""
+    client = redis_sync.Redis.from_url(service.redis_url, socket_timeout=5)
+    try:
+        return sum(client.xlen(s) for s in keys.streams)
+    except redis_sync.RedisError:
+        return 0
+    finally:
+        client.close()
+
+
 def held_by(service: Service, keys: Keys, consumer: str) -> int | None:
     client = redis_sync.Redis.from_url(service.redis_url, socket_timeout=5)
     try:
@@ -289,10 +301,10 @@ def run(args: argparse.Namespace, tmp: Path) -> dict:
     n_batches = math.ceil(args.docs / size)
     events: list[tuple[float, str, int]] = [(0.8 * window * b / n_batches, "submit", b)
                                             for b in range(n_batches)]
-    events += [(rng.uniform(0.1, 0.9) * window, "kill-worker", 0)
-               for _ in range(args.worker_kills)]
-    events += [(rng.uniform(0.1, 0.9) * window, "restart-redis", 0)
-               for _ in range(args.redis_restarts)]
+    events += [(rng.uniform(0.1, 0.8) * window, "kill-worker", k)
+               for k in range(args.worker_kills)]
+    events += [(rng.uniform(0.1, 0.8) * window, "restart-redis", k)
+               for k in range(args.redis_restarts)]
     events.sort()
     texts = [document(i, rng) for i in range(args.docs)]
 
@@ -301,6 +313,9 @@ def run(args: argparse.Namespace, tmp: Path) -> dict:
     batches: dict[str, dict] = {}        # id -> its last batch object
     generations = collections.Counter()  # slot -> restarts so far
     restart_as: dict[int, str] = {}      # slot -> the name its killed worker comes back as
+    # a fault waiting for its moment -> (victim slot, when to strike anyway); kills by their
+    # number, restarts by -1 - their number
+    aim: dict[int, tuple[int, float]] = {}
     try:
         service.start_redis()
         service.start_api()
@@ -324,12 +339,24 @@ def run(args: argparse.Namespace, tmp: Path) -> dict:
                              for i in range(arg * size, min(args.docs, (arg + 1) * size))]
                     batches[submit(http, lines)] = {"status": "validating"}
                 elif kind == "kill-worker":
-                    live = sorted(slot for slot, w in service.workers.items() if w.alive)
-                    if not live:      # all killed, none restarted yet
-                        continue
-                    slot = rng.choice(live)
+                    # the victim (drawn once) is frozen and killed while it holds entries;
+                    # an idle one is let go and looked at again, up to --fault-wait-s
+                    if arg not in aim or not service.workers[aim[arg][0]].alive:
+                        live = sorted(slot for slot, w in service.workers.items() if w.alive)
+                        if not live:      # all killed, none restarted yet
+                            events.append((now + 1, kind, arg))
+                            events.sort()
+                            continue
+                        aim[arg] = (rng.choice(live), now + args.fault_wait_s)
+                    slot, give_up = aim[arg]
                     victim = service.workers[slot]
+                    victim.process.send_signal(signal.SIGSTOP)
                     held = held_by(service, keys, victim.name)
+                    if not held and now < give_up:
+                        victim.process.send_signal(signal.SIGCONT)
+                        events.append((now + 0.05, kind, arg))
+                        events.sort()
+                        continue
                     victim.kill()
                     generations[slot] += 1
                     # the old name: it re-reads its own pending entries; a new one: others
@@ -347,7 +374,13 @@ def run(args: argparse.Namespace, tmp: Path) -> dict:
                 elif kind == "start-worker":
                     service.start_worker(arg, restart_as.pop(arg))
                 elif kind == "restart-redis":
+                    # with work in the streams, waited for up to --fault-wait-s
                     assert service.redis is not None
+                    aim.setdefault(-1 - arg, (0, now + args.fault_wait_s))
+                    if not backlog(service, keys) and now < aim[-1 - arg][1]:
+                        events.append((now + 0.05, kind, arg))
+                        events.sort()
+                        continue
                     down = rng.uniform(1, 5)
                     service.redis.kill()
                     time.sleep(down)
@@ -469,6 +502,8 @@ def main() -> int:
                     help="lines per batch (default docs/20, at least 50)")
     ap.add_argument("--worker-kills", type=int, default=6)
     ap.add_argument("--redis-restarts", type=int, default=2)
+    ap.add_argument("--fault-wait-s", type=float, default=30.0,
+                    help="a fault waits this long at most for work in flight to hit")
     ap.add_argument("--claim-idle-ms", type=int, default=10_000,
                     help="a dead worker's entries are reclaimed after this")
     ap.add_argument("--max-pass-tokens", type=int, default=None)
