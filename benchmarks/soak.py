@@ -6,11 +6,12 @@ Starts a private ``redis-server`` (AOF, ``appendfsync always``, on a free port),
 - submits ``--docs`` documents as bulk batches (``POST /v1/files`` + ``POST /v1/batches``,
   ``--batch-size`` lines each) at a steady pace over the first 80% of the run;
 - at moments drawn from ``--seed`` (``random.Random``) between 10% and 80% of the run
-  (while documents come in), SIGKILLs a worker ``--worker-kills`` times (frozen with SIGSTOP
-  first and killed once it holds entries; restarted a few seconds later under its old name or a new one, so both the
-  re-read of its own pending entries and the reclaim by others happen) and kills Redis
-  (SIGKILL) ``--redis-restarts`` times while the streams hold work, starting it again from its
-  AOF after a few seconds down. A fault waits at most ``--fault-wait-s`` for work to hit;
+  (while documents come in), SIGKILLs a worker ``--worker-kills`` times (one that holds
+  entries, frozen with SIGSTOP first; restarted a few seconds later under its old name or a
+  new one, so both the re-read of its own pending entries and the reclaim by others happen)
+  and kills Redis (SIGKILL) ``--redis-restarts`` times while the streams hold work, starting
+  it again from its AOF after a few seconds down. A fault waits at most ``--fault-wait-s``
+  for work to hit;
 - every ``--sample-s`` samples Redis ``used_memory`` / ``used_memory_rss``, the RSS of every
   process (psutil when installed, else ``VmRSS`` of /proc/<pid>/status), the backlog and the
   answers so far.
@@ -313,9 +314,9 @@ def run(args: argparse.Namespace, tmp: Path) -> dict:
     batches: dict[str, dict] = {}        # id -> its last batch object
     generations = collections.Counter()  # slot -> restarts so far
     restart_as: dict[int, str] = {}      # slot -> the name its killed worker comes back as
-    # a fault waiting for its moment -> (victim slot, when to strike anyway); kills by their
-    # number, restarts by -1 - their number
-    aim: dict[int, tuple[int, float]] = {}
+    # a fault waiting for its moment -> when it strikes anyway; kills by their number,
+    # restarts by -1 - their number
+    aim: dict[int, float] = {}
     try:
         service.start_redis()
         service.start_api()
@@ -339,19 +340,21 @@ def run(args: argparse.Namespace, tmp: Path) -> dict:
                              for i in range(arg * size, min(args.docs, (arg + 1) * size))]
                     batches[submit(http, lines)] = {"status": "validating"}
                 elif kind == "kill-worker":
-                    # the victim (drawn once) is frozen and killed while it holds entries;
-                    # an idle one is let go and looked at again, up to --fault-wait-s
-                    if arg not in aim or not service.workers[aim[arg][0]].alive:
-                        live = sorted(slot for slot, w in service.workers.items() if w.alive)
-                        if not live:      # all killed, none restarted yet
-                            events.append((now + 1, kind, arg))
-                            events.sort()
-                            continue
-                        aim[arg] = (rng.choice(live), now + args.fault_wait_s)
-                    slot, give_up = aim[arg]
+                    # a worker that holds entries, frozen first so that they cannot go
+                    # between the look and the kill; with none busy, looked at again, up to
+                    # --fault-wait-s, then any live one
+                    give_up = aim.setdefault(arg, now + args.fault_wait_s)
+                    live = sorted(slot for slot, w in service.workers.items() if w.alive)
+                    busy = [slot for slot in live
+                            if held_by(service, keys, service.workers[slot].name)]
+                    if not live:     # all killed, none restarted yet
+                        events.append((now + 0.5, kind, arg))
+                        events.sort()
+                        continue
+                    slot = rng.choice(busy or live)
                     victim = service.workers[slot]
                     victim.process.send_signal(signal.SIGSTOP)
-                    held = held_by(service, keys, victim.name)
+                    held = held_by(service, keys, victim.name) or 0
                     if not held and now < give_up:
                         victim.process.send_signal(signal.SIGCONT)
                         events.append((now + 0.05, kind, arg))
@@ -376,8 +379,8 @@ def run(args: argparse.Namespace, tmp: Path) -> dict:
                 elif kind == "restart-redis":
                     # with work in the streams, waited for up to --fault-wait-s
                     assert service.redis is not None
-                    aim.setdefault(-1 - arg, (0, now + args.fault_wait_s))
-                    if not backlog(service, keys) and now < aim[-1 - arg][1]:
+                    give_up = aim.setdefault(-1 - arg, now + args.fault_wait_s)
+                    if not backlog(service, keys) and now < give_up:
                         events.append((now + 0.05, kind, arg))
                         events.sort()
                         continue
