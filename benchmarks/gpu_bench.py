@@ -187,6 +187,19 @@ def invariance(engine: Engine, requests: list[dict], reference: list, k: int) ->
     return bits(alone) == bits(reference[k]) == bits(reverse)
 
 
+def nvidia_smi_used_gib() -> float | None:
+    """The device's memory in use as nvidia-smi reports it (None without nvidia-smi)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,"
+                              "nounits", f"--id={torch.cuda.current_device()}"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return round(float(out.split()[0]) / 1024, 2)    # MiB
+
+
 def run_engine(name: str, ckpt: Checkpoint, scheme: str, requests: list[dict],
                max_pass_tokens: int | None = None, cuda_graphs: bool = True, fuse: bool = True
                ) -> tuple[dict, list]:
@@ -195,6 +208,7 @@ def run_engine(name: str, ckpt: Checkpoint, scheme: str, requests: list[dict],
     engine = Engine(ckpt, device="cuda",
                     settings=EngineSettings(scheme=scheme, max_pass_tokens=max_pass_tokens,
                                             cuda_graphs=cuda_graphs, fuse=fuse))
+    load_peak = torch.cuda.max_memory_allocated()
     t0 = time.perf_counter()
     first = checked(engine.score_batch(requests))  # compiles masks/kernels, fills the floor cache
     warm = time.perf_counter() - t0
@@ -226,7 +240,12 @@ def run_engine(name: str, ckpt: Checkpoint, scheme: str, requests: list[dict],
         f"{name}_{scheme}_mask_build_ms_per_pass": round(mask_s * 1000, 2),
         f"{name}_{scheme}_linear_tflops_achieved": round(
             linear_flops(ckpt.config, tokens) / seconds / 1e12, 1),
+        f"{name}_{scheme}_load_peak_gpu_gib": round(load_peak / 2**30, 2),
         f"{name}_{scheme}_peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+        # what the caching allocator held at its peak, and the device's use as nvidia-smi
+        # reports it (the allocator keeps its peak's blocks, plus the CUDA context)
+        f"{name}_{scheme}_peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2),
+        f"{name}_{scheme}_nvidia_smi_used_gib": nvidia_smi_used_gib(),
         f"{name}_{scheme}_bit_identical": identical,
         f"{name}_{scheme}_cuda_graphs": engine.runner.graphs is not None,
     }

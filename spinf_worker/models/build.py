@@ -49,15 +49,50 @@ def activation_dtype(scheme: str, device: torch.device) -> torch.dtype:
 
 def init_random(model: torch.nn.Module, seed: int = 0) -> None:
     """Random weights with the real shapes: for speed measurements where values don't matter."""
-    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    fill = random_filler(model, next(model.parameters()).device, seed)
     for name, p in model.named_parameters():
+        fill(name, p)
+
+
+def random_filler(model: torch.nn.Module, device: torch.device, seed: int = 0):
+    """A ``fill(name, param)`` drawing each weight in turn from one generator (the order of
+    ``named_parameters``); norms start at 0 (1 where they scale by w, not 1 + w)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    plain_norms = {f"{prefix}.weight" if prefix else "weight"
+                   for prefix, module in model.named_modules()
+                   if getattr(module, "offset", None) == 0}
+
+    def fill(name: str, param: torch.Tensor) -> None:
         if name.endswith("norm.weight"):
-            p.zero_()
+            param.zero_()
         else:
-            p.normal_(0.0, 0.02, generator=gen)
-    for module in model.modules():   # norms that scale by w (not 1 + w) start at 1
-        if getattr(module, "offset", None) == 0:
-            module.weight.data.fill_(1.0)
+            param.normal_(0.0, 0.02, generator=gen)
+        if name in plain_norms:
+            param.fill_(1.0)
+
+    return fill
+
+
+def materialize(model: torch.nn.Module, device: torch.device, fill, scheme: str) -> None:
+    """Give a meta-built model its tensors module by module, each directly in the model's
+    dtype on ``device``, filled (``fill(name, param)``) and, for fp8 / int8, the body's
+    linear layers quantised at once: only one layer's full-precision weight exists at a time,
+    so loading peaks near the served size, not at the full-precision model's."""
+    from .layers import Linear
+
+    head = getattr(model, "lm_head", None)
+    for prefix, module in model.named_modules():
+        own = list(module.named_parameters(recurse=False))
+        if not own:
+            continue
+        module.to_empty(device=device, recurse=False)
+        for name, param in module.named_parameters(recurse=False):
+            fill(f"{prefix}.{name}" if prefix else name, param)
+        if isinstance(module, Linear) and module is not head:
+            if scheme == "fp8":
+                module.to_fp8()
+            elif scheme == "int8":
+                module.to_int8()
 
 
 def build_model(checkpoint: Checkpoint, device: str | None = None, scheme: str = "auto"
@@ -71,15 +106,18 @@ def build_model(checkpoint: Checkpoint, device: str | None = None, scheme: str =
     family = family_for(checkpoint.config)
     config = family.config(checkpoint.config)
     with torch.device("meta"):
-        model = family.build(config)
-    model = model.to_empty(device=where).to(dtype)
+        model = family.build(config).to(dtype)
+    if checkpoint.weights is None:
+        fill = random_filler(model, where)
+    else:
+        missing = []
+
+        def fill(name: str, param: torch.Tensor) -> None:
+            if not model.load_weight(checkpoint.weights, name, param):
+                missing.append(name)
+
     with torch.no_grad():
-        if checkpoint.weights is None:
-            init_random(model)
-        else:
-            model.load_hf_weights(checkpoint.weights)
-        if scheme == "fp8":
-            model.to_fp8()
-        elif scheme == "int8":
-            model.to_int8()
+        materialize(model, where, fill, scheme)
+    if checkpoint.weights is not None and missing:
+        raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
     return BuiltModel(model.eval(), config, where, scheme, dtype)

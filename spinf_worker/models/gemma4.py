@@ -203,6 +203,8 @@ class Gemma4Model(PackedLM):
     """``forward`` returns the final-norm hidden states of every packed token;
     ``readout_logprobs`` applies the LM head to the few rows that predict option tokens."""
 
+    OPTIONAL_WEIGHTS = {"layer_scalar": 1.0}   # a checkpoint without it keeps scale 1
+
     def __init__(self, cfg: Gemma4Config):
         super().__init__()
         self.cfg = cfg
@@ -244,9 +246,3 @@ class Gemma4Model(PackedLM):
             x = layer(x, ropes[key], plan, shared_kv,
                       None if per_layer is None else per_layer[:, i])
         return self.norm(x)
-
-    def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Load HF-named tensors; a checkpoint without ``layer_scalar`` keeps scale 1."""
-        for layer in self.layers:
-            layer.layer_scalar.data.fill_(1.0)
-        super().load_hf_weights(weights, optional=("layer_scalar",))

@@ -180,31 +180,39 @@ class PackedLM(nn.Module):
             if isinstance(module, Linear) and module is not self.lm_head:
                 module.to_int8()
 
-    def load_hf_weights(self, weights: dict[str, torch.Tensor],
-                        optional: tuple[str, ...] = ()) -> None:
-        """Copy HF-named tensors (with or without the ``model.`` prefix) into the model, the
-        parts of fused projections joined (FUSED_PROJECTIONS); names ending in one of
-        ``optional`` keep their value when the checkpoint lacks them."""
-        def find(name: str) -> torch.Tensor | None:
-            return weights.get("model." + name, weights.get(name))
+    # Weights a checkpoint may lack, and the value they keep then (a subclass's).
+    OPTIONAL_WEIGHTS: dict[str, float] = {}
 
-        missing = []
-        for name, param in self.state_dict().items():
-            src = find(name)
-            owner, _, leaf = name.rpartition(".")
-            parent, _, projection = owner.rpartition(".")
-            if src is None and projection in FUSED_PROJECTIONS:
-                names, interleave = FUSED_PROJECTIONS[projection]
-                parts = [find(f"{parent}.{part}.{leaf}") for part in names]
-                src = None if any(p is None for p in parts) else join_parts(parts, interleave)
-            if src is None:
-                if not name.endswith(optional):
-                    missing.append(name)
-                continue
-            if src.shape != param.shape:
-                raise ValueError(f"weight {name}: checkpoint shape {tuple(src.shape)}, "
-                                 f"model shape {tuple(param.shape)}")
-            param.copy_(src)
+    def load_weight(self, weights: dict[str, torch.Tensor], name: str,
+                    param: torch.Tensor) -> bool:
+        """Copy the HF-named tensor (with or without the ``model.`` prefix) of the model's
+        ``name`` into ``param``, the parts of a fused projection joined (FUSED_PROJECTIONS).
+        False when the checkpoint lacks it (an OPTIONAL_WEIGHTS entry is then filled)."""
+        def find(key: str) -> torch.Tensor | None:
+            return weights.get("model." + key, weights.get(key))
+
+        src = find(name)
+        owner, _, leaf = name.rpartition(".")
+        parent, _, projection = owner.rpartition(".")
+        if src is None and projection in FUSED_PROJECTIONS:
+            names, interleave = FUSED_PROJECTIONS[projection]
+            parts = [find(f"{parent}.{part}.{leaf}") for part in names]
+            src = None if any(p is None for p in parts) else join_parts(parts, interleave)
+        if src is None:
+            default = self.OPTIONAL_WEIGHTS.get(leaf)
+            if default is None:
+                return False
+            param.fill_(default)
+            return True
+        if src.shape != param.shape:
+            raise ValueError(f"weight {name}: checkpoint shape {tuple(src.shape)}, "
+                             f"model shape {tuple(param.shape)}")
+        param.copy_(src)
+        return True
+
+    def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Copy every weight of an already materialised model from HF-named tensors."""
+        missing = [name for name, param in self.state_dict().items()
+                   if not self.load_weight(weights, name, param)]
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
-

@@ -11,11 +11,16 @@ FP8_MAX = 448.0
 INV_FP8_MAX = 1.0 / FP8_MAX   # scales are amax * fp32(1/448): one rule for torch and Triton
 
 
+def row_amax(w: torch.Tensor) -> torch.Tensor:
+    """max |w| per row without an [N, K] temporary (loading quantises layer by layer)."""
+    return torch.maximum(w.amax(dim=1), -w.amin(dim=1))
+
+
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[N, K] -> (fp8 [N, K], fp32 scale [N])."""
-    w = weight.float()
-    scale = w.abs().amax(dim=1).clamp(min=1e-12) / FP8_MAX
-    return (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+    w = weight.to(torch.float32, copy=True)    # one fp32 copy, divided and clamped in place
+    scale = row_amax(w).clamp(min=1e-12) / FP8_MAX
+    return w.div_(scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

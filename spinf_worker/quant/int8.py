@@ -13,15 +13,16 @@ import torch
 
 from ..kernels.matmul import linear
 from ..tiles import ROW_TILE
+from .fp8 import row_amax
 
 INT8_MAX = 127.0
 
 
 def quantize_weight_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[N, K] -> (int8 [N, K], fp32 scale [N]), round to nearest, symmetric in [-127, 127]."""
-    w = weight.float()
-    scale = w.abs().amax(dim=1).clamp(min=1e-12) / INT8_MAX
-    return torch.round(w / scale[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale
+    w = weight.to(torch.float32, copy=True)    # one fp32 copy, worked on in place
+    scale = row_amax(w).clamp(min=1e-12) / INT8_MAX
+    return w.div_(scale[:, None]).round_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8), scale
 
 
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *,
