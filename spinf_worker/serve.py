@@ -267,7 +267,8 @@ def load_engine(spec: WorkerSpec, settings: ServiceSettings):
                                      max_content_tokens=settings.max_content_tokens)
     if settings.max_pass_tokens:
         engine_settings.max_pass_tokens = settings.max_pass_tokens
-    engine = Engine.load(spec.model, device=spec.device, settings=engine_settings, packs=packs)
+    engine = Engine.load(spec.model, device=spec.device, settings=engine_settings, packs=packs,
+                         load_format=settings.load_format)
     freeze_heap()
     return engine
 

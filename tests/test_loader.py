@@ -422,3 +422,35 @@ def test_directory_missing_files(tmp_path):
     (tmp_path / "model.safetensors").unlink()
     with pytest.raises(ModelNotFoundError, match="model.safetensors"):
         load_checkpoint(str(tmp_path), cache_dir=tmp_path / "cache")
+
+
+def test_dummy_load_format_needs_no_weights_and_builds_the_same_random_model(tiny_dir,
+                                                                             tmp_path):
+    """``load_format="dummy"``: config and tokenizer of the directory, random weights of its
+    shapes, the same ones every time (a service worker and an in-process engine measure the
+    same model); a directory without safetensors is enough."""
+    import shutil
+
+    from spinf_worker.engine import Engine
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        shutil.copy(tiny_dir / name, bare / name)
+    with pytest.raises(ModelNotFoundError):
+        load_checkpoint(str(bare), cache_dir=tmp_path / "cache")
+    ckpt = load_checkpoint(str(bare), cache_dir=tmp_path / "cache", load_format="dummy")
+    full = load_checkpoint(str(tiny_dir), cache_dir=tmp_path / "cache", load_format="dummy")
+    assert ckpt.weights is None and full.weights is None
+    assert ckpt.weights_digest == full.weights_digest and ckpt.weights_digest.startswith("dummy-")
+    real = load_checkpoint(str(tiny_dir), cache_dir=tmp_path / "cache")
+    assert real.weights_digest != ckpt.weights_digest
+    request = {"text": "The match ended two all.", "scoring": {"queries": [
+        {"id": "q", "template": "\n\nSport? Answer:{?}", "options": [" yes", " no"]}]}}
+    a = Engine.load(str(bare), device="cpu", load_format="dummy").score(request)
+    b = Engine(ckpt, device="cpu").score(request)
+    c = Engine.load(str(tiny_dir), device="cpu").score(request)
+    lp = lambda r: [o.logprob for o in r.results[0].queries[0].combinations[0].options]  # noqa: E731
+    assert lp(a) == lp(b) != lp(c)
+    with pytest.raises(ValueError, match="load format"):
+        load_checkpoint(str(bare), load_format="random")

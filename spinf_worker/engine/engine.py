@@ -93,9 +93,11 @@ class Engine:
 
     @classmethod
     def load(cls, model: str | None = None, *, device: str | None = None,
-             settings: EngineSettings | None = None, packs: dict | None = None
-             ) -> Engine:
-        return cls(load_checkpoint(model), device=device, settings=settings, packs=packs)
+             settings: EngineSettings | None = None, packs: dict | None = None,
+             load_format: str = "auto") -> Engine:
+        """``load_format="dummy"``: random weights of the model's shapes (models/loader)."""
+        return cls(load_checkpoint(model, load_format=load_format), device=device,
+                   settings=settings, packs=packs)
 
     @property
     def model_name(self) -> str:

@@ -12,6 +12,7 @@ always read the same files.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -48,7 +49,7 @@ _HUB_PATTERNS = [
 class Checkpoint:
     name: str
     config: dict
-    weights: dict[str, torch.Tensor]
+    weights: dict[str, torch.Tensor] | None    # None: random weights of the config's shapes
     tokenizer: Tokenizer
     bos_token_id: int
     eos_token_id: int
@@ -57,8 +58,23 @@ class Checkpoint:
     path: Path
 
 
-def load_checkpoint(model: str | None = None, *, cache_dir: Path | None = None) -> Checkpoint:
+LOAD_FORMATS = ("auto", "dummy")
+
+
+def load_checkpoint(model: str | None = None, *, cache_dir: Path | None = None,
+                    load_format: str = "auto") -> Checkpoint:
+    """``load_format="dummy"``: the model's config and tokenizer with random weights of its
+    shapes (vLLM's ``--load-format dummy``): for capacity and speed measurements, where the
+    weights' values do not matter; an HF directory needs no safetensors then."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"unknown load format {load_format!r} ({', '.join(LOAD_FORMATS)})")
     root = Path(cache_dir) if cache_dir is not None else cache_root()
+    if load_format == "dummy" and not is_default(model) and Path(model).expanduser().is_dir():
+        return load_hf_dir(Path(model).expanduser(), name=model, cache_dir=root, dummy=True)
+    if load_format == "dummy":
+        checkpoint = load_checkpoint(model, cache_dir=cache_dir)
+        return dataclasses.replace(checkpoint, weights=None,
+                                   weights_digest=_dummy_digest(checkpoint.config))
     if is_default(model):
         return _load_packaged_default(root)
 
@@ -171,18 +187,23 @@ def _file_lock(path: Path):
 # --- HF directory route ------------------------------------------------------------------------
 
 def load_hf_dir(path: Path, *, name: str, cache_dir: Path | None = None,
-                weights_digest: str | None = None) -> Checkpoint:
-    """Load an HF-layout directory: config.json, *.safetensors and tokenizer.json."""
+                weights_digest: str | None = None, dummy: bool = False) -> Checkpoint:
+    """Load an HF-layout directory: config.json, *.safetensors and tokenizer.json (``dummy``:
+    no weights, random ones of the config's shapes are built)."""
     path = Path(path)
     for required in ("config.json", "tokenizer.json"):
         if not (path / required).is_file():
             raise ModelNotFoundError(f"{path} has no {required}", param="model")
     config = text_config(json.loads((path / "config.json").read_text()))
-    files = _safetensors_files(path)
-    weights = {}
-    for file in files:
-        weights.update(load_file(file))
-    weights = text_weights(weights, tied=config.get("tie_word_embeddings", True))
+    weights = None
+    if dummy:
+        weights_digest = _dummy_digest(config)
+    else:
+        files = _safetensors_files(path)
+        weights = {}
+        for file in files:
+            weights.update(load_file(file))
+        weights = text_weights(weights, tied=config.get("tie_word_embeddings", True))
 
     tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
     tokenizer.post_processor = None  # callers add BOS themselves
@@ -314,6 +335,12 @@ def _sha256_file(path: Path) -> str:
         while block := f.read(1 << 22):
             digest.update(block)
     return digest.hexdigest()
+
+
+def _dummy_digest(config: dict) -> str:
+    """Random weights are a function of the shapes (build.random_filler's fixed seed)."""
+    shapes = json.dumps(config, sort_keys=True, default=str).encode()
+    return "dummy-" + hashlib.sha256(shapes).hexdigest()[:16]
 
 
 def _weights_digest(files: list[Path], root: Path) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -19,6 +21,7 @@ class ServiceSettings(BaseSettings):
     max_pass_tokens: int | None = None    # None: the engine's default for the device
     max_content_tokens: int = 4096        # per input (the hosted limit); up to the model's context
     quant: str = "auto"                   # engine scheme: auto | fp32 | bf16 | fp8 | int8
+    load_format: Literal["auto", "dummy"] = "auto"   # dummy: random weights of the model's shapes
     max_wait_ms: int = 50                 # a lone request is not held longer for a fuller pass
     read_count: int = 256                 # entries per XREADGROUP
     claim_idle_ms: int = 120_000          # longer than the slowest pass
