@@ -171,7 +171,8 @@ def _service_settings(args: argparse.Namespace):
     from .queue.settings import ServiceSettings
 
     flags = {"redis_url": args.redis, "prefix": args.prefix, "packs": args.packs or None,
-             "quant": getattr(args, "quant", None)}
+             "quant": getattr(args, "quant", None),
+             "api_workers": getattr(args, "workers", None)}
     settings = ServiceSettings(**{k: v for k, v in flags.items() if v is not None})
     if settings.packs and args.command != "dispatcher":
         from .pack_sources import pin_sources
@@ -185,11 +186,14 @@ def _service_settings(args: argparse.Namespace):
     return settings
 
 
+def _log_json(args: argparse.Namespace) -> bool | None:
+    return {"auto": None, "json": True, "console": False}[args.log_format]
+
+
 def _start_logging(args: argparse.Namespace) -> None:
     from .logs import configure_logging
 
-    configure_logging(json={"auto": None, "json": True, "console": False}[args.log_format],
-                      level=args.log_level)
+    configure_logging(json=_log_json(args), level=args.log_level)
 
 
 def _needs(settings, *, redis: bool = True, secret: bool = False) -> None:
@@ -299,18 +303,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
               f"{args.model!r}); name one", file=sys.stderr)
         return 2
     _start_logging(args)
-    serve(_with_token(_service_settings(args), args), host=args.host, port=args.port,
-          model=args.model_arg or args.model, device=args.device, state_dir=args.state_dir)
+    settings = _with_token(_service_settings(args), args)
+    if settings.api_workers != 1:
+        # one process holds the API and the engine; more API processes need their own worker
+        print("spinf-serve serve: runs the API in one process with its worker; for several "
+              "API processes run `spinf-serve api --workers N` and `spinf-serve worker` on one "
+              "Redis (--workers / SPINF_API_WORKERS)", file=sys.stderr)
+        return 2
+    serve(settings, host=args.host, port=args.port, model=args.model_arg or args.model,
+          device=args.device, state_dir=args.state_dir)
     return 0
 
 
 def cmd_api(args: argparse.Namespace) -> int:
-    from .serve import Tiers, run_tiers
+    from .serve import Tiers, run_api_processes, run_tiers
 
     _start_logging(args)
     settings = _with_token(_service_settings(args), args)
     _needs(settings)
-    asyncio.run(run_tiers(settings, Tiers(api=(args.host, args.port))))
+    if settings.api_workers > 1:
+        run_api_processes(settings, args.host, args.port, log_json=_log_json(args),
+                          log_level=args.log_level)
+    else:   # the API in this process, as `serve` runs it
+        asyncio.run(run_tiers(settings, Tiers(api=(args.host, args.port))))
     return 0
 
 
@@ -390,6 +405,13 @@ def _model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quant", default=None, choices=QUANT_SCHEMES, help=QUANT_HELP)
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, not {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="spinf-serve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -403,6 +425,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="model id, HF directory or .gguf path (same as --model)")
     _http_options(serve)
     _model_options(serve)
+    # refused with a pointer to `api --workers` (cmd_serve) rather than argparse's usage text
+    serve.add_argument("--workers", type=_positive_int, default=None, help=argparse.SUPPRESS)
     serve.add_argument("--state-dir", default=None, type=Path,
                        help="private Redis data and the webhook secret (default: the user data "
                             "dir, e.g. ~/.local/share/spinf-serve)")
@@ -411,6 +435,10 @@ def build_parser() -> argparse.ArgumentParser:
     api = sub.add_parser("api", parents=[_service_options(external)],
                          help="only the HTTP API (no torch); workers run elsewhere")
     _http_options(api)
+    api.add_argument("--workers", type=_positive_int, default=None, metavar="N",
+                     help="API processes on this host and port, each with its own reply "
+                          "stream (uvicorn's supervisor; a child that dies is restarted); "
+                          "default: $SPINF_API_WORKERS or 1, this process alone")
     api.set_defaults(func=cmd_api)
 
     worker = sub.add_parser("worker", parents=[_service_options(external)],

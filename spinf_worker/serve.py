@@ -41,6 +41,9 @@ LOCK_FILE = "serve.lock"
 REDIS_START_TIMEOUT_S = 120.0     # loading a large AOF takes a while; a bad start fails fast
 REDIS_STOP_TIMEOUT_S = 30.0
 API_GRACE_S = 10.0                # requests in flight at shutdown get this long to finish
+# `api --workers N`: uvicorn's supervisor replaces a child that leaves its ping unanswered
+# this long; generous, so a busy shared host does not lose a healthy one
+API_HEALTHCHECK_S = 30
 
 
 class ServiceError(SpinfError):
@@ -344,12 +347,30 @@ async def _run_worker(spec: WorkerSpec, settings: ServiceSettings, redis, keys: 
     await Worker(engine, redis, keys, settings, name=name, started_ms=started_ms).run(stop)
 
 
-def _api_server(settings: ServiceSettings, host: str, port: int):
+def _api_config(app, host: str, port: int, **more):
+    """The uvicorn settings of the API, one process or several."""
     import uvicorn
 
+    from api.http_protocol import EnvelopeH11Protocol
+
+    # EnvelopeH11Protocol: a request the HTTP parser refuses gets the error envelope too
+    return uvicorn.Config(app, host=host, port=port, log_config=None,
+                          timeout_graceful_shutdown=API_GRACE_S, server_header=False,
+                          http=EnvelopeH11Protocol, **more)
+
+
+def _create_api_app(settings: ServiceSettings):
     from api.app import create_app
     from api.auth import ApiKeysError
-    from api.http_protocol import EnvelopeH11Protocol
+
+    try:
+        return create_app(settings)
+    except ApiKeysError as err:     # a bad keys file: one line naming it, not a traceback
+        raise ServiceError(str(err)) from None
+
+
+def _api_server(settings: ServiceSettings, host: str, port: int):
+    import uvicorn
 
     class ApiServer(uvicorn.Server):
         # signals belong to the whole process (run_tiers), not to the HTTP tier alone
@@ -360,15 +381,60 @@ def _api_server(settings: ServiceSettings, host: str, port: int):
         def install_signal_handlers(self) -> None:   # uvicorn < 0.29
             pass
 
+    return ApiServer(_api_config(_create_api_app(settings), host, port))
+
+
+@dataclass(frozen=True)
+class ApiAppFactory:
+    """Builds the app in each process of ``api --workers N``. uvicorn pickles it into a
+    spawned child, which has nothing of the parent's, logging included; each app's lifespan
+    then opens that process's own Redis clients, reply listener and QueueKeeper."""
+
+    settings: ServiceSettings
+    log_json: bool | None
+    log_level: str
+
+    def __call__(self):
+        from uvicorn.config import STARTUP_FAILURE
+
+        from .logs import configure_logging
+
+        configure_logging(json=self.log_json, level=self.log_level)
+        try:
+            return _create_api_app(self.settings)
+        except ServiceError as err:
+            log.error("the API could not start", error=err.message)
+            # uvicorn's code for it: the supervisor stops rather than restart the child
+            sys.exit(STARTUP_FAILURE)
+
+
+def run_api_processes(settings: ServiceSettings, host: str, port: int, *,
+                      log_json: bool | None, log_level: str) -> None:
+    """``spinf-serve api --workers N``: uvicorn's supervisor (``Multiprocess``) binds the
+    socket once and runs N children that accept on it. It restarts a child that dies once
+    serving, and stops all when one fails to start (then this raises ServiceError). SIGINT /
+    SIGTERM: every child stops gracefully, then this returns. SIGHUP replaces the children
+    one at a time; SIGTTIN / SIGTTOU add or remove one."""
+    from uvicorn.config import STARTUP_FAILURE
+    from uvicorn.supervisors import Multiprocess
+
+    _create_api_app(settings)     # a bad keys file: one line here, before any child starts
+    config = _api_config(ApiAppFactory(settings, log_json, log_level), host, port,
+                         factory=True, workers=settings.api_workers,
+                         timeout_worker_healthcheck=API_HEALTHCHECK_S)
     try:
-        app = create_app(settings)
-    except ApiKeysError as err:     # a bad keys file: one line naming it, not a traceback
-        raise ServiceError(str(err)) from None
-    # EnvelopeH11Protocol: a request the HTTP parser refuses gets the error envelope too
-    config = uvicorn.Config(app, host=host, port=port, log_config=None,
-                            timeout_graceful_shutdown=API_GRACE_S, server_header=False,
-                            http=EnvelopeH11Protocol)
-    return ApiServer(config)
+        sock = config.bind_socket()
+    except SystemExit:              # uvicorn logged why (address in use, ...)
+        raise ServiceError(f"the API could not start on {host}:{port} (see the log above)"
+                           ) from None
+    supervisor = Multiprocess(config, sockets=[sock])
+    try:
+        supervisor.run()
+    finally:
+        sock.close()
+    if any(process.exitcode == STARTUP_FAILURE for process in supervisor.processes):
+        raise ServiceError("an API process could not start (see the log above); stopped "
+                           "the others")
 
 
 async def _run_api(server) -> None:

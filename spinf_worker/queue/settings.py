@@ -29,6 +29,8 @@ class ServiceSettings(BaseSettings):
     heartbeat_s: float = 2.0
     worker_ttl_s: float = 10.0            # a worker silent this long is not alive
     # API
+    # processes of `spinf-serve api` on one host and port, under uvicorn's supervisor
+    api_workers: int = Field(default=1, ge=1)
     sync_timeout_s: float = 120.0         # /v1/score waits this long for a result, then 503
     max_backlog: int = 1_000_000          # entries waiting: past it, 429 + Retry-After
     # a batch's queuer silent this long (its lease not renewed) is taken over by another instance
