@@ -268,9 +268,19 @@ class EngineInfo(BaseModel):
     workers: list[EngineWorker]
 
 
+class ApiProcess(BaseModel):
+    """The API process that answered: one of several behind a port (``api --workers N``) or
+    a load balancer."""
+
+    host: str
+    pid: int
+    instance: str = Field(description="its reply stream's id (`<prefix>:{q}:reply:<instance>`)")
+
+
 class Info(BaseModel):
     engine: EngineInfo
     boot: Boot
+    api: ApiProcess
 
 
 class Drain(BaseModel):

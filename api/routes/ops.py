@@ -8,6 +8,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
@@ -24,7 +26,18 @@ from ..errors import (
     WarmingUpError,
 )
 from ..metrics import queue_families, render
-from ..models import Boot, Drain, Health, Healthz, Info, Livez, Ready, Readyz, error_responses
+from ..models import (
+    ApiProcess,
+    Boot,
+    Drain,
+    Health,
+    Healthz,
+    Info,
+    Livez,
+    Ready,
+    Readyz,
+    error_responses,
+)
 from ..services import Services, ServicesDep, WorkerInfo
 
 router = APIRouter(tags=["operations"])
@@ -142,7 +155,8 @@ async def metrics(services: ServicesDep) -> Response:
             responses=error_responses(401, 503))
 async def info(services: ServicesDep) -> Info:
     """The engines behind this API: each live worker's model, fingerprint and device, and
-    when they started and loaded. 503 ``warming_up`` until one has loaded."""
+    when they started and loaded; and this API process. 503 ``warming_up`` until one has
+    loaded."""
     await services.check_serving()
     live, _registered = await services.workers()
     if not live:
@@ -154,7 +168,9 @@ async def info(services: ServicesDep) -> Info:
                         "fingerprints": sorted({w.fingerprint for w in available
                                                 if w.fingerprint}),
                         "workers": [w.engine() for w in live]},
-                boot=_boot(services, live))
+                boot=_boot(services, live),
+                api=ApiProcess(host=socket.gethostname(), pid=os.getpid(),
+                               instance=services.listener.instance_id))
 
 
 @router.post("/v0/drain", response_model=Drain, dependencies=V0_AUTH,
