@@ -196,18 +196,19 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def api_process(settings: ServiceSettings, log_path: Path, **env
+def api_process(settings: ServiceSettings, log_path: Path, *args: str, **env
                 ) -> Iterator[tuple[subprocess.Popen, str]]:
-    """``spinf-serve api`` as its own process; yields it and its /v1 URL. Killed (SIGKILL)
-    at the end if still running."""
+    """``spinf-serve api [args]`` as its own process; yields it and its /v1 URL. Killed
+    (SIGKILL) at the end with whatever is left of its process group (``--workers``'
+    children)."""
     port = free_port()
     environ = {k: v for k, v in os.environ.items() if not k.startswith("SPINF_")}
     with open(log_path, "w") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "spinf_worker.cli", "api", "--redis", settings.redis_url,
-             "--prefix", settings.prefix, "--port", str(port), "--log-format", "json"],
+             "--prefix", settings.prefix, "--port", str(port), "--log-format", "json", *args],
             cwd=ROOT, env={**environ, "PYTHONPATH": str(ROOT), **env}, stdout=log,
-            stderr=subprocess.STDOUT)
+            stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
 
     def healthy() -> bool:
@@ -220,8 +221,8 @@ def api_process(settings: ServiceSettings, log_path: Path, **env
         wait_for(healthy, WAIT_S, 0.2, "the API process to start")
         yield process, f"{url}/v1"
     finally:
-        if process.poll() is None:
-            process.kill()
+        with contextlib.suppress(ProcessLookupError):   # the group is gone already
+            os.killpg(process.pid, signal.SIGKILL)
         process.wait(WAIT_S)
 
 
