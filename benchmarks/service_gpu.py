@@ -1,0 +1,485 @@
+"""The service at the engine's speed? In-process engine vs the real service on a GPU, one run.
+
+The documents: the AG News sample and the news articles of ``../shared/data`` (each cut to
+``--doc-tokens`` tokens), and windows of the articles' words, ``--docs`` distinct ones in
+all, each asked the 56 questions of ``news_questions.json`` (options as given). Phases:
+
+a. **engine**: the in-process engine (``Engine.load``), one warm-up ``score_batch`` of every
+   document, then one timed ``score_batch`` of every document (a bulk job);
+b. **batch**: the same documents as one bulk batch through ``/v1/files`` + ``/v1/batches`` on
+   the real service: a private ``redis-server``, ``spinf-serve api`` (``--api-workers``
+   processes) and one ``spinf-serve worker`` on the device, as separate processes;
+c. **concurrent**: the documents as ``--clients`` concurrent ``POST /v1/score`` callers,
+   spread over ``--client-procs`` client processes (so the client is not the bottleneck);
+d. **interactive**: a trickle of single ``POST /v1/score`` requests (one every
+   ``--trickle-ms``) while a second bulk batch of the documents runs: their p50 / p99 latency
+   against the worker's mean pass time.
+
+Every service answer is compared with the in-process one, bit for bit. Per phase: docs/s,
+questions/s, the fraction of the wall time the worker was inside a pass
+(``spinf_worker_busy_seconds_total``), CPU seconds of each tier (API processes, worker, Redis,
+clients), and peak device memory (``nvidia-smi``, sampled, the worker's process and the
+in-process engine's ``torch.cuda.max_memory_allocated``).
+
+``--load-format dummy`` with a directory holding config.json and tokenizer.json measures a
+model's shapes with random weights (the same weights in-process and in the worker).
+
+    python benchmarks/service_gpu.py --model DIR --load-format dummy --quant fp8 \\
+        --redis-server PATH --data DIR --docs 2000 --out OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime
+import json
+import multiprocessing
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from service_http import compare, free_port, parse_metrics, process_cpu_s  # noqa: E402
+
+QUESTIONS = ROOT / "benchmarks" / "news_questions.json"
+HTTP_TIMEOUT_S = 900.0
+READY_TIMEOUT_S = 900.0
+POLL_S = 0.05
+WINDOW_WORDS = 150
+
+
+def load_docs(data: Path, tokenizer, n: int, doc_tokens: int) -> list[str]:
+    """n distinct documents: AG News items, the articles cut to doc_tokens tokens, then
+    windows of the articles' words (stride chosen to reach n)."""
+    ag = [json.loads(x) for x in (data / "ag_news_sample.jsonl").read_text().splitlines()]
+    articles = [json.loads(x)["text"] for x in
+                (data / "news_articles.jsonl").read_text().splitlines()]
+
+    def cut(text: str) -> str:
+        return tokenizer.decode(tokenizer.encode(text, add_special_tokens=False).ids[:doc_tokens])
+
+    docs = [f"{a['title']}\n\n{a['description']}" for a in ag] + [cut(t) for t in articles]
+    words = [t.split() for t in articles]
+    total = sum(max(0, len(w) - WINDOW_WORDS) for w in words)
+    stride = max(1, total // max(1, n - len(docs)))
+    for w in words:
+        docs += [" ".join(w[i:i + WINDOW_WORDS]) for i in range(0, len(w) - WINDOW_WORDS, stride)]
+    docs = list(dict.fromkeys(docs))
+    if len(docs) < n:
+        raise SystemExit(f"only {len(docs)} distinct documents in {data}")
+    return docs[:n]
+
+
+def requests_for(docs: list[str]) -> list[dict]:
+    scoring = {**json.loads(QUESTIONS.read_text()), "case_insensitive": False}
+    return [{"messages": [{"role": "user", "content": d}], "scoring": scoring} for d in docs]
+
+
+def questions_in(bodies: list[dict]) -> int:
+    return sum(len(q["combinations"]) for b in bodies for r in b["results"] for q in r["queries"])
+
+
+# ---- device memory and CPU ----------------------------------------------------------------
+
+
+class MemorySampler:
+    """nvidia-smi's used memory of the device, every 0.2 s, in a thread: the peak."""
+
+    def __init__(self):
+        self.peak_mib = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used",
+                                      "--format=csv,noheader,nounits"], capture_output=True,
+                                     text=True, timeout=10).stdout.split()
+                self.peak_mib = max(self.peak_mib, float(out[0]))
+            except (OSError, subprocess.SubprocessError, IndexError, ValueError):
+                return
+            self._stop.wait(0.2)
+
+    def __enter__(self) -> MemorySampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def tree_pids(pid: int) -> list[int]:
+    """A process and its descendants (uvicorn's worker processes)."""
+    pids, frontier = [pid], [pid]
+    while frontier:
+        children = []
+        for p in frontier:
+            with contextlib.suppress(OSError):     # it ended
+                children += [int(c) for c in
+                             Path(f"/proc/{p}/task/{p}/children").read_text().split()]
+        pids += children
+        frontier = children
+    return pids
+
+
+def tier_cpu_s(tiers: dict[str, int]) -> dict[str, float]:
+    out = {}
+    for name, pid in tiers.items():
+        total = 0.0
+        for p in tree_pids(pid):
+            with contextlib.suppress(OSError):
+                total += process_cpu_s(p)
+        out[name] = total
+    return out
+
+
+# ---- the service ----------------------------------------------------------------------------
+
+
+class Service:
+    """A private redis-server, ``spinf-serve api`` and one ``spinf-serve worker``."""
+
+    def __init__(self, args: argparse.Namespace, tmp: Path):
+        self.args, self.tmp = args, tmp
+        self.port, self.redis_port = free_port(), free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("SPINF_")}
+        self.env.update(PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+                        SPINF_REDIS_URL=f"redis://127.0.0.1:{self.redis_port}/0",
+                        SPINF_SYNC_TIMEOUT_S=str(HTTP_TIMEOUT_S),
+                        SPINF_LOAD_FORMAT=args.load_format, SPINF_QUANT=args.quant,
+                        SPINF_MAX_BACKLOG=str(10 * args.docs + 1000))
+
+    def _start(self, name: str, command: list[str]) -> None:
+        log = (self.tmp / f"{name}.log").open("wb")
+        self.procs[name] = subprocess.Popen(command, cwd=ROOT, env=self.env,
+                                            stdin=subprocess.DEVNULL, stdout=log,
+                                            stderr=subprocess.STDOUT)
+
+    def start(self) -> None:
+        self._start("redis", [self.args.redis_server, "--port", str(self.redis_port),
+                              "--save", "", "--appendonly", "no", "--dir", str(self.tmp)])
+        cli = [sys.executable, "-m", "spinf_worker.cli"]
+        api = [*cli, "api", "--port", str(self.port), "--log-format", "json"]
+        if self.args.api_workers > 1:
+            api += ["--workers", str(self.args.api_workers)]
+        time.sleep(0.5)
+        self._start("api", api)
+        self._start("worker", [*cli, "worker", "--model", self.args.model, "--device",
+                               self.args.device, "--log-format", "json"])
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        with httpx.Client(base_url=self.url, timeout=5.0) as client:
+            while time.monotonic() < deadline:
+                for name, proc in self.procs.items():
+                    if proc.poll() is not None:
+                        raise RuntimeError(f"{name} exited {proc.returncode}: {self.tail(name)}")
+                try:
+                    if client.get("/readyz").status_code == 200:
+                        return
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.5)
+        raise RuntimeError(f"not ready within {READY_TIMEOUT_S} s: {self.tail('worker')}")
+
+    def tail(self, name: str, n: int = 20) -> str:
+        path = self.tmp / f"{name}.log"
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:]) if path.exists() else ""
+
+    def pids(self) -> dict[str, int]:
+        return {name: p.pid for name, p in self.procs.items()}
+
+    def stop(self) -> None:
+        for name in ("worker", "api", "redis"):
+            proc = self.procs.get(name)
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGINT if name != "redis" else signal.SIGTERM)
+                try:
+                    proc.wait(120)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+
+
+async def metrics(client: httpx.AsyncClient) -> dict[str, float]:
+    return parse_metrics((await client.get("/metrics")).text)
+
+
+async def post_score(client: httpx.AsyncClient, body: dict) -> tuple[dict, float]:
+    t0 = time.perf_counter()
+    r = await client.post("/v1/score", json=body)
+    if r.status_code != 200:
+        raise RuntimeError(f"/v1/score answered {r.status_code}: {r.text[:300]}")
+    return r.json(), time.perf_counter() - t0
+
+
+async def run_batch(client: httpx.AsyncClient, requests: list[dict], tag: str) -> tuple[float, list]:
+    content = "".join(json.dumps({"custom_id": f"{tag}-{i}", "method": "POST",
+                                  "url": "/v1/score", "body": b}) + "\n"
+                      for i, b in enumerate(requests)).encode()
+    r = await client.post("/v1/files", data={"purpose": "batch"},
+                          files={"file": (f"{tag}.jsonl", content, "application/jsonl")})
+    r.raise_for_status()
+    t0 = time.perf_counter()
+    r = await client.post("/v1/batches", json={"input_file_id": r.json()["id"],
+                                               "endpoint": "/v1/score",
+                                               "completion_window": "24h"})
+    r.raise_for_status()
+    batch = r.json()
+    while batch["status"] not in ("completed", "failed", "expired", "cancelled"):
+        await asyncio.sleep(POLL_S)
+        batch = (await client.get(f"/v1/batches/{batch['id']}")).json()
+    seconds = time.perf_counter() - t0
+    if batch["status"] != "completed":
+        raise RuntimeError(f"batch ended {batch['status']}: {batch}")
+    out = await client.get(f"/v1/files/{batch['output_file_id']}/content")
+    rows = {row["custom_id"]: row for row in map(json.loads, out.text.splitlines())}
+    if len(rows) != len(requests):
+        raise RuntimeError(f"batch output has {len(rows)} lines, not {len(requests)}")
+    return seconds, [rows[f"{tag}-{i}"]["response"]["body"] for i in range(len(requests))]
+
+
+def _client_process(url: str, items: list[tuple[int, dict]], concurrency: int,
+                    out: multiprocessing.Queue) -> None:
+    async def main() -> list:
+        limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+        queue: asyncio.Queue = asyncio.Queue()
+        for item in items:
+            queue.put_nowait(item)
+        done = []
+        async with httpx.AsyncClient(base_url=url, timeout=HTTP_TIMEOUT_S, limits=limits) as c:
+            async def caller() -> None:
+                while not queue.empty():
+                    i, body = queue.get_nowait()
+                    got, seconds = await post_score(c, body)
+                    done.append((i, got, seconds))
+            await asyncio.gather(*(caller() for _ in range(concurrency)))
+        return done
+    done = asyncio.run(main())
+    out.put((done, time.process_time()))
+
+
+def run_concurrent(url: str, requests: list[dict], clients: int, procs: int
+                   ) -> tuple[float, list, float]:
+    """(seconds, bodies in request order, the client processes' CPU seconds)."""
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    shares = [[(i, r) for i, r in enumerate(requests) if i % procs == p] for p in range(procs)]
+    workers = [ctx.Process(target=_client_process, args=(url, s, clients // procs, out))
+               for s in shares]
+    t0 = time.perf_counter()
+    for w in workers:
+        w.start()
+    results, cpu_s = [], 0.0
+    for _ in workers:
+        done, used = out.get()
+        results += done
+        cpu_s += used
+    seconds = time.perf_counter() - t0
+    for w in workers:
+        w.join()
+    bodies = [None] * len(requests)
+    for i, body, _ in results:
+        bodies[i] = body
+    return seconds, bodies, cpu_s
+
+
+async def run_interactive(client: httpx.AsyncClient, requests: list[dict], trickle_s: float
+                          ) -> dict:
+    """A bulk batch of every document, and meanwhile one single request every trickle_s."""
+    batch = asyncio.create_task(run_batch(client, requests, "bulk2"))
+    latencies, singles, k = [], [], 0
+    while not batch.done():
+        body = dict(requests[k % len(requests)])
+        singles.append(asyncio.create_task(post_score(client, body)))
+        k += 1
+        await asyncio.sleep(trickle_s)
+    seconds, _ = await batch
+    for task in singles:
+        _, s = await task
+        latencies.append(s)
+    latencies.sort()
+    return dict(batch_seconds=seconds, singles=len(latencies),
+                p50_s=statistics.median(latencies) if latencies else None,
+                p99_s=latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))]
+                if latencies else None)
+
+
+# ---- phases -------------------------------------------------------------------------------
+
+
+def run_engine(args: argparse.Namespace, requests: list[dict]) -> dict:
+    import torch
+
+    from spinf_worker.engine import Engine
+    from spinf_worker.engine.engine import EngineSettings
+
+    cuda = args.device.startswith("cuda")
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    engine = Engine.load(args.model, device=args.device,
+                         settings=EngineSettings(scheme=args.quant), load_format=args.load_format)
+    engine.score_batch(requests)                 # floors, compiled kernels, graphs
+    t0 = time.perf_counter()
+    responses = engine.score_batch(requests)     # answers are on the host: the device is done
+    seconds = time.perf_counter() - t0
+    bodies = [r.model_dump(mode="json") for r in responses]
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
+    tokenizer = engine.checkpoint.tokenizer
+    del engine, responses
+    import gc
+
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return dict(seconds=seconds, bodies=bodies, peak_allocated_gib=round(peak, 2),
+                tokenizer=tokenizer)
+
+
+def phase(name: str, seconds: float, bodies: list, reference: list, busy_s: float,
+          cpu: dict[str, float]) -> dict:
+    same, worst, fingerprint = compare(reference, bodies)
+    return {f"{name}_seconds": round(seconds, 3),
+            f"{name}_docs_per_s": round(len(bodies) / seconds, 1),
+            f"{name}_questions_per_s": round(questions_in(bodies) / seconds, 1),
+            f"{name}_gpu_busy": round(busy_s / seconds, 3),
+            f"{name}_bit_identical": same, f"{name}_max_abs_diff": worst,
+            f"{name}_same_fingerprint": fingerprint,
+            **{f"{name}_cpu_s_{tier}": round(s, 2) for tier, s in cpu.items()}}
+
+
+async def run_service(args: argparse.Namespace, service: Service, requests: list[dict],
+                      reference: list) -> dict:
+    row: dict = {}
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+    async with httpx.AsyncClient(base_url=service.url, timeout=HTTP_TIMEOUT_S,
+                                 limits=limits) as client:
+        await run_batch(client, requests, "warm")       # compile the worker's pass sizes
+
+        async def measured(name: str, run) -> dict:
+            m0, c0 = await metrics(client), tier_cpu_s(service.pids())
+            own0 = time.process_time()
+            seconds, bodies, client_cpu = await run()
+            m1, c1 = await metrics(client), tier_cpu_s(service.pids())
+            cpu = {k: c1[k] - c0[k] for k in c0}
+            cpu["client"] = client_cpu + time.process_time() - own0
+            busy = m1.get("spinf_worker_busy_seconds_total", 0) - \
+                m0.get("spinf_worker_busy_seconds_total", 0)
+            passes = m1.get("spinf_passes_total", 0) - m0.get("spinf_passes_total", 0)
+            out = phase(name, seconds, bodies, reference, busy, cpu)
+            out[f"{name}_passes"] = int(passes)
+            out[f"{name}_mean_pass_s"] = round(busy / passes, 4) if passes else None
+            return out
+
+        async def batch():
+            seconds, bodies = await run_batch(client, requests, "bulk")
+            return seconds, bodies, 0.0
+
+        async def concurrent():
+            return await asyncio.to_thread(run_concurrent, service.url, requests,
+                                           args.clients, args.client_procs)
+
+        row.update(await measured("batch", batch))
+        row.update(await measured("concurrent", concurrent))
+        m0 = await metrics(client)
+        inter = await run_interactive(client, requests, args.trickle_ms / 1000)
+        m1 = await metrics(client)
+        passes = m1.get("spinf_passes_total", 0) - m0.get("spinf_passes_total", 0)
+        busy = m1.get("spinf_worker_busy_seconds_total", 0) - \
+            m0.get("spinf_worker_busy_seconds_total", 0)
+        mean_pass = busy / passes if passes else None
+        row.update({f"interactive_{k}": (round(v, 4) if isinstance(v, float) else v)
+                    for k, v in inter.items()})
+        row["interactive_mean_pass_s"] = round(mean_pass, 4) if mean_pass else None
+        if mean_pass and inter["p99_s"]:
+            row["interactive_p99_over_pass"] = round(inter["p99_s"] / mean_pass, 2)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--model", required=True, help="model id or HF directory")
+    parser.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
+    parser.add_argument("--quant", default="fp8")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--redis-server", default="redis-server")
+    parser.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
+    parser.add_argument("--docs", type=int, default=2000)
+    parser.add_argument("--doc-tokens", type=int, default=470)
+    parser.add_argument("--clients", type=int, default=256)
+    parser.add_argument("--client-procs", type=int, default=4)
+    parser.add_argument("--api-workers", type=int, default=1)
+    parser.add_argument("--trickle-ms", type=float, default=200.0)
+    parser.add_argument("--name", default=None, help="the row's name (default: model + quant)")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--commit", default=None)
+    args = parser.parse_args()
+    name = args.name or f"{Path(args.model).name}-{args.quant}"
+    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                                           capture_output=True, text=True).stdout.strip()
+    from tokenizers import Tokenizer
+
+    from spinf_worker.models.loader import load_checkpoint
+
+    tokenizer = load_checkpoint(args.model, load_format="dummy").tokenizer \
+        if args.load_format == "dummy" else load_checkpoint(args.model).tokenizer
+    assert isinstance(tokenizer, Tokenizer)
+    requests = requests_for(load_docs(args.data, tokenizer, args.docs, args.doc_tokens))
+    row = {"date": datetime.date.today().isoformat(), "commit": commit, "name": name,
+           "model": args.model, "load_format": args.load_format, "quant": args.quant,
+           "docs": len(requests), "api_workers": args.api_workers, "clients": args.clients,
+           "client_procs": args.client_procs}
+    with MemorySampler() as engine_memory:
+        engine = run_engine(args, requests)
+    reference = engine.pop("bodies")
+    engine.pop("tokenizer")
+    row.update(engine_seconds=round(engine["seconds"], 3),
+               engine_docs_per_s=round(len(reference) / engine["seconds"], 1),
+               engine_questions_per_s=round(questions_in(reference) / engine["seconds"], 1),
+               engine_peak_allocated_gib=engine["peak_allocated_gib"],
+               engine_nvidia_smi_peak_gib=round(engine_memory.peak_mib / 1024, 2))
+    print(json.dumps(row), flush=True)
+    with tempfile.TemporaryDirectory(prefix="spinf-service-gpu-") as tmp:
+        service = Service(args, Path(tmp))
+        try:
+            with MemorySampler() as service_memory:
+                service.start()
+                service.wait_ready()
+                row.update(asyncio.run(run_service(args, service, requests, reference)))
+            row["service_nvidia_smi_peak_gib"] = round(service_memory.peak_mib / 1024, 2)
+        except Exception:
+            for tier in ("worker", "api"):
+                print(f"--- {tier} log ---\n{service.tail(tier)}", file=sys.stderr)
+            raise
+        finally:
+            service.stop()
+    for key in ("batch", "concurrent"):
+        row[f"{key}_vs_engine"] = round(row[f"{key}_questions_per_s"]
+                                        / row["engine_questions_per_s"], 3)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"{row['date']}-service-gpu-{name}-{commit}.json"
+    path.write_text(json.dumps(row, indent=1))
+    for key, value in row.items():
+        print(f"| {key} | {value} |")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
