@@ -393,6 +393,7 @@ class ApiAppFactory:
     settings: ServiceSettings
     log_json: bool | None
     log_level: str
+    supervisor_pid: int = field(default_factory=os.getpid)   # taken in the parent
 
     def __call__(self):
         from uvicorn.config import STARTUP_FAILURE
@@ -400,6 +401,14 @@ class ApiAppFactory:
         from .logs import configure_logging
 
         configure_logging(json=self.log_json, level=self.log_level)
+        if sys.platform.startswith("linux"):
+            import ctypes
+
+            # SIGTERM (a graceful stop) when the supervisor dies, even by SIGKILL: no child
+            # is left serving on the port with nobody to stop it
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+            if os.getppid() != self.supervisor_pid:      # it died before that
+                sys.exit(STARTUP_FAILURE)
         try:
             return _create_api_app(self.settings)
         except ServiceError as err:

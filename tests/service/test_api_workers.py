@@ -68,9 +68,21 @@ def api_processes(url: str) -> dict[int, str]:
     return {info["pid"]: info["instance"] for info in asyncio.run(_infos(url, 20))}
 
 
+def _stat(pid: int) -> list[str]:
+    """/proc/<pid>/stat's fields after the command name: state, parent pid, ..."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
 def parent_of(pid: int) -> int:
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    return int(stat.rsplit(")", 1)[1].split()[1])
+    return int(_stat(pid)[1])
+
+
+def running(pid: int) -> bool:
+    """Not exited (a zombie nobody has reaped yet counts as exited)."""
+    try:
+        return _stat(pid)[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def replied_instances(settings, exclude: str) -> set[str]:
@@ -134,5 +146,25 @@ def test_two_api_processes_answer_concurrent_requests_each_with_its_own_result(
         supervisor.send_signal(signal.SIGTERM)
         assert supervisor.wait(WAIT_S) == 0, (tmp_path / "api.log").read_text()
         children = (seen.keys() | replaced.keys()) - {killed}
-        wait_for(lambda: not any(Path(f"/proc/{pid}").exists() for pid in children),
+        wait_for(lambda: not any(map(running, children)),
                  WAIT_S, 0.2, "every API process to exit")
+
+
+def spawned_children(pid: int) -> list[int]:
+    """The API processes of a supervisor: its children started by multiprocessing's spawn
+    (its resource tracker left out)."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [int(child) for child in children
+            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes()]
+
+
+def test_a_killed_supervisor_leaves_no_api_process_serving(settings, tmp_path):
+    with api_process(settings, tmp_path / "api.log", "--workers", "2") as (supervisor, _v1):
+        children = wait_for(lambda: len(spawned_children(supervisor.pid)) == 2
+                            and spawned_children(supervisor.pid), WAIT_S, 0.2,
+                            "two API processes")
+        supervisor.kill()
+        supervisor.wait(WAIT_S)
+        # the group is not killed here: each child stops of itself (PR_SET_PDEATHSIG)
+        wait_for(lambda: not any(map(running, children)),
+                 WAIT_S, 0.2, "the orphaned API processes to stop")
