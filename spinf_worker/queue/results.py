@@ -1,7 +1,7 @@
 """A job's result: what a worker stores under ``keys.result(id)`` and every reader reads back
 (the API routes, batch lines, callbacks, ingest). Torch-free.
 
-Stored as JSON, one of two shapes (docs/QUEUE.md):
+Stored as JSON (compact, written by orjson: ``to_bytes``), one of two shapes (docs/QUEUE.md):
 ``{"status_code": 200, "body": <ScoreResponse>}`` or
 ``{"status_code": 4xx/5xx, "error": {"type", "code", "message", "param"}}`` (the inner object
 of the API's error envelope; results stored before it have OpenAI's types, read back as the
@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict
 
 from ..errors import ERROR_TYPES, SpinfError, error_type
 from ..protocol import ScoreResponse
+from . import jsonio
 
 EXPIRED_ERROR = {"message": "deadline passed before the job was scored",
                  "type": "timeout_error", "param": None, "code": "deadline_exceeded"}
@@ -94,16 +95,24 @@ class JobResult(BaseModel):
 
     # ---- storage -------------------------------------------------------------------------
 
-    def to_json(self) -> str:
-        """The stored text: the key of the outcome only, never a null one."""
+    def _stored(self) -> dict[str, Any]:
+        """The key of the outcome only, never a null one."""
         data: dict[str, Any] = {"status_code": self.status_code}
         if self.body is not None:
             data["body"] = self.body
         if self.error is not None:
             data["error"] = self.error
-        return json.dumps(data)
+        return data
+
+    def to_bytes(self) -> bytes:
+        """The stored text (what workers write): compact JSON, by orjson (queue/jsonio.py)."""
+        return jsonio.dumps(self._stored())
+
+    def to_json(self) -> str:
+        """The same value as the json module writes it."""
+        return json.dumps(self._stored())
 
     @classmethod
     def from_json(cls, raw: str | bytes) -> JobResult:
-        # json.loads reads back all that json.dumps wrote (NaN and infinities included)
-        return cls.model_validate(json.loads(raw))
+        # what either writer wrote (the json module's NaN and infinities included)
+        return cls.model_validate(jsonio.loads(raw))
