@@ -388,6 +388,7 @@ class Scoring(BaseModel):
         return self.case_insensitive is not False
 
     _layout_key: tuple[str, ...] | None = PrivateAttr(default=None)
+    _checked: bool = PrivateAttr(default=False)
 
     def layout_key(self) -> tuple[str, ...]:
         """Per query its JSON without the id (computed once; a validated block is shared by
@@ -398,6 +399,10 @@ class Scoring(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> Scoring:
+        # pydantic runs this again on an instance given as a request's block (the shared
+        # block of ScoreRequest.parse): checked once is enough, it is frozen in use
+        if self._checked:
+            return self
         first_index: dict[str, int] = {}
         for index, query in enumerate(self.queries):
             if query.id in first_index:
@@ -412,6 +417,7 @@ class Scoring(BaseModel):
                 raise _invalid(f"pack {ref.id!r} is listed twice", param=f"packs.{index}.id",
                                code="duplicate_id")
             seen.add(ref.id)
+        self._checked = True
         return self
 
 
@@ -562,14 +568,17 @@ class ScoreRequest(BaseModel):
                            code="too_many_prompts")
 
     @classmethod
-    def parse(cls, data: dict | ScoreRequest) -> ScoreRequest:
+    def parse(cls, data: dict | ScoreRequest, *,
+              scoring_json: str | bytes | None = None) -> ScoreRequest:
         """Validate untrusted input; any failure is an ``InvalidRequestError``.
 
         Bulk jobs send the same ``scoring`` block with every document: a block already
-        validated is reused (by its JSON text) instead of checked again."""
+        validated is reused (by its JSON text) instead of checked again. ``scoring_json``:
+        that text, when the caller has it (exactly ``data["scoring"]`` as JSON), so that it
+        is not written again."""
         if isinstance(data, ScoreRequest):
             return data
-        key = _scoring_key(data)
+        key = scoring_json if scoring_json is not None else _scoring_key(data)
         if key is not None:
             # a bad block fails here uncached; validating the whole request names its field
             with contextlib.suppress(ValidationError):
@@ -581,7 +590,7 @@ class ScoreRequest(BaseModel):
 
 
 @lru_cache(maxsize=256)
-def _scoring_from_json(text: str) -> Scoring:
+def _scoring_from_json(text: str | bytes) -> Scoring:
     """A validated scoring block, shared by the requests that send the same JSON text."""
     return Scoring.model_validate_json(text)
 
