@@ -20,7 +20,8 @@ Life of a batch (``<base>:batch:<id>`` hash, see docs/QUEUE.md):
   and every half lease; a batch whose queuer lease has expired (the process died) is taken over
   and queued on from ``queued_line`` (the custom_ids of the lines before it are read again to
   refuse duplicates). The chunk with the last line *seals* the batch and it leaves the set.
-- ``record_result`` (called by workers): removes the custom_id from the pending set, appends the
+- ``record_result`` (``record_results``: many lines of any batches in one script call, as
+  workers record a pass's): removes the custom_id from the pending set, appends the
   output or error line, and counts it. The removal is the guard: a job delivered twice
   (at-least-once) or finishing after a cancel is not counted again. Every script keeps
   ``total = completed + failed + |pending|``.
@@ -62,7 +63,7 @@ from redis.exceptions import RedisError
 from ..errors import SpinfError
 from ..openai_compat import score_request_from_chat, score_to_chat_completion
 from ..protocol import ScoreRequest
-from . import files
+from . import files, jsonio
 from .keys import Keys
 from .results import JobResult
 
@@ -127,8 +128,9 @@ local function file_meta(id, bytes, filename, now, ttl)
                        expires_at = now + ttl, status = 'processed'})
 end
 
-local function try_finalize(now)
-  local f = redis.call('HMGET', KEYS[1], 'status', 'sealed', 'total', 'completed', 'failed',
+-- k: the batch's 7 script keys (_script_keys); out_id, err_id: its file ids
+local function finalize(k, out_id, err_id, now)
+  local f = redis.call('HMGET', k[1], 'status', 'sealed', 'total', 'completed', 'failed',
                        'ttl_s', 'id', 'completed_bytes', 'failed_bytes')
   local status = f[1]
   if f[2] ~= '1' or (status ~= 'in_progress' and status ~= 'cancelling') then return 1 end
@@ -141,22 +143,38 @@ local function try_finalize(now)
     table.insert(fields, 'finalizing_at'); table.insert(fields, now)
   end
   if completed > 0 then
-    redis.call('HSET', KEYS[5], 'meta', file_meta(ARGV[1], tonumber(f[8] or '0'),
-               id .. '_output.jsonl', now, ttl), 'lines', KEYS[3])
-    redis.call('EXPIRE', KEYS[5], ttl)
-    table.insert(fields, 'output_file_id'); table.insert(fields, ARGV[1])
+    redis.call('HSET', k[5], 'meta', file_meta(out_id, tonumber(f[8] or '0'),
+               id .. '_output.jsonl', now, ttl), 'lines', k[3])
+    redis.call('EXPIRE', k[5], ttl)
+    table.insert(fields, 'output_file_id'); table.insert(fields, out_id)
   end
   if failed > 0 then
-    redis.call('HSET', KEYS[6], 'meta', file_meta(ARGV[2], tonumber(f[9] or '0'),
-               id .. '_errors.jsonl', now, ttl), 'lines', KEYS[4])
-    redis.call('EXPIRE', KEYS[6], ttl)
-    table.insert(fields, 'error_file_id'); table.insert(fields, ARGV[2])
+    redis.call('HSET', k[6], 'meta', file_meta(err_id, tonumber(f[9] or '0'),
+               id .. '_errors.jsonl', now, ttl), 'lines', k[4])
+    redis.call('EXPIRE', k[6], ttl)
+    table.insert(fields, 'error_file_id'); table.insert(fields, err_id)
   end
-  redis.call('HSET', KEYS[1], unpack(fields))
-  redis.call('DEL', KEYS[2])
-  redis.call('SREM', KEYS[7], id)
-  for _, key in ipairs({KEYS[1], KEYS[3], KEYS[4]}) do redis.call('EXPIRE', key, ttl) end
+  redis.call('HSET', k[1], unpack(fields))
+  redis.call('DEL', k[2])
+  redis.call('SREM', k[7], id)
+  for _, key in ipairs({k[1], k[3], k[4]}) do redis.call('EXPIRE', key, ttl) end
   return 2
+end
+
+local function try_finalize(now) return finalize(KEYS, ARGV[1], ARGV[2], now) end
+
+-- One line of a batch (k, out_id, err_id: as finalize's). counter: 'completed' | 'failed';
+-- check_pending '1': only if custom_id is still pending. Returns -1 no such batch, 0 not
+-- pending (duplicate or cancelled), 1 recorded, 2 finalized.
+local function record(k, out_id, err_id, now, custom_id, line, counter, check_pending)
+  if redis.call('EXISTS', k[1]) == 0 then return -1 end
+  if check_pending == '1' and redis.call('SREM', k[2], custom_id) == 0 then return 0 end
+  local list = (counter == 'completed') and k[3] or k[4]
+  redis.call('RPUSH', list, line)
+  redis.call('EXPIRE', list, tonumber(redis.call('HGET', k[1], 'ttl_s')))
+  redis.call('HINCRBY', k[1], counter, 1)
+  redis.call('HINCRBY', k[1], counter .. '_bytes', string.len(line) + 1)
+  return finalize(k, out_id, err_id, now)
 end
 """
 
@@ -164,14 +182,27 @@ end
 #       check_pending ('1': only if custom_id is still pending)
 # Returns -1 no such batch, 0 not pending (duplicate or cancelled), 1 recorded, 2 finalized.
 _RECORD_LUA = _FINALIZE_LUA + """
-if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
-if ARGV[7] == '1' and redis.call('SREM', KEYS[2], ARGV[4]) == 0 then return 0 end
-local list = (ARGV[6] == 'completed') and KEYS[3] or KEYS[4]
-redis.call('RPUSH', list, ARGV[5])
-redis.call('EXPIRE', list, tonumber(redis.call('HGET', KEYS[1], 'ttl_s')))
-redis.call('HINCRBY', KEYS[1], ARGV[6], 1)
-redis.call('HINCRBY', KEYS[1], ARGV[6] .. '_bytes', string.len(ARGV[5]) + 1)
-return try_finalize(tonumber(ARGV[3]))
+return record(KEYS, ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4], ARGV[5], ARGV[6], ARGV[7])
+"""
+
+# Many lines, of any batches, in one call (a worker's pass): each as _RECORD_LUA with its
+# custom_id still pending, then, when it names one, its work entry acked and deleted, so an
+# entry is acked only once its line is in (a failing call leaves the rest pending).
+# KEYS: per line the batch's 7 script keys and the entry's stream (the batch key: none).
+# ARGV: now, the consumer group, then per line out file id, err file id, custom_id, line,
+#       counter, entry id ('': none). Returns each line's _RECORD_LUA code.
+_RECORD_MANY_LUA = _FINALIZE_LUA + """
+local now, codes = tonumber(ARGV[1]), {}
+for i = 0, #KEYS / 8 - 1 do
+  local k, a = {unpack(KEYS, 8 * i + 1, 8 * i + 8)}, 3 + 6 * i
+  codes[i + 1] = record(k, ARGV[a], ARGV[a + 1], now, ARGV[a + 2], ARGV[a + 3], ARGV[a + 4],
+                        '1')
+  if ARGV[a + 5] ~= '' then
+    redis.call('XACK', k[8], ARGV[2], ARGV[a + 5])
+    redis.call('XDEL', k[8], ARGV[a + 5])
+  end
+end
+return codes
 """
 
 # Commits one chunk of input lines (see the module doc). KEYS: the 7 script keys, then the
@@ -433,25 +464,29 @@ async def _record_line(redis, keys: Keys, batch_id: str, custom_id: str | None, 
                        counter: str, *, pending: bool) -> int:
     return await _eval(redis, _RECORD_LUA, _script_keys(keys, batch_id),
                        output_file_id(batch_id), error_file_id(batch_id), int(time.time()),
-                       custom_id or "", json.dumps(line, separators=(",", ":")), counter,
-                       "1" if pending else "0")
+                       custom_id or "", jsonio.dumps(line), counter, "1" if pending else "0")
 
 
 _endpoint_cache: dict[tuple[str, str], str] = {}  # (key prefix, batch id) -> endpoint
 _ENDPOINT_CACHE_SIZE = 4096
 
 
-async def _endpoint(redis, keys: Keys, batch_id: str) -> str | None:
-    # A batch's endpoint never changes; workers ask once per batch, not once per job.
-    cache_key = (keys.base, batch_id)
-    endpoint = _endpoint_cache.get(cache_key)
-    if endpoint is None:
-        endpoint = _text(await redis.hget(keys.batch(batch_id), "endpoint"))
-        if endpoint is not None:
-            if len(_endpoint_cache) >= _ENDPOINT_CACHE_SIZE:
-                _endpoint_cache.pop(next(iter(_endpoint_cache)))
-            _endpoint_cache[cache_key] = endpoint
-    return endpoint
+async def _endpoints(redis, keys: Keys, batch_ids: set[str]) -> dict[str, str | None]:
+    """Each batch's endpoint (None: no such batch). A batch's endpoint never changes, so
+    workers ask once per batch, not once per job; those not known yet in one round trip."""
+    found = {b: _endpoint_cache.get((keys.base, b)) for b in batch_ids}
+    missing = [b for b, endpoint in found.items() if endpoint is None]
+    if missing:
+        async with redis.pipeline(transaction=False) as pipe:
+            for batch_id in missing:
+                pipe.hget(keys.batch(batch_id), "endpoint")
+            for batch_id, endpoint in zip(missing, await pipe.execute(), strict=True):
+                found[batch_id] = endpoint = _text(endpoint)
+                if endpoint is not None:
+                    if len(_endpoint_cache) >= _ENDPOINT_CACHE_SIZE:
+                        _endpoint_cache.pop(next(iter(_endpoint_cache)))
+                    _endpoint_cache[(keys.base, batch_id)] = endpoint
+    return found
 
 
 def result_line(endpoint: str, job_id: str, custom_id: str | None, result: JobResult
@@ -471,12 +506,72 @@ def result_line(endpoint: str, job_id: str, custom_id: str | None, result: JobRe
             "error": {"code": result.error_code, "message": error["message"]}}, "failed"
 
 
+@dataclass(frozen=True)
+class Finished:
+    """A finished job of a batch, to record; ``ack``: its work entry (stream, entry id), acked
+    and deleted once the line is in."""
+
+    batch_id: str
+    job_id: str
+    custom_id: str | None
+    result: JobResult
+    ack: tuple[str, str] | None = None
+
+
+@dataclass
+class RecordCall:
+    """One script call recording many lines (``_RECORD_MANY_LUA``): run it with ``run``, or
+    queue it on a pipeline of one's own with ``queue``."""
+
+    keys: list[str]
+    args: list[Any]
+
+    def queue(self, pipe) -> None:
+        pipe.eval(_RECORD_MANY_LUA, len(self.keys), *self.keys, *self.args)
+
+    async def run(self, redis) -> list[int]:
+        return [int(c) for c in await redis.eval(_RECORD_MANY_LUA, len(self.keys), *self.keys,
+                                                 *self.args)]
+
+
+async def record_call(redis, keys: Keys, jobs: list[Finished], group: str = ""
+                      ) -> tuple[RecordCall, list[Finished], list[Finished]]:
+    """The call recording the lines of ``jobs`` (record_result's, each), those it records and
+    those of batches that no longer exist (nothing to record; their entries, if any, are for
+    the caller to ack). ``group``: the consumer group of the entries to ack. The only round
+    trip is for the endpoints of batches not seen before."""
+    endpoints = await _endpoints(redis, keys, {job.batch_id for job in jobs})
+    call, recorded, gone = RecordCall([], [int(time.time()), group]), [], []
+    for job in jobs:
+        endpoint = endpoints[job.batch_id]
+        if endpoint is None:
+            gone.append(job)   # the batch expired or never existed
+            continue
+        line, counter = result_line(endpoint, job.job_id, job.custom_id, job.result)
+        stream, entry_id = job.ack or (keys.batch(job.batch_id), "")
+        call.keys += [*_script_keys(keys, job.batch_id), stream]
+        call.args += [output_file_id(job.batch_id), error_file_id(job.batch_id),
+                      job.custom_id or "", jsonio.dumps(line), counter, entry_id]
+        recorded.append(job)
+    return call, recorded, gone
+
+
+async def record_results(redis, keys: Keys, jobs: list[Finished], group: str = ""
+                         ) -> list[bool]:
+    """``record_result`` of many jobs, of any batches, in one script call: per job whether
+    this call recorded its line."""
+    call, recorded, gone = await record_call(redis, keys, jobs, group)
+    codes = iter(await call.run(redis) if recorded else [])
+    missing = {job.batch_id for job in gone}   # the lines in the call are the others, in order
+    return [job.batch_id not in missing and next(codes) > 0 for job in jobs]
+
+
 async def record_result(redis, keys: Keys, batch_id: str, job_id: str,
                         custom_id: str | None, result: JobResult) -> bool:
     """Add a finished job's line to its batch. Safe to call more than once for the same job
     (only the first call counts) and from many workers at once. Returns True when this call
     recorded the line."""
-    endpoint = await _endpoint(redis, keys, batch_id)
+    endpoint = (await _endpoints(redis, keys, {batch_id}))[batch_id]
     if endpoint is None:
         return False  # the batch expired or never existed
     line, counter = result_line(endpoint, job_id, custom_id, result)
