@@ -25,6 +25,7 @@ from redis.exceptions import RedisError, ResponseError
 from ..errors import SpinfError
 from ..protocol import ScoreRequest, ScoreResponse
 from ..tiles import ROW_TILE
+from . import batches, jsonio
 from .engine_thread import ENGINE_THREAD
 from .keys import GROUP, Keys
 from .results import JobResult
@@ -63,6 +64,18 @@ class Entry:
     def expired(self, at_ms: int) -> bool:
         deadline = self.fields.get("deadline_ms")
         return deadline is not None and int(float(deadline)) <= at_ms
+
+
+def pass_counts(outcomes: list, busy_s: float) -> dict[str, int | float]:
+    """What a pass adds to the stats hash (docs/QUEUE.md)."""
+    scored = [o for o in outcomes if isinstance(o, ScoreResponse)]
+    tokens = sum(o._rows for o in scored)
+    # a document takes its rows padded to the tile: real_rows/rows is the fill
+    return {"passes": 1, "docs": sum(len(o.results) for o in scored), "tokens": tokens,
+            "questions": sum(len(q.combinations) for o in scored for r in o.results
+                             for q in r.queries),
+            "real_rows": tokens, "rows": sum(o._padded_rows for o in scored),
+            "seconds_busy": busy_s}
 
 
 def queue_wait_ms(entry_id: str, started_ms: int) -> int:
@@ -247,9 +260,13 @@ class Worker:
         try:
             if not entry.job:
                 raise ValueError("entry has no job id")
-            body = json.loads(fields["payload"])
+            body, exact = jsonio.read(fields["payload"])
+            scoring = body.get("scoring") if isinstance(body, dict) else None
+            # read by orjson, the block written back by orjson is its exact JSON text: the
+            # key of the block ScoreRequest.parse has validated already (bulk jobs repeat it)
+            key = jsonio.dumps(scoring) if exact and isinstance(scoring, dict) else None
             try:
-                entry.request = ScoreRequest.parse(body)
+                entry.request = ScoreRequest.parse(body, scoring_json=key)
                 # the engine's own layout (prefix tree included); it keeps the content's
                 # token ids for the pass that scores the entry
                 entry.rows = self.engine.rows(entry.request)
@@ -341,10 +358,12 @@ class Worker:
                 await self._finish([(e, JobResult.expired(), "expired") for e in expired])
             if not live:
                 return
-            await self._mark_running(live)
+            # the records say "running" while the pass runs; written before the results
+            marking = asyncio.create_task(self._mark_running(live))
             started, started_ms = time.perf_counter(), now_ms()
             outcomes = await self._score(live)
             busy_s = time.perf_counter() - started
+            await marking
             answered = []
             for entry, outcome in zip(live, outcomes, strict=True):
                 if isinstance(outcome, ScoreResponse):
@@ -357,8 +376,7 @@ class Worker:
                     answered.append((entry, JobResult.failed(outcome), "failed"))
                 else:
                     await self._fail(entry, outcome)
-            await self._count_pass(outcomes, busy_s)
-            await self._finish(answered)
+            await self._finish(answered, pass_counts(outcomes, busy_s))
             self.log.info("pass done", docs=len(live), seconds=round(busy_s, 3))
         except Exception:   # entries not answered stay pending and are reclaimed later
             self.log.exception("pass failed", jobs=[e.job for e in batch])
@@ -393,45 +411,53 @@ class Worker:
                     "status": "running", "started_at": int(time.time()), "worker": self.name})
             await pipe.execute()
 
-    async def _count_pass(self, outcomes: list, busy_s: float) -> None:
-        scored = [o for o in outcomes if isinstance(o, ScoreResponse)]
-        tokens = sum(o._rows for o in scored)
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.hincrby(self.keys.stats, "passes", 1)
-            pipe.hincrby(self.keys.stats, "docs", sum(len(o.results) for o in scored))
-            pipe.hincrby(self.keys.stats, "tokens", tokens)
-            pipe.hincrby(self.keys.stats, "questions",
-                         sum(len(q.combinations) for o in scored for r in o.results
-                             for q in r.queries))
-            # a document takes its rows padded to the tile: real_rows/rows is the fill
-            pipe.hincrby(self.keys.stats, "real_rows", tokens)
-            pipe.hincrby(self.keys.stats, "rows", sum(o._padded_rows for o in scored))
-            pipe.hincrbyfloat(self.keys.stats, "seconds_busy", busy_s)
-            await pipe.execute()
-
     # ---- outcomes ----------------------------------------------------------------------
 
-    async def _finish(self, answered: list[tuple[Entry, JobResult, str | None]]) -> None:
-        """Store results, then notify, then ack. ``status`` None: the result is stored
-        already (a re-delivery after a crash), only the later steps are repeated."""
+    async def _finish(self, answered: list[tuple[Entry, JobResult, str | None]],
+                      counts: dict[str, int | float] | None = None) -> None:
+        """Store results, notify, record batch lines and ack, in one transaction (with the
+        pass's ``counts``). ``status`` None: the result is stored already (a re-delivery
+        after a crash), only the later steps are repeated. An entry whose batch line could
+        not be recorded stays pending (``_fail``)."""
         ttl = self.settings.result_ttl_s
         finished_at = int(time.time())
+        jobs = [batches.Finished(e.fields["batch"], e.job, e.fields.get("custom_id"), result,
+                                 ack=(e.stream, e.id))
+                for e, result, _ in answered if e.job and e.fields.get("batch")]
+        record, recorded, trouble = batches.RecordCall([], []), [], None
+        if jobs:
+            try:
+                record, recorded, _ = await batches.record_call(self.redis, self.keys, jobs,
+                                                                GROUP)
+            except Exception as err:   # no line can be recorded: those entries stay pending
+                trouble = err
+        lined = {job.ack for job in recorded}        # acked by the script, with their line
+        held_back = {job.ack for job in jobs} if trouble is not None else set()
+        acks = [e for e, _, _ in answered if (e.stream, e.id) not in lined | held_back]
+        # One MULTI/EXEC, in this order: the results and job records first, then the reply
+        # notifications and callback entries, then the batch lines, each followed by its
+        # entry's ack (_RECORD_MANY_LUA), then the other acks. Redis runs it as one step:
+        # nobody sees a notification, a callback, a line or an ack without its result, and
+        # a crash before EXEC leaves it all undone (the entries are delivered again).
         async with self.redis.pipeline(transaction=True) as pipe:
             for entry, result, status in answered:
                 if status is None or not entry.job:
                     continue
-                pipe.set(self.keys.result(entry.job), result.to_json(), ex=ttl)
-                record = {"status": status, "finished_at": finished_at}
+                pipe.set(self.keys.result(entry.job), result.to_bytes(), ex=ttl)
+                fields: dict[str, str | int] = {"status": status, "finished_at": finished_at}
                 if result.error is not None:
-                    record["error"] = json.dumps(result.error)
-                pipe.hset(self.keys.job(entry.job), mapping=record)
+                    fields["error"] = json.dumps(result.error)
+                pipe.hset(self.keys.job(entry.job), mapping=fields)
                 pipe.expire(self.keys.job(entry.job), ttl)
+            stats = dict(counts or {})
             for name in ("failed", "expired"):
-                n = sum(status == name for _, _, status in answered)
-                if n:
+                if n := sum(status == name for _, _, status in answered):
+                    stats[name] = n
+            for name, n in stats.items():
+                if isinstance(n, float):
+                    pipe.hincrbyfloat(self.keys.stats, name, n)
+                else:
                     pipe.hincrby(self.keys.stats, name, n)
-            await pipe.execute()
-        async with self.redis.pipeline(transaction=False) as pipe:
             for entry, _, _ in answered:
                 if not entry.job:
                     continue
@@ -440,37 +466,44 @@ class Worker:
                     pipe.expire(reply, REPLY_TTL_S)
                 if entry.fields.get("callback"):
                     pipe.xadd(self.keys.callbacks, {"job": entry.job})
-            await pipe.execute()
-        acked = []
-        for entry, result, _ in answered:
-            if entry.job and entry.fields.get("batch"):
-                try:
-                    await self._record_batch_line(entry, result)
-                except Exception as err:
-                    await self._fail(entry, err)
-                    continue
-            acked.append(entry)
-        await self._ack(acked)
+            at = len(pipe)   # the script's reply
+            if recorded:
+                record.queue(pipe)
+            self._queue_ack(pipe, acks)
+            if not len(pipe):
+                return
+            replies = await pipe.execute(raise_on_error=False)
+        if recorded and isinstance(replies[at], Exception):
+            # the lines up to the failing one went in with their acks; the rest stay pending
+            trouble, held_back, lined = replies[at], lined, set()
+        for entry in acks:
+            self._held[entry.stream].discard(entry.id)
+        for stream, entry_id in lined:
+            self._held[stream].discard(entry_id)
+        for entry, _, _ in answered:
+            if (entry.stream, entry.id) in held_back:
+                await self._fail(entry, trouble)
+        errors = [r for i, r in enumerate(replies)
+                  if isinstance(r, Exception) and not (recorded and i == at)]
+        if errors:
+            raise errors[0]
 
-    async def _record_batch_line(self, entry: Entry, result: JobResult) -> None:
-        from . import batches  # the batch module depends on this one, not the other way
-
-        await batches.record_result(self.redis, self.keys, entry.fields["batch"], entry.job,
-                                    entry.fields.get("custom_id"), result)
+    def _queue_ack(self, pipe, entries: list[Entry]) -> None:
+        by_stream: dict[str, list[str]] = {}
+        for entry in entries:
+            by_stream.setdefault(entry.stream, []).append(entry.id)
+        for stream, ids in by_stream.items():
+            pipe.xack(stream, GROUP, *ids)
+            pipe.xdel(stream, *ids)
 
     async def _ack(self, entries: list[Entry]) -> None:
         if not entries:
             return
-        by_stream: dict[str, list[str]] = {}
-        for entry in entries:
-            by_stream.setdefault(entry.stream, []).append(entry.id)
         async with self.redis.pipeline(transaction=True) as pipe:
-            for stream, ids in by_stream.items():
-                pipe.xack(stream, GROUP, *ids)
-                pipe.xdel(stream, *ids)
+            self._queue_ack(pipe, entries)
             await pipe.execute()
-        for stream, ids in by_stream.items():
-            self._held[stream].difference_update(ids)
+        for entry in entries:
+            self._held[entry.stream].discard(entry.id)
 
     async def _fail(self, entry: Entry, error: Exception | str) -> None:
         """Unexpected trouble: note it and leave the entry pending, to be reclaimed."""
