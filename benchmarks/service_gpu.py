@@ -52,7 +52,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from service_http import compare, free_port, parse_metrics, process_cpu_s  # noqa: E402
+# (service_http imports torch: its helpers are imported where used, so that the client
+# processes, which re-import this module, start without it)
 
 QUESTIONS = ROOT / "benchmarks" / "news_questions.json"
 HTTP_TIMEOUT_S = 900.0
@@ -138,6 +139,8 @@ def tree_pids(pid: int) -> list[int]:
 
 
 def tier_cpu_s(tiers: dict[str, int]) -> dict[str, float]:
+    from service_http import process_cpu_s
+
     out = {}
     for name, pid in tiers.items():
         total = 0.0
@@ -155,6 +158,8 @@ class Service:
     """A private redis-server, ``spinf-serve api`` and one ``spinf-serve worker``."""
 
     def __init__(self, args: argparse.Namespace, tmp: Path):
+        from service_http import free_port
+
         self.args, self.tmp = args, tmp
         self.port, self.redis_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -219,6 +224,8 @@ class Service:
 
 
 async def metrics(client: httpx.AsyncClient) -> dict[str, float]:
+    from service_http import parse_metrics
+
     return parse_metrics((await client.get("/metrics")).text)
 
 
@@ -355,6 +362,8 @@ def run_engine(args: argparse.Namespace, requests: list[dict]) -> dict:
 
 def phase(name: str, seconds: float, bodies: list, reference: list, busy_s: float,
           cpu: dict[str, float]) -> dict:
+    from service_http import compare
+
     same, worst, fingerprint = compare(reference, bodies)
     return {f"{name}_seconds": round(seconds, 3),
             f"{name}_docs_per_s": round(len(bodies) / seconds, 1),
@@ -371,7 +380,14 @@ async def run_service(args: argparse.Namespace, service: Service, requests: list
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
     async with httpx.AsyncClient(base_url=service.url, timeout=HTTP_TIMEOUT_S,
                                  limits=limits) as client:
-        await run_batch(client, requests, "warm")       # compile the worker's pass sizes
+        # every pass size the phases will use compiles (and is captured) here: full passes
+        # of a batch, and the smaller ones of callers arriving one by one
+        await run_batch(client, requests, "warm")
+        warm = requests[:2 * args.clients]
+        await asyncio.to_thread(run_concurrent, service.url, warm, args.clients,
+                                args.client_procs)
+        for body in requests[:8]:
+            await post_score(client, body)
 
         async def measured(name: str, run) -> dict:
             m0, c0 = await metrics(client), tier_cpu_s(service.pids())
