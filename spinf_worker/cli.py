@@ -172,6 +172,7 @@ def _service_settings(args: argparse.Namespace):
 
     flags = {"redis_url": args.redis, "prefix": args.prefix, "packs": args.packs or None,
              "quant": getattr(args, "quant", None),
+             "load_format": getattr(args, "load_format", None),
              "api_workers": getattr(args, "workers", None)}
     settings = ServiceSettings(**{k: v for k, v in flags.items() if v is not None})
     if settings.packs and args.command != "dispatcher":
@@ -261,7 +262,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
         scorer = cal.engine_scorer(Engine.load(
             args.model, device=args.device,
-            settings=EngineSettings(scheme=getattr(args, "quant", None) or "auto")))
+            settings=EngineSettings(scheme=getattr(args, "quant", None) or "auto"),
+            load_format=getattr(args, "load_format", None) or "auto"))
     context = args.context or next(iter(pack.contexts))
     normal_results = (cal.read_scores(Path(args.scores)) if args.scores else
                       cal.score_texts(scorer, pack, normal.texts, context=context))
@@ -403,6 +405,9 @@ def _model_options(parser: argparse.ArgumentParser) -> None:
                                                       "(default: the packaged Gemma 3 270M)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if present)")
     parser.add_argument("--quant", default=None, choices=QUANT_SCHEMES, help=QUANT_HELP)
+    parser.add_argument("--load-format", default=None, choices=("auto", "dummy"),
+                        help="dummy: random weights of the model's shapes, for capacity and "
+                             "speed runs (default: $SPINF_LOAD_FORMAT or auto)")
 
 
 def _positive_int(text: str) -> int:

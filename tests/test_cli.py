@@ -87,3 +87,15 @@ def test_score_with_a_pack_from_a_directory(tmp_path, tiny_dir):
          "--packs", str(tmp_path / "nowhere")], capture_output=True, text=True, cwd=ROOT,
         timeout=600)
     assert bad.returncode == 2 and "nowhere" in bad.stderr
+
+
+def test_load_format_flag_reaches_the_service_settings(monkeypatch):
+    from spinf_worker.cli import _service_settings, build_parser
+
+    monkeypatch.delenv("SPINF_LOAD_FORMAT", raising=False)
+    parse = build_parser().parse_args
+    assert _service_settings(parse(["worker", "--redis", "redis://x"])).load_format == "auto"
+    args = parse(["worker", "--redis", "redis://x", "--load-format", "dummy"])
+    assert _service_settings(args).load_format == "dummy"
+    monkeypatch.setenv("SPINF_LOAD_FORMAT", "dummy")
+    assert _service_settings(parse(["serve"])).load_format == "dummy"
