@@ -12,28 +12,37 @@ API's replies refuse them).
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
 import orjson
 
-# a run of 19 digits: an integer that may not fit 64 bits (orjson would read it as a float)
-_LONG_NUMBER = re.compile("[0-9]{19}")
-_LONG_NUMBER_BYTES = re.compile(b"[0-9]{19}")
+# Every digit to "0", every other byte to " ": a run of 19 zeros then marks 19 digits in a
+# row, maybe an integer past 64 bits (orjson would read it as a float), maybe not (a
+# fraction's digits, a string's): either way json reads it. (translate and a substring
+# search run at memory speed; a regular expression takes ten times as long.)
+_DIGITS = bytes(48 if 48 <= b <= 57 else 32 for b in range(256))
+_LONG_RUN = b"0" * 19
 
 
-def loads(raw: str | bytes) -> Any:
-    """``json.loads(raw)``, through orjson where that reads the same."""
-    return read(raw)[0]
+def _long_digit_run(raw: bytes) -> bool:
+    return _LONG_RUN in raw.translate(_DIGITS)
 
 
-def read(raw: str | bytes) -> tuple[Any, bool]:
+def loads(raw: str | bytes, *, long_integers: bool = True) -> Any:
+    """``json.loads(raw)``, through orjson where that reads the same. ``long_integers``
+    False: the caller knows the text holds no integer past 64 bits (a result's integers are
+    counts and times), so it is not looked for (in a text of many floats that costs more
+    than the parse)."""
+    return read(raw, long_integers=long_integers)[0]
+
+
+def read(raw: str | bytes, *, long_integers: bool = True) -> tuple[Any, bool]:
     """``loads(raw)``, and whether orjson read it: then no part of it holds what orjson cannot
     write back as the same value (NaN, infinities, integers past 64 bits)."""
-    long = (_LONG_NUMBER if isinstance(raw, str) else _LONG_NUMBER_BYTES).search(raw)
-    if long is None:
+    data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw
+    if not long_integers or not _long_digit_run(data):
         try:
-            return orjson.loads(raw), True
+            return orjson.loads(data), True
         except orjson.JSONDecodeError:
             pass   # what json reads and orjson refuses, or a text neither reads
     return json.loads(raw), False

@@ -114,5 +114,6 @@ class JobResult(BaseModel):
 
     @classmethod
     def from_json(cls, raw: str | bytes) -> JobResult:
-        # what either writer wrote (the json module's NaN and infinities included)
-        return cls.model_validate(jsonio.loads(raw))
+        # what either writer wrote (the json module's NaN and infinities included); a
+        # result's integers are counts and times, never past 64 bits
+        return cls.model_validate(jsonio.loads(raw, long_integers=False))
