@@ -1,0 +1,192 @@
+"""The queue worker's host time per entry and per pass: everything but the engine's
+``score_batch`` (reading, parsing, ``Engine.rows``, storing results, notifying, batch lines,
+acks), on a real Redis and the default model's engine on the CPU.
+
+The job: bulk batches of the news job (an article of ../shared/data/news_articles.jsonl cut to
+470 tokens, the 56 questions of benchmarks/news_questions.json), 14 documents a pass. The
+engine's ``score_batch`` is replaced by one that answers at once with a response of the real
+shape (56 queries, two options each), so what is left is the worker's own work.
+
+    python benchmarks/worker_host.py [--code DIR] [--docs 280] [--repeat 3] [--out FILE]
+
+``--code DIR``: measure the ``spinf_worker/`` of another checkout (``git worktree add``), the
+benchmark itself staying this one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ARTICLES = ROOT.parent / "shared" / "data" / "news_articles.jsonl"
+QUESTIONS = ROOT / "benchmarks" / "news_questions.json"
+DOC_TOKENS = 470
+PER_PASS = 14
+REDIS_URL = os.environ.get("SPINF_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+class AnsweringEngine:
+    """The real engine's rows() and settings; score_batch answers at once (its time noted)."""
+
+    def __init__(self, engine, template):
+        self.engine, self.template = engine, template
+        self.settings, self.model_name = engine.settings, engine.model_name
+        self.fingerprint, self.device = engine.fingerprint, engine.device
+        self.stub_s = 0.0
+        self.docs_per_pass: list[int] = []
+
+    def rows(self, request):
+        return self.engine.rows(request)
+
+    def score_batch(self, requests):
+        started = time.perf_counter()
+        out = []
+        for request in requests:
+            response = self.template.model_copy(deep=True)
+            response._rows, response._padded_rows = 1027, 1152
+            out.append(response)
+            # what score_batch leaves in the engine's caches for this request
+            for doc in request.documents():
+                self.engine.preparer._roots.pop(doc.messages[0].content, None)
+        self.docs_per_pass.append(len(requests))
+        self.stub_s += time.perf_counter() - started
+        return out
+
+
+def response_template(questions: dict):
+    from spinf_worker.protocol import ScoreResponse
+
+    queries = [{"id": q["id"], "combinations": [{
+        "values": {}, "residual": 0.7178162274275633, "floor_residual": 0.7068899856753895,
+        "options": [{"text": o, "logprob": -1.390878677368164 - k, "p": 0.8818953040921418,
+                     "floor_p": 0.9492888394486824} for k, o in enumerate(q["options"])]}]}
+        for q in questions["queries"]]
+    return ScoreResponse.model_validate({
+        "id": "scr_01M8VR7EW2BXEHRRZM0EFVZ1F9", "created": 1796227709,
+        "model": "google/gemma-3-270m", "system_fingerprint": "fp_2d2dc302d0",
+        "results": [{"input_id": "0", "queries": queries}],
+        "usage": {"prompt_tokens": 1027, "completion_tokens": 0, "total_tokens": 1027,
+                  "prompt_tokens_details": {}, "inputs": 1, "content": {"tokens": 471},
+                  "scoring": {"tokens": 556}, "processed_tokens": 1027},
+        "timing": {"score_ms": 40}})
+
+
+async def one_run(engine, docs: list[str], questions: dict, n: int, rows: int) -> dict:
+    from spinf_worker.queue import batches, files
+    from spinf_worker.queue.keys import Keys
+    from spinf_worker.queue.producer import Producer
+    from spinf_worker.queue.redis_client import connect
+    from spinf_worker.queue.settings import ServiceSettings
+    from spinf_worker.queue.worker import Worker
+
+    prefix = f"bench-host-{uuid.uuid4().hex[:8]}"
+    keys = Keys(prefix)
+    settings = ServiceSettings(redis_url=REDIS_URL, prefix=prefix, max_wait_ms=20,
+                               max_pass_tokens=PER_PASS * rows)
+    redis = connect(settings.redis_url)
+    scoring = {**questions, "case_insensitive": False}
+    lines = [{"custom_id": f"doc-{i}", "method": "POST", "url": "/v1/score",
+              "body": {"text": docs[i % len(docs)], "scoring": scoring}} for i in range(n)]
+    content = "".join(json.dumps(line) + "\n" for line in lines).encode()
+    upload = await files.create_file(redis, keys, content, filename="in.jsonl",
+                                     purpose="batch", ttl_s=600)
+    batch = await batches.create_batch(redis, keys, input_file_id=upload["id"],
+                                       endpoint="/v1/score", completion_window="24h",
+                                       metadata=None, ttl_s=600)
+    settings = settings.model_copy(update={"max_backlog": n + 1})
+    await batches.enqueue_batch(redis, keys, Producer(redis, keys, settings), batch["id"])
+    engine.stub_s, engine.docs_per_pass = 0.0, []
+    worker = Worker(engine, redis, keys, settings, name="bench")
+    stop = asyncio.Event()
+    started = time.perf_counter()
+    task = asyncio.create_task(worker.run(stop))
+    while (await batches.get_batch(redis, keys, batch["id"]))["status"] != "completed":
+        await asyncio.sleep(0.002)
+    wall = time.perf_counter() - started
+    stop.set()
+    await task
+    async for key in redis.scan_iter(match=f"{prefix}:*", count=1000):
+        await redis.delete(key)
+    await redis.aclose()
+    host = wall - engine.stub_s
+    passes = len(engine.docs_per_pass)
+    return {"wall_s": wall, "host_ms_per_entry": 1000 * host / n,
+            "host_ms_per_pass": 1000 * host / passes, "passes": passes,
+            "docs_per_pass": statistics.mean(engine.docs_per_pass)}
+
+
+def parse_per_entry(engine, docs: list[str], questions: dict, n: int) -> dict:
+    """The parse thread's work per entry (Worker._parse: JSON, validation, Engine.rows), and
+    JSON of a result (JobResult.ok and its stored text)."""
+    from spinf_worker.queue.keys import Keys
+    from spinf_worker.queue.results import JobResult
+    from spinf_worker.queue.settings import ServiceSettings
+    from spinf_worker.queue.worker import Worker
+
+    worker = Worker(engine, None, Keys("bench"), ServiceSettings())
+    scoring = {**questions, "case_insensitive": False}
+    payloads = [json.dumps({"text": docs[i % len(docs)], "scoring": scoring},
+                           separators=(",", ":")) for i in range(n)]
+    started = time.perf_counter()
+    for i, payload in enumerate(payloads):
+        entry = worker._parse("bulk", f"{i}-0", {"job": f"job-{i}", "payload": payload})
+        assert entry.request is not None, entry.failure or entry.error
+    parse_ms = 1000 * (time.perf_counter() - started) / n
+    started = time.perf_counter()
+    for _ in range(n):
+        result = JobResult.ok(engine.template)
+        stored = result.to_bytes() if hasattr(result, "to_bytes") else result.to_json()
+    result_ms = 1000 * (time.perf_counter() - started) / n
+    started = time.perf_counter()
+    for _ in range(n):
+        JobResult.from_json(stored)
+    return {"parse_rows_ms": parse_ms, "result_ms": result_ms,
+            "result_read_ms": 1000 * (time.perf_counter() - started) / n}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--code", type=Path, help="a checkout whose spinf_worker/ to measure")
+    parser.add_argument("--docs", type=int, default=280)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--out", type=Path, help="write the figures there as JSON too")
+    args = parser.parse_args()
+    if args.code is not None:
+        sys.path.insert(0, str(args.code.resolve()))
+    import spinf_worker
+    from spinf_worker.engine import Engine
+    from spinf_worker.tiles import padded_rows
+
+    engine = Engine.load(device="cpu")
+    texts = [json.loads(line)["text"] for line in ARTICLES.read_text().splitlines()[:24]]
+    docs = [engine.checkpoint.tokenizer.decode(list(engine.presenter.encode(t)[:DOC_TOKENS]))
+            for t in texts]
+    questions = json.loads(QUESTIONS.read_text())
+    answering = AnsweringEngine(engine, response_template(questions))
+    rows = max(padded_rows(1027), engine.rows({"text": docs[0], "scoring": {
+        **questions, "case_insensitive": False}}))
+    parse = parse_per_entry(answering, docs, questions, 200)
+    runs = [asyncio.run(one_run(answering, docs, questions, args.docs, rows))
+            for _ in range(args.repeat)]
+    best = min(runs, key=lambda r: r["wall_s"])
+    figures = {"code": str(Path(spinf_worker.__file__).parent), **parse,
+               "median_host_ms_per_entry": statistics.median(
+                   r["host_ms_per_entry"] for r in runs),
+               "median_host_ms_per_pass": statistics.median(r["host_ms_per_pass"] for r in runs),
+               "best": best, "runs": runs}
+    text = json.dumps(figures, indent=1)
+    if args.out is not None:
+        args.out.write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
