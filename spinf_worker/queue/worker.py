@@ -206,6 +206,7 @@ class Worker:
             if self._ready else 0.0
         due = bool(self._ready) and (full or waited_ms >= self.settings.max_wait_ms)
         if due and self._inflight is None:
+            await self._take_interactive()
             self._dispatch()
             return
         if full:   # the next pass is complete: wait for the one in flight
@@ -248,6 +249,17 @@ class Worker:
         reply = await self.redis.xreadgroup(GROUP, self.name, dict.fromkeys(self.keys.streams, ">"),
                                             count=count, block=block_ms)
         return [e for stream, entries in reply or () for e in self._hold(stream, entries)], False
+
+    async def _take_interactive(self) -> None:
+        """Interactive entries that arrived while the last pass ran (the worker does not read
+        while its next pass is already full) join the pass about to start, ahead of bulk
+        ones: a request waits at most for the pass in flight when it came."""
+        if self._history[self.keys.interactive] is not None:
+            return          # own pending entries are read again first (_read)
+        reply = await self.redis.xreadgroup(GROUP, self.name, {self.keys.interactive: ">"},
+                                            count=self.settings.read_count)
+        if reply:
+            await self._admit(self._hold(self.keys.interactive, reply[0][1]), redelivered=False)
 
     def _hold(self, stream: str, entries: list) -> list[tuple[str, str, dict]]:
         self._held[stream].update(entry_id for entry_id, _ in entries)

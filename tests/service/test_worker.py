@@ -17,6 +17,7 @@ import pytest
 import pytest_asyncio
 from redis.exceptions import ResponseError
 
+from spinf_worker.protocol import ScoreRequest
 from spinf_worker.queue.keys import GROUP
 from spinf_worker.queue.producer import IdempotencyKeyReused, Producer, Submission
 from spinf_worker.queue.redis_client import connect
@@ -358,3 +359,30 @@ def test_entry_rows_are_the_engines_own_count(tiny_engine, keys, settings):
                           {"job": "job_2", "payload": json.dumps(body(2, model="not-this-one"))})
     assert wrong.error is not None and wrong.error.code == "model_not_served"
     assert wrong.failure is None and wrong.rows == 0
+
+
+@pytest.mark.asyncio
+async def test_an_interactive_request_joins_the_next_pass_ahead_of_bulk(redis, keys, settings,
+                                                                       tiny_engine):
+    """A request that arrives while a pass runs and the next pass is already full of bulk
+    entries is scored in that next pass, ahead of them (it waits for the pass in flight only)."""
+    producer = Producer(redis, keys, settings)
+    worker = Worker(tiny_engine, redis, keys, settings)
+    rows = tiny_engine.rows(ScoreRequest.parse(body(0)))
+    bulk_jobs = [(await producer.submit(Submission(body(i), priority="bulk")))[0]
+                 for i in range(2 * worker.budget // rows + 2)]
+    await worker._create_groups()
+    worker._need_groups = False
+    while sum(e.rows for e in worker._ready) < worker.budget:   # the next pass is full
+        raw, redelivered = await worker._read(64, None)
+        await worker._admit(raw, redelivered)
+    single, _ = await producer.submit(Submission(body(999)))
+    never = asyncio.ensure_future(asyncio.Event().wait())
+    await worker._step(never)
+    never.cancel()
+    assert worker._inflight is not None
+    await asyncio.wait_for(worker._inflight, WAIT_S)
+    (result,) = await results_of(redis, keys, [single])
+    assert result["status_code"] == 200
+    answered = await redis.mget([keys.result(j) for j in bulk_jobs])
+    assert 0 < sum(r is not None for r in answered) < len(bulk_jobs)
