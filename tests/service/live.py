@@ -189,6 +189,20 @@ def subprocess_worker(settings: ServiceSettings, model: str, *, device: str = "c
                 process.wait()
 
 
+def raw_http(port: int, request: bytes) -> tuple[int, dict[bytes, bytes], bytes]:
+    """Send ``request`` over a plain socket exactly as given (httpx refuses control
+    characters) and read to the close; (status, headers by lowercased name, body)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as conn:
+        conn.sendall(request)
+        reply = b""
+        while chunk := conn.recv(65536):
+            reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    status_line, *lines = head.split(b"\r\n")
+    headers = dict(line.split(b": ", 1) for line in lines)
+    return int(status_line.split()[1]), {k.lower(): v for k, v in headers.items()}, body
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

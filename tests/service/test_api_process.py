@@ -4,11 +4,8 @@ the bytes go out exactly as written; a bad API keys file stops the start in one 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -18,16 +15,10 @@ import httpx
 import pytest
 
 from ..conftest import WAIT_S
-from .live import wait_for
+from .live import api_process, free_port, raw_http
 from .test_api import ULID
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _environ(**more: str) -> dict[str, str]:
@@ -38,47 +29,6 @@ def _environ(**more: str) -> dict[str, str]:
 def _api_args(settings, port: int) -> list[str]:
     return [sys.executable, "-m", "spinf_worker.cli", "api", "--redis", settings.redis_url,
             "--prefix", settings.prefix, "--port", str(port)]
-
-
-@contextlib.contextmanager
-def api_process(settings, log_path: Path) -> Iterator[int]:
-    """``spinf-serve api`` on a free port until it answers /healthz; yields the port."""
-    port = _free_port()
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(_api_args(settings, port), cwd=ROOT, env=_environ(),
-                                   stdout=log, stderr=subprocess.STDOUT)
-
-    def healthy() -> bool:
-        assert process.poll() is None, log_path.read_text()
-        with contextlib.suppress(httpx.TransportError):
-            return httpx.get(f"http://127.0.0.1:{port}/healthz",
-                             timeout=WAIT_S).status_code == 200
-        return False
-
-    try:
-        wait_for(healthy, WAIT_S, 0.2, "the API process to start")
-        yield port
-    finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(WAIT_S)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-def raw_request(port: int, request: bytes) -> tuple[int, dict[bytes, bytes], bytes]:
-    """Send ``request`` as is; (status, headers by lowercased name, body)."""
-    with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as conn:
-        conn.sendall(request)
-        reply = b""
-        while chunk := conn.recv(65536):
-            reply += chunk
-    head, _, body = reply.partition(b"\r\n\r\n")
-    status_line, *lines = head.split(b"\r\n")
-    headers = dict(line.split(b": ", 1) for line in lines)
-    return int(status_line.split()[1]), {k.lower(): v for k, v in headers.items()}, body
 
 
 def get(headers: bytes) -> bytes:
@@ -100,13 +50,13 @@ MALFORMED = {
 
 @pytest.fixture
 def api_port(settings, tmp_path) -> Iterator[int]:
-    with api_process(settings, tmp_path / "api.log") as port:
-        yield port
+    with api_process(settings, tmp_path / "api.log") as (_, url):
+        yield httpx.URL(url).port
 
 
 @pytest.mark.parametrize("request_bytes", MALFORMED.values(), ids=MALFORMED.keys())
 def test_a_request_the_parser_refuses_gets_the_envelope(api_port, request_bytes):
-    status, headers, body = raw_request(api_port, request_bytes)
+    status, headers, body = raw_http(api_port, request_bytes)
     assert status == 400, body
     assert headers[b"content-type"] == b"application/json"
     assert int(headers[b"content-length"]) == len(body)
@@ -120,11 +70,11 @@ def test_a_request_the_parser_refuses_gets_the_envelope(api_port, request_bytes)
 
 
 def test_each_refused_request_gets_its_own_id(api_port):
-    ids = {raw_request(api_port, MALFORMED["nul in x-request-id"])[1][b"x-request-id"]
+    ids = {raw_http(api_port, MALFORMED["nul in x-request-id"])[1][b"x-request-id"]
            for _ in range(3)}
     assert len(ids) == 3
     # and the server goes on answering well-formed requests
-    status, headers, _ = raw_request(api_port, get(b""))
+    status, headers, _ = raw_http(api_port, get(b""))
     assert status == 200 and ULID.match(headers[b"x-request-id"].decode("ascii"))
 
 
@@ -138,7 +88,7 @@ def test_a_bad_keys_file_is_one_line_naming_the_file_and_line(settings, tmp_path
                                                               content, line, fragment):
     keys_file = tmp_path / "keys.txt"
     keys_file.write_text(content)
-    args = _api_args(settings, _free_port())
+    args = _api_args(settings, free_port())
     args[3] = command
     if command == "serve":
         args += ["--state-dir", str(tmp_path / "state")]
@@ -157,7 +107,7 @@ def test_a_bad_keys_file_is_one_line_naming_the_file_and_line(settings, tmp_path
 def test_an_unreadable_keys_file_is_one_line_naming_it(settings, tmp_path, make):
     keys_file = tmp_path / "keys.txt"
     make(keys_file)
-    proc = subprocess.run(_api_args(settings, _free_port()), cwd=ROOT,
+    proc = subprocess.run(_api_args(settings, free_port()), cwd=ROOT,
                           env=_environ(SPINF_API_KEYS_FILE=str(keys_file)),
                           capture_output=True, text=True, timeout=WAIT_S * 2)
     assert proc.returncode != 0

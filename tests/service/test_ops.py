@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 import time
 
@@ -102,18 +101,9 @@ def test_every_reply_has_a_new_server_request_id(settings):
 
 
 def raw_get(port: int, path: bytes, request_id: bytes) -> tuple[int, dict[bytes, bytes], bytes]:
-    """GET over a plain socket, so the X-Request-Id bytes go out exactly as given (httpx
-    refuses control characters); (status, headers by lowercased name, body)."""
-    with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as conn:
-        conn.sendall(b"GET " + path + b" HTTP/1.1\r\nHost: spinf\r\nX-Request-Id: " + request_id
-                     + b"\r\nConnection: close\r\n\r\n")
-        reply = b""
-        while chunk := conn.recv(65536):
-            reply += chunk
-    head, _, body = reply.partition(b"\r\n\r\n")
-    status_line, *lines = head.split(b"\r\n")
-    headers = dict(line.split(b": ", 1) for line in lines)
-    return int(status_line.split()[1]), {k.lower(): v for k, v in headers.items()}, body
+    """GET with these X-Request-Id bytes, exactly as given."""
+    return live.raw_http(port, b"GET " + path + b" HTTP/1.1\r\nHost: spinf\r\nX-Request-Id: "
+                         + request_id + b"\r\nConnection: close\r\n\r\n")
 
 
 # h11 (uvicorn's HTTP/1.1 parser) lets these through to the app...
