@@ -12,6 +12,19 @@ import structlog
 _THIRD_PARTY = ("uvicorn", "uvicorn.error", "uvicorn.access", "httpx", "asyncio")
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is when a record is emitted: a process that swaps
+    stderr (a test run capturing it, a daemon redirecting it) never writes to a closed one."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:   # StreamHandler sets it; the current stderr is used
+        pass
+
+
 def configure_logging(json: bool | None = None, level: str | int = "INFO") -> None:
     """JSON lines on stderr, or colourful console lines when ``json`` is None and stderr is a
     terminal. Context bound with ``structlog.contextvars.bind_contextvars`` (job, request ids)
@@ -44,7 +57,7 @@ def configure_logging(json: bool | None = None, level: str | int = "INFO") -> No
         foreign_pre_chain=[structlog.stdlib.ExtraAdder(allow=()), *shared],
         processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
     )
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _StderrHandler()
     handler.setFormatter(formatter)
     root = logging.getLogger()
     root.handlers = [handler]
