@@ -30,8 +30,8 @@ def pass_rows(docs: list[FlatDoc], rows: int, pad_id: int) -> np.ndarray:
     positions, and the tree tensors of kernels/flex_tree.TreeTokens: the document (-1 for
     padding); the end of each row's subtree as a pass row (k is on q's path iff
     k <= q < end[k]); the end of the row's root (a branch row is one at or past it; a padding
-    row's root is empty, it ends at the row itself); and a branch row's parent on its own path (-1 at its first branch
-    token, and for root and padding rows)."""
+    row's root is empty, it ends at the row itself); and a branch row's parent on its own
+    path (-1 at its first branch token, and for root and padding rows)."""
     out = np.empty((PASS_ROWS, rows), dtype=np.int32)
     out[0], out[1], out[2], out[5] = pad_id, 0, -1, -1
     # a padding row: its subtree is itself, and so is its path (its root is empty)

@@ -78,21 +78,15 @@ def materialize(model: torch.nn.Module, device: torch.device, fill, scheme: str)
     dtype on ``device``, filled (``fill(name, param)``) and, for fp8 / int8, the body's
     linear layers quantised at once: only one layer's full-precision weight exists at a time,
     so loading peaks near the served size, not at the full-precision model's."""
-    from .layers import Linear
-
-    head = getattr(model, "lm_head", None)
+    quantised = set(model.body_linears()) if scheme in ("fp8", "int8") else set()
     for prefix, module in model.named_modules():
-        own = list(module.named_parameters(recurse=False))
-        if not own:
+        if next(module.parameters(recurse=False), None) is None:
             continue
         module.to_empty(device=device, recurse=False)
         for name, param in module.named_parameters(recurse=False):
             fill(f"{prefix}.{name}" if prefix else name, param)
-        if isinstance(module, Linear) and module is not head:
-            if scheme == "fp8":
-                module.to_fp8()
-            elif scheme == "int8":
-                module.to_int8()
+        if module in quantised:
+            module.to_fp8() if scheme == "fp8" else module.to_int8()
 
 
 def build_model(checkpoint: Checkpoint, device: str | None = None, scheme: str = "auto"

@@ -167,18 +167,20 @@ class PackedLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return torch.log_softmax(logits, dim=-1)
 
+    def body_linears(self) -> list[Linear]:
+        """The linear layers a quantised scheme converts: all but the LM head."""
+        return [m for m in self.modules() if isinstance(m, Linear) and m is not self.lm_head]
+
     def to_fp8(self) -> None:
         """W8A8 for every linear layer of the body; embeddings and the LM head stay as they are."""
-        for module in self.modules():
-            if isinstance(module, Linear) and module is not self.lm_head:
-                module.to_fp8()
+        for module in self.body_linears():
+            module.to_fp8()
 
     def to_int8(self) -> None:
         """int8 weight-only for every linear layer of the body; the embeddings, the LM head
         (or the tied embedding) and the norms stay in the engine's dtype."""
-        for module in self.modules():
-            if isinstance(module, Linear) and module is not self.lm_head:
-                module.to_int8()
+        for module in self.body_linears():
+            module.to_int8()
 
     # Weights a checkpoint may lack, and the value they keep then (a subclass's).
     OPTIONAL_WEIGHTS: dict[str, float] = {}

