@@ -139,3 +139,25 @@ def test_inputs_packed_with_other_requests_keep_their_bits(tiny_engine):
     packed = tiny_engine.score_batch([*others[:2], request, *others[2:]])[2]
     assert logprob_bits(packed) == logprob_bits(alone)
     assert residuals(packed) == residuals(alone)
+
+
+def test_batches_started_before_the_last_one_finished_keep_their_bits(tiny_engine):
+    """start_batch: the worker starts batch N+1 before reading back batch N (two batches'
+    passes in flight at once; with an empty floor cache, each batch scores its floors in
+    its own passes)."""
+    from spinf_worker.engine.floors import FloorCache
+
+    rng = random.Random(6)
+    requests = [other_request(rng) for _ in range(7)]
+    alone = [tiny_engine.score(r).results for r in requests]
+    cache = tiny_engine.floors
+    tiny_engine.floors = FloorCache(1000)
+    try:
+        first = tiny_engine.start_batch(requests[:4])
+        second = tiny_engine.start_batch(requests[4:])
+        third = tiny_engine.start_batch(requests[:1])
+        together = first.finish() + second.finish() + third.finish()
+    finally:
+        tiny_engine.floors = cache
+    # float equality is bit equality: logprobs, p, floor_p, residuals
+    assert [r.results for r in together] == alone + alone[:1]

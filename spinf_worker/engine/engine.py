@@ -1,7 +1,7 @@
 """The engine: requests in, scores out.
 
 request -> Prepared (prepare: parse, packs, query-set layout, tokenised content) -> passes
-(scheduler: packer + runner) -> ScoreResponse (respond). floor values (the same queries
+(batch: one call's requests; scheduler: packer + runner) -> ScoreResponse (respond). floor values (the same queries
 over empty content) are scored once per (presentation, query, options) in a DocTree of their
 own and cached (floors), never per document.
 """
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import gc
 import hashlib
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -22,18 +21,14 @@ from ..models.build import build_model
 from ..models.loader import Checkpoint, load_checkpoint
 from ..packs import official_packs
 from ..protocol import DEFAULT_LIMITS, ScoreRequest, ScoreResponse
+from .batch import ScoringBatch
 from .decode import SlotDecoder, SlotJob
 from .floors import FloorCache
-from .layout import DocTree
 from .prepare import Preparer
 from .presentation import Presenter, choose_mode
-from .respond import build_response
 from .runner import DocScores, ModelRunner, PendingPass
-from .scheduler import PassScheduler
 
 KERNEL_VERSION = "prefix-tree-fused-4"   # bump when a change moves any score's bits
-PREPARE_CHUNK = 8       # requests whose contents are tokenised together (in parallel);
-#                         few enough that the first pass starts early
 
 
 @dataclass
@@ -130,59 +125,14 @@ class Engine:
                     ) -> list[ScoreResponse | SpinfError]:
         """Score many requests packed together; a bad request yields its error in place.
         Every input of every request is one document; passes start while later requests are
-        still being laid out (engine/scheduler.py); missing floor values ride in the same
-        passes as the documents."""
-        started = time.perf_counter()
-        results: list[ScoreResponse | SpinfError | None] = [None] * len(requests)
-        scheduler = PassScheduler(self.runner, self.settings.max_pass_tokens, self._decode_slots)
-        floors: dict[tuple, DocScores] = {}     # this batch's floor values, cached or scored
-        queued: set[tuple] = set()
-        floor_root = self.presenter.floor_root_ids()
-        waiting = {}        # request index -> its PreparedRequest, until every score is in
-        scored: dict[int, dict[int, DocScores]] = {}
+        still being laid out (engine/scheduler.py)."""
+        return self.start_batch(requests).finish()
 
-        def ready(i: int) -> bool:
-            p = waiting[i]
-            return len(scored.get(i, ())) == len(p.docs) and all(
-                k is None or k in floors for d in p.docs for k in d.query_set.floor_keys)
-
-        def settle(done: list) -> None:
-            """Store what finished; answer each request whose scores and floors are in."""
-            for (kind, key), doc_scores in done:
-                if kind == "floor":
-                    floors[key] = doc_scores
-                    self.floors.put(key, doc_scores)
-                else:
-                    scored.setdefault(key[0], {})[key[1]] = doc_scores
-            for i in [i for i in scored if ready(i)]:
-                docs = scored.pop(i)
-                results[i] = build_response(waiting.pop(i), [docs[k] for k in sorted(docs)],
-                                            floors, model=self.model_name,
-                                            fingerprint=self.fingerprint, started=started)
-
-        prepared = (p for lo in range(0, len(requests), PREPARE_CHUNK)
-                    for p in self.preparer.prepare_batch(requests[lo:lo + PREPARE_CHUNK]))
-        for i, p in enumerate(prepared):
-            if isinstance(p, SpinfError):
-                results[i] = p
-                continue
-            waiting[i] = p
-            for k, doc in enumerate(p.docs):
-                qs = doc.query_set
-                for key, q, grid in zip(qs.floor_keys, doc.queries, qs.grids, strict=True):
-                    if key is None or key in floors or key in queued:
-                        continue
-                    if (cached := self.floors.get(key)) is not None:
-                        floors[key] = cached
-                    else:
-                        queued.add(key)
-                        tree = DocTree(list(floor_root),
-                                       self.preparer.branches([q], [grid], key[-1]))
-                        settle(scheduler.add(("floor", key), tree.flatten(self.pad_id)))
-                settle(scheduler.add(("doc", (i, k)), doc.flat))
-        for done in scheduler.flush():
-            settle(done)
-        return results
+    def start_batch(self, requests: Sequence[dict | ScoreRequest]) -> ScoringBatch:
+        """``score_batch`` up to its last pass: returns once that pass is queued on the
+        device; ``.finish()`` reads it back and answers. Starting the next batch before
+        finishing this one keeps the device busy between batches (engine/batch.py)."""
+        return ScoringBatch(self, requests).start()
 
     # ---- passes -----------------------------------------------------------------------
 

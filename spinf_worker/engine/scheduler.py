@@ -38,10 +38,21 @@ class PassScheduler:
     def flush(self) -> Iterator[list[tuple[Hashable, DocScores]]]:
         """Run everything still waiting; yields the documents not returned before, pass by
         pass, so the caller answers one pass's documents while the device runs the next."""
-        yield from self._launch(keep_last=False)
+        yield from self.launch_waiting()
         if self.in_flight is not None:
-            job, self.in_flight = self.in_flight, None
-            yield self._collect(job)
+            yield self.collect()
+
+    def launch_waiting(self) -> Iterator[list[tuple[Hashable, DocScores]]]:
+        """``flush`` but the last pass: launch every waiting document, yielding each pass
+        read back meanwhile; the last one launched stays in flight (``collect``)."""
+        return self._launch(keep_last=False)
+
+    def collect(self) -> list[tuple[Hashable, DocScores]]:
+        """Wait for the pass in flight, if any, and return its documents."""
+        if self.in_flight is None:
+            return []
+        job, self.in_flight = self.in_flight, None
+        return self._collect(job)
 
     def _launch(self, *, keep_last: bool) -> Iterator[list[tuple[Hashable, DocScores]]]:
         """Launch the packed passes of the waiting documents (all but the last, least full

@@ -1,0 +1,96 @@
+"""One ``score_batch`` call on its way through the passes, in two halves.
+
+``start`` prepares every request and launches its passes, reading back all but the last;
+``finish`` reads back that last pass and answers every request. A caller with a stream of
+batches (the queue worker) starts batch N+1 before finishing batch N: the host lays out one
+while the device runs the other, as passes inside one batch already overlap
+(engine/scheduler.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Hashable, Sequence
+from typing import TYPE_CHECKING
+
+from ..errors import SpinfError
+from ..protocol import ScoreRequest, ScoreResponse
+from .layout import DocTree
+from .respond import build_response
+from .runner import DocScores
+from .scheduler import PassScheduler
+
+if TYPE_CHECKING:
+    from .engine import Engine
+    from .prepare import PreparedRequest
+
+PREPARE_CHUNK = 8       # requests whose contents are tokenised together (in parallel);
+#                         few enough that the first pass starts early
+
+
+class ScoringBatch:
+    def __init__(self, engine: Engine, requests: Sequence[dict | ScoreRequest]):
+        self.engine, self.requests = engine, requests
+        self.started = time.perf_counter()
+        self.results: list[ScoreResponse | SpinfError | None] = [None] * len(requests)
+        self.scheduler = PassScheduler(engine.runner, engine.settings.max_pass_tokens,
+                                       engine._decode_slots)
+        self.floors: dict[tuple, DocScores] = {}   # this batch's floor values, cached or scored
+        self.queued: set[tuple] = set()
+        self.waiting: dict[int, PreparedRequest] = {}   # until every score of it is in
+        self.scored: dict[int, dict[int, DocScores]] = {}
+
+    def start(self) -> ScoringBatch:
+        """Prepare and launch everything; returns with the last pass still on the device.
+        Missing floor values ride in the same passes as the documents."""
+        engine, scheduler = self.engine, self.scheduler
+        floor_root = engine.presenter.floor_root_ids()
+        requests = self.requests
+        prepared = (p for lo in range(0, len(requests), PREPARE_CHUNK)
+                    for p in engine.preparer.prepare_batch(requests[lo:lo + PREPARE_CHUNK]))
+        for i, p in enumerate(prepared):
+            if isinstance(p, SpinfError):
+                self.results[i] = p
+                continue
+            self.waiting[i] = p
+            for k, doc in enumerate(p.docs):
+                qs = doc.query_set
+                for key, q, grid in zip(qs.floor_keys, doc.queries, qs.grids, strict=True):
+                    if key is None or key in self.floors or key in self.queued:
+                        continue
+                    if (cached := engine.floors.get(key)) is not None:
+                        self.floors[key] = cached
+                    else:
+                        self.queued.add(key)
+                        tree = DocTree(list(floor_root),
+                                       engine.preparer.branches([q], [grid], key[-1]))
+                        self._settle(scheduler.add(("floor", key), tree.flatten(engine.pad_id)))
+                self._settle(scheduler.add(("doc", (i, k)), doc.flat))
+        for done in scheduler.launch_waiting():
+            self._settle(done)
+        return self
+
+    def finish(self) -> list[ScoreResponse | SpinfError]:
+        """Wait for the last pass and answer every request."""
+        self._settle(self.scheduler.collect())
+        return self.results
+
+    def _ready(self, i: int) -> bool:
+        p = self.waiting[i]
+        return len(self.scored.get(i, ())) == len(p.docs) and all(
+            k is None or k in self.floors for d in p.docs for k in d.query_set.floor_keys)
+
+    def _settle(self, done: list[tuple[Hashable, DocScores]]) -> None:
+        """Store what finished; answer each request whose scores and floors are in."""
+        engine = self.engine
+        for (kind, key), doc_scores in done:
+            if kind == "floor":
+                self.floors[key] = doc_scores
+                engine.floors.put(key, doc_scores)
+            else:
+                self.scored.setdefault(key[0], {})[key[1]] = doc_scores
+        for i in [i for i in self.scored if self._ready(i)]:
+            docs = self.scored.pop(i)
+            self.results[i] = build_response(self.waiting.pop(i), [docs[k] for k in sorted(docs)],
+                                             self.floors, model=engine.model_name,
+                                             fingerprint=engine.fingerprint, started=self.started)
