@@ -1,4 +1,5 @@
-"""``spinf-serve`` command line: offline scoring and the service (serve, api, worker, dispatcher)."""
+"""``spinf-serve`` command line: offline scoring, the service (serve, api, worker, dispatcher)
+and the tools (parity, bench, models)."""
 
 from __future__ import annotations
 
@@ -69,6 +70,7 @@ EXTRA_MODULES = {   # the extra that installs each module a command imports (pyp
 }
 COMMAND_EXTRAS = {"serve": ("server",), "worker": ("server",), "ingest": ("server",),
                   "score": ("server",), "calibrate": ("server", "calibrate"),
+                  "parity": ("server",), "bench": ("server",),
                   "api": ("api",), "dispatcher": ("api",)}
 
 
@@ -378,6 +380,81 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- tools: parity | bench | models (spinf_worker/tools/) --------------------------------------
+
+
+def cmd_parity(args: argparse.Namespace) -> int:
+    from .tools import parity
+
+    return parity.run(args)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .tools import bench
+
+    return bench.run(args)
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from .tools import model_cache
+
+    return model_cache.run(args)
+
+
+def _tool_parsers(sub) -> None:
+    parity = sub.add_parser("parity", help="score the public parity fixture; compare with a "
+                                           "recorded reference (bits, else tolerances)")
+    parity.add_argument("--fixture", default=None, metavar="F",
+                        help="fixture .json.gz (default: fixtures/parity/mixed-12.json.gz)")
+    parity.add_argument("--reference", default=None, metavar="R",
+                        help="recorded reference .json.gz (fixtures/parity/<model>.<device>-"
+                             "<scheme>.json.gz)")
+    parity.add_argument("--record", default=None, metavar="OUT",
+                        help="write this run's scores as a reference")
+    parity.add_argument("--passes", type=_positive_int, default=1, metavar="N",
+                        help="score the fixture N times (each in another document order); "
+                             "every repeat must give the same bits (default 1)")
+    parity.add_argument("--max-abs-delta", type=float, default=0.5, metavar="X",
+                        help="another fingerprint: the largest |Δ logprob| allowed (default 0.5)")
+    parity.add_argument("--min-top1", type=float, default=0.9, metavar="A",
+                        help="another fingerprint: the least share of questions whose top "
+                             "option agrees (default 0.9)")
+    parity.add_argument("--threads", type=_positive_int, default=None, metavar="N",
+                        help="torch's CPU threads, part of the fingerprint (default: torch's "
+                             "own choice; a CPU reference records its count)")
+    parity.add_argument("--json", action="store_true", help="one JSON object")
+    _model_options(parity)
+    parity.set_defaults(func=cmd_parity)
+
+    bench = sub.add_parser("bench", help="the news job (articles x 56 questions) on a model "
+                                         "and device: questions/s, tokens/s, memory")
+    bench.add_argument("--docs", type=_positive_int, default=24, metavar="N",
+                       help="articles to score (default 24)")
+    bench.add_argument("--doc-tokens", type=_positive_int, default=470, metavar="T",
+                       help="each article cut to its first T tokens (default 470)")
+    bench.add_argument("--data", default=None, metavar="DIR",
+                       help="directory with news_articles.jsonl (default: $SPINF_SHARED_DATA "
+                            "or ../shared/data)")
+    bench.add_argument("--questions", default=None, type=Path, metavar="FILE",
+                       help="scoring block (default: benchmarks/news_questions.json)")
+    bench.add_argument("--case-insensitive", action="store_true",
+                       help="options over their case spellings (the hosted default); "
+                            "default: exactly as given, as the benchmarks measure")
+    bench.add_argument("--no-floors", action="store_true",
+                       help="ask no floors (empty_floor false): the timed call is the same "
+                            "work, the warm-up skips scoring the 56 questions on empty content")
+    bench.add_argument("--threads", type=_positive_int, default=None, metavar="N",
+                       help="torch's CPU threads (default: torch's own choice)")
+    bench.add_argument("--json", action="store_true", help="one JSON object")
+    _model_options(bench)
+    bench.set_defaults(func=cmd_bench)
+
+    models = sub.add_parser("models", help="the models in the cache (size, whether each "
+                                           "loads), the default and the known families")
+    models.add_argument("--json", action="store_true", help="one JSON object")
+    models.set_defaults(func=cmd_models)
+
+
 def _service_options(redis_help: str) -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--redis", default=None, metavar="URL", help=redis_help)
@@ -560,6 +637,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="report.json of the held-out texts (default ./calibration-report)")
     _model_options(cal)
     cal.set_defaults(func=cmd_calibrate)
+    _tool_parsers(sub)
     return parser
 
 
