@@ -65,11 +65,11 @@ def cpu_model() -> str:
 
 
 def load_articles(engine: Engine, n: int) -> list[str]:
-    """The first n articles, each cut to its first DOC_TOKENS tokens."""
-    lines = ARTICLES.read_text(encoding="utf-8").splitlines()[:n]
-    texts = [json.loads(line)["text"] for line in lines]
-    return [engine.checkpoint.tokenizer.decode(list(engine.presenter.encode(t)[:DOC_TOKENS]))
-            for t in texts]
+    """The first n articles, each cut to its first DOC_TOKENS tokens (the job `spinf-serve
+    bench` runs)."""
+    from spinf_worker.tools.news_job import load_docs
+
+    return load_docs(ARTICLES.parent, engine.checkpoint.tokenizer, n, DOC_TOKENS)
 
 
 def scoring_block(case_insensitive: bool = False) -> dict:
@@ -84,20 +84,10 @@ def option_logprobs(response) -> list[list[float]]:
             if getattr(q, "kind", None) is None]
 
 
-def doc_layouts(engine: Engine, requests: list[dict]) -> list:
-    """The laid-out inputs (FlatDoc) of the requests, as score_batch packs them."""
-    from spinf_worker.errors import SpinfError
-
-    prepared = engine.preparer.prepare_batch(requests)
-    for p in prepared:
-        if isinstance(p, SpinfError):
-            raise p
-    return [d.flat for p in prepared for d in p.docs]
-
-
 def run_engine(engine: Engine, docs: list[str], block: dict) -> dict:
     from spinf_worker.engine.packer import pack
     from spinf_worker.protocol import ScoreResponse
+    from spinf_worker.tools.news_job import doc_layouts
 
     requests = [{"text": d, "scoring": block} for d in docs]
     t0 = time.perf_counter()

@@ -34,6 +34,15 @@ import torch
 
 from spinf_worker.engine import Engine, EngineSettings
 from spinf_worker.models.loader import Checkpoint, load_checkpoint
+from spinf_worker.tools.news_job import (  # the job's work, shared with `spinf-serve bench`
+    bits,
+    build_requests,
+    checked,
+    doc_layouts,
+    load_docs,
+    questions_answered,
+    tokens_read,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 GEMMA_12B = dict(model_type="gemma3_text", vocab_size=262144, hidden_size=3840,
@@ -127,57 +136,12 @@ def _gate_up_runs(rows: int, width: int, k: int) -> dict:
             "gate_up_gelu": lambda: gate_up_act(w8, ws, x8, xs)}
 
 
-def load_docs(data: Path, tokenizer, n_docs: int, doc_tokens: int) -> list[str]:
-    docs = []
-    for line in (data / "news_articles.jsonl").open():
-        ids = tokenizer.encode(json.loads(line)["text"], add_special_tokens=False).ids
-        docs.append(tokenizer.decode(ids[:doc_tokens]))
-        if len(docs) == n_docs:
-            break
-    return docs
-
-
 def linear_flops(cfg: dict, tokens: int) -> float:
     h, i = cfg["hidden_size"], cfg["intermediate_size"]
     q = cfg["num_attention_heads"] * cfg["head_dim"]
     kv = cfg["num_key_value_heads"] * cfg["head_dim"]
     per_layer = h * q + 2 * h * kv + q * h + 3 * h * i
     return 2.0 * tokens * per_layer * cfg["num_hidden_layers"]
-
-
-def build_requests(docs: list[str], questions: dict, case_insensitive: bool = False
-                   ) -> list[dict]:
-    """One request per document, all asking the question set."""
-    scoring = {**questions, "case_insensitive": case_insensitive}
-    return [{"text": d, "scoring": scoring} for d in docs]
-
-
-def checked(responses: list) -> list:
-    for r in responses:
-        if isinstance(r, Exception):
-            raise r
-    return responses
-
-
-def tokens_read(responses: list) -> int:
-    """The rows the engine laid out: content once plus the query tree (no floors)."""
-    return sum(r.usage.processed_tokens for r in responses)
-
-
-def questions_answered(responses: list) -> int:
-    """(query, combination) pairs over every input of every response."""
-    return sum(len(q.combinations) for r in responses for res in r.results for q in res.queries)
-
-
-def bits(response) -> list[float]:
-    """Every option logprob of a response, over its inputs, queries and combinations."""
-    return [o.logprob for res in response.results for q in res.queries
-            for c in q.combinations for o in c.options]
-
-
-def doc_layouts(engine: Engine, requests: list[dict]) -> list:
-    """The laid-out inputs (FlatDoc) of the requests, as score_batch packs them."""
-    return [d.flat for p in checked(engine.preparer.prepare_batch(requests)) for d in p.docs]
 
 
 def invariance(engine: Engine, requests: list[dict], reference: list, k: int) -> bool:
