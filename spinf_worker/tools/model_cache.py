@@ -38,6 +38,8 @@ def _size(path: Path) -> int:
 
 
 def _weight_files(path: Path) -> list[Path]:
+    """The safetensors files the loader would read (its rule, models/loader.py, which
+    imports torch): the index's shards, else every *.safetensors."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
         shards = json.loads(index.read_text()).get("weight_map", {}).values()
