@@ -1,9 +1,11 @@
 """The queue worker: reads work entries from Redis Streams, scores them in packed passes,
 stores results and tells whoever waits (docs/QUEUE.md).
 
-One worker drives one engine. While a pass runs on a thread, the event loop reads and parses
-the entries of the next pass, heartbeats, keeps the entries it holds from looking idle, and
-reclaims entries of dead workers with XAUTOCLAIM.
+One worker drives one engine, two passes deep: pass N+1 is laid out and queued on the device
+before pass N is read back (Engine.start_batch), so the device is not idle while the host
+reads results back, stores them and lays out what comes next. Meanwhile the event loop reads
+and parses the entries of the pass after, heartbeats, keeps the entries it holds from looking
+idle, and reclaims entries of dead workers with XAUTOCLAIM.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ REPLY_MAXLEN = 1000          # reply streams hold hints only; the results are du
 REPLY_TTL_S = 3600           # the reply stream of an API instance that went away expires
 MAX_RETRY_DELAY_S = 5.0      # Redis unreachable: wait up to this long between attempts
 PRUNE_CONSUMER_IDLE_MS = 3_600_000   # consumers this quiet with nothing pending are gone
+MAX_FINISHING = 2            # passes read back but not yet stored: past it, no pass starts
 
 def now_ms() -> int:
     return int(time.time() * 1000)
@@ -78,6 +81,26 @@ def pass_counts(outcomes: list, busy_s: float) -> dict[str, int | float]:
             "seconds_busy": busy_s}
 
 
+@dataclass
+class Launched:
+    """A pass queued on the device (``flight``: Engine.start_batch's batch), or one whose
+    ``outcomes`` are known already (it could not be launched as a whole)."""
+
+    entries: list[Entry]
+    marking: asyncio.Task           # the job records' "running", written meanwhile
+    started_ms: int
+    busy_s: float                   # engine-thread seconds spent on it so far
+    flight: object | None = None
+    outcomes: list | None = None
+
+
+def timed(fn, *args):
+    """``fn(*args)`` and the seconds it took (run on the engine thread: its busy time)."""
+    started = time.perf_counter()
+    value = fn(*args)
+    return value, time.perf_counter() - started
+
+
 def queue_wait_ms(entry_id: str, started_ms: int) -> int:
     """How long an entry waited in its stream: its id begins with the ms it was added."""
     try:
@@ -98,13 +121,15 @@ class Worker:
         # whoever loaded it) and ended (the engine is loaded once a Worker exists)
         self.loaded_ms = now_ms()
         self.started_ms = started_ms if started_ms is not None else self.loaded_ms
-        self.passes = 0                       # score_batch calls made
+        self.passes = 0                       # passes started (Engine.start_batch calls)
         self.log = log.bind(worker=self.name)
         # entry ids this worker holds (read, not yet acked or given up on): kept looking busy
         self._held: dict[str, set[str]] = {s: set() for s in keys.streams}
         self._ready: list[Entry] = []         # parsed, waiting for a pass
         self._claimed: list[tuple[str, str, dict]] = []   # from XAUTOCLAIM, not parsed yet
-        self._inflight: asyncio.Task | None = None
+        self._starting: asyncio.Task | None = None     # a pass being laid out and launched
+        self._launched: Launched | None = None         # on the device, read-back not queued
+        self._finishing: set[asyncio.Task] = set()     # being read back and stored
         # own pending entries still to re-read on start: the last id read, None when done
         self._history: dict[str, str | None] = {s: "0-0" for s in keys.streams}
         self._claim_cursor: dict[str, str] = {s: "0-0" for s in keys.streams}
@@ -128,13 +153,25 @@ class Worker:
             await self._work(stop, stopped)
         finally:
             stopped.cancel()
-            if self._inflight is not None:
-                await self._inflight
+            await self._drain()
             for chore in chores:
                 chore.cancel()
             await asyncio.gather(*chores, return_exceptions=True)
             await self._leave()
             self.log.info("worker stopped", passes=self.passes)
+
+    async def _drain(self) -> None:
+        """Finish every pass started: the one being launched, then every read-back."""
+        if self._starting is not None:
+            await self._starting
+            self._starting = None
+        self._read_back()
+        if self._finishing:
+            await asyncio.gather(*self._finishing)
+
+    def _busy(self) -> set[asyncio.Task]:
+        """What a worker with nothing to do next waits on."""
+        return {self._starting} if self._starting is not None else set(self._finishing)
 
     async def _create_groups(self) -> None:
         for stream in self.keys.streams:
@@ -195,8 +232,8 @@ class Worker:
         if self._need_groups:
             await self._create_groups()
             self._need_groups = False
-        if self._inflight is not None and self._inflight.done():
-            self._inflight = None
+        if self._starting is not None and self._starting.done():
+            self._starting = None
         if self._claimed:
             claimed, self._claimed = self._claimed, []
             await self._admit(claimed, redelivered=True)
@@ -205,12 +242,15 @@ class Worker:
         waited_ms = (time.monotonic() - min(e.arrived for e in self._ready)) * 1000 \
             if self._ready else 0.0
         due = bool(self._ready) and (full or waited_ms >= self.settings.max_wait_ms)
-        if due and self._inflight is None:
+        if due and self._starting is None and len(self._finishing) < MAX_FINISHING:
             await self._take_interactive()
             self._dispatch()
             return
-        if full:   # the next pass is complete: wait for the one in flight
-            await asyncio.wait({self._inflight, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if self._starting is None:   # no pass follows right now: read the last one back
+            self._read_back()
+        busy = self._busy()
+        if full and busy:   # the next pass is complete: wait until it may start
+            await asyncio.wait({*busy, stopped}, return_when=asyncio.FIRST_COMPLETED)
             return
         if self._ready and not due:
             block_ms = max(1, int(self.settings.max_wait_ms - waited_ms))
@@ -218,12 +258,12 @@ class Worker:
             block_ms = IDLE_BLOCK_MS
         count = min(self.settings.read_count,
                     max(1, math.ceil((self.budget - rows) / ROW_TILE)))
-        if self._inflight is None:
+        if not busy:
             raw, from_history = await self._read(count, block_ms)
         else:  # read what is there for the next pass, but don't sit on a finished one
             raw, from_history = await self._read(count, None)
             if not raw:
-                await asyncio.wait({self._inflight, stopped},
+                await asyncio.wait({*busy, stopped}, return_when=asyncio.FIRST_COMPLETED,
                                    timeout=min(block_ms, self.settings.max_wait_ms) / 1000)
         if raw:
             await self._admit(raw, redelivered=from_history)
@@ -251,9 +291,9 @@ class Worker:
         return [e for stream, entries in reply or () for e in self._hold(stream, entries)], False
 
     async def _take_interactive(self) -> None:
-        """Interactive entries that arrived while the last pass ran (the worker does not read
-        while its next pass is already full) join the pass about to start, ahead of bulk
-        ones: a request waits at most for the pass in flight when it came."""
+        """Interactive entries that arrived while the last pass was laid out (the worker does
+        not read while its next pass is already full) join the pass about to start, ahead of
+        bulk ones: a request waits at most for the passes in flight when it came."""
         if self._history[self.keys.interactive] is not None:
             return          # own pending entries are read again first (_read)
         reply = await self.redis.xreadgroup(GROUP, self.name, {self.keys.interactive: ">"},
@@ -359,27 +399,61 @@ class Worker:
             else:
                 rest.append(entry)
         self._ready = rest
-        self._inflight = asyncio.create_task(self._run_pass(batch))
+        self._starting = asyncio.create_task(self._start_pass(batch))
 
-    async def _run_pass(self, batch: list[Entry]) -> None:
+    async def _start_pass(self, batch: list[Entry]) -> None:
+        """Lay out and launch a pass; the pass before it is read back behind it on the engine
+        thread, so the device runs this one meanwhile."""
+        live = batch
         try:
             at = now_ms()
-            expired = [e for e in batch if e.expired(at)]
             live = [e for e in batch if not e.expired(at)]
-            if expired:
+            if expired := [e for e in batch if e.expired(at)]:
                 await self._finish([(e, JobResult.expired(), "expired") for e in expired])
+                self._release_held(expired)
             if not live:
+                self._read_back()
                 return
             # the records say "running" while the pass runs; written before the results
             marking = asyncio.create_task(self._mark_running(live))
-            started, started_ms = time.perf_counter(), now_ms()
-            outcomes = await self._score(live)
-            busy_s = time.perf_counter() - started
-            await marking
+            pass_ = Launched(live, marking, now_ms(), 0.0)
+            self.passes += 1
+            flight = ENGINE_THREAD.run(timed, self.engine.start_batch,
+                                       [e.request for e in live])
+            self._read_back()          # queued behind the launch
+            try:
+                pass_.flight, pass_.busy_s = await flight
+            except Exception as err:
+                pass_.outcomes = await self._score_alone(live, err)
+            self._launched = pass_
+        except Exception:   # entries not answered stay pending and are reclaimed later
+            self.log.exception("pass failed", jobs=[e.job for e in live])
+            self._release_held(live)
+
+    def _read_back(self) -> None:
+        """Queue the read-back of the pass on the device, if any, and the storing of its
+        results."""
+        pass_, self._launched = self._launched, None
+        if pass_ is not None:
+            task = asyncio.create_task(self._finish_pass(pass_))
+            self._finishing.add(task)
+            task.add_done_callback(self._finishing.discard)
+
+    async def _finish_pass(self, pass_: Launched) -> None:
+        live = pass_.entries
+        try:
+            outcomes = pass_.outcomes
+            if outcomes is None:
+                try:
+                    outcomes, seconds = await ENGINE_THREAD.run(timed, pass_.flight.finish)
+                    pass_.busy_s += seconds
+                except Exception as err:
+                    outcomes = await self._score_alone(live, err)
+            await pass_.marking
             answered = []
             for entry, outcome in zip(live, outcomes, strict=True):
                 if isinstance(outcome, ScoreResponse):
-                    queued_ms = queue_wait_ms(entry.id, started_ms)
+                    queued_ms = queue_wait_ms(entry.id, pass_.started_ms)
                     timing = outcome.timing
                     timing.queue_ms = queued_ms
                     timing.wall_ms = queued_ms + timing.score_ms
@@ -388,33 +462,32 @@ class Worker:
                     answered.append((entry, JobResult.failed(outcome), "failed"))
                 else:
                     await self._fail(entry, outcome)
-            await self._finish(answered, pass_counts(outcomes, busy_s))
-            self.log.info("pass done", docs=len(live), seconds=round(busy_s, 3))
+            await self._finish(answered, pass_counts(outcomes, pass_.busy_s))
+            self.log.info("pass done", docs=len(live), seconds=round(pass_.busy_s, 3))
         except Exception:   # entries not answered stay pending and are reclaimed later
-            self.log.exception("pass failed", jobs=[e.job for e in batch])
+            self.log.exception("pass failed", jobs=[e.job for e in live])
         finally:
-            for entry in batch:
-                self._held[entry.stream].discard(entry.id)
+            self._release_held(live)
 
-    async def _score(self, live: list[Entry]) -> list[ScoreResponse | SpinfError | Exception]:
-        try:
-            return await self._score_batch(live)
-        except Exception as err:
-            if len(live) == 1:
-                return [err]
-            # one bad entry must not sink its neighbours: score each alone to find it
-            self.log.warning("pass raised; scoring its entries one by one", error=repr(err))
-            outcomes: list[ScoreResponse | SpinfError | Exception] = []
-            for entry in live:
-                try:
-                    outcomes.extend(await self._score_batch([entry]))
-                except Exception as one:
-                    outcomes.append(one)
-            return outcomes
+    def _release_held(self, entries: list[Entry]) -> None:
+        for entry in entries:
+            self._held[entry.stream].discard(entry.id)
 
-    async def _score_batch(self, entries: list[Entry]) -> list[ScoreResponse | SpinfError]:
-        self.passes += 1
-        return await ENGINE_THREAD.run(self.engine.score_batch, [e.request for e in entries])
+    async def _score_alone(self, live: list[Entry], err: Exception
+                           ) -> list[ScoreResponse | SpinfError | Exception]:
+        """A pass raised: one bad entry must not sink its neighbours, so each is scored
+        alone to find it."""
+        if len(live) == 1:
+            return [err]
+        self.log.warning("pass raised; scoring its entries one by one", error=repr(err))
+        outcomes: list[ScoreResponse | SpinfError | Exception] = []
+        for entry in live:
+            try:
+                outcomes.extend(await ENGINE_THREAD.run(self.engine.score_batch,
+                                                        [entry.request]))
+            except Exception as one:
+                outcomes.append(one)
+        return outcomes
 
     async def _mark_running(self, entries: list[Entry]) -> None:
         async with self.redis.pipeline(transaction=False) as pipe:

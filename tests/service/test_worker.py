@@ -380,8 +380,8 @@ async def test_an_interactive_request_joins_the_next_pass_ahead_of_bulk(redis, k
     never = asyncio.ensure_future(asyncio.Event().wait())
     await worker._step(never)
     never.cancel()
-    assert worker._inflight is not None
-    await asyncio.wait_for(worker._inflight, WAIT_S)
+    assert worker._starting is not None
+    await asyncio.wait_for(worker._drain(), WAIT_S)     # that pass launched, read back, stored
     (result,) = await results_of(redis, keys, [single])
     assert result["status_code"] == 200
     answered = await redis.mget([keys.result(j) for j in bulk_jobs])
