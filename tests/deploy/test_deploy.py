@@ -10,7 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from .tools import DEPLOY, DOCKERFILES, ROOT, dockerfile_env, dockerfile_instructions, executable, run
+from .tools import (
+    DEPLOY,
+    DOCKERFILES,
+    ROOT,
+    dockerfile_env,
+    dockerfile_instructions,
+    executable,
+    run,
+)
 
 IMAGES = {"Dockerfile.cuda", "Dockerfile.cpu", "Dockerfile.api"}
 DIGEST = re.compile(r"^[a-z0-9./_-]+(:[A-Za-z0-9._-]+)?@sha256:[0-9a-f]{64}$")
