@@ -111,6 +111,9 @@ def test_caches_live_under_root_cache(name: str, monkeypatch):
         assert env[var].startswith("/root/.cache"), var
     monkeypatch.setenv("SPINF_CACHE_DIR", env["SPINF_CACHE_DIR"])
     assert cache_root() == Path("/root/.cache/spinf-serve")
+    # the model package assembles its GGUF under Path.home() / ".cache" (it reads no variable)
+    monkeypatch.setenv("HOME", env["HOME"])
+    assert Path.home() / ".cache" == Path(env["XDG_CACHE_HOME"])
     # the state dir (private Redis AOF, webhook secret) is platformdirs' user data dir
     from spinf_worker.serve import default_state_dir
 
