@@ -41,6 +41,7 @@ REPLY_TTL_S = 3600           # the reply stream of an API instance that went awa
 MAX_RETRY_DELAY_S = 5.0      # Redis unreachable: wait up to this long between attempts
 PRUNE_CONSUMER_IDLE_MS = 3_600_000   # consumers this quiet with nothing pending are gone
 MAX_FINISHING = 2            # passes read back but not yet stored: past it, no pass starts
+ON_DEVICE = 2                # passes launched and not read back: one running, one queued
 
 def now_ms() -> int:
     return int(time.time() * 1000)
@@ -129,7 +130,8 @@ class Worker:
         self._claimed: list[tuple[str, str, dict]] = []   # from XAUTOCLAIM, not parsed yet
         self._starting: asyncio.Task | None = None     # a pass being laid out and launched
         self._launched: Launched | None = None         # on the device, read-back not queued
-        self._finishing: set[asyncio.Task] = set()     # being read back and stored
+        self._reading: set[asyncio.Task] = set()       # being read back from the device
+        self._finishing: set[asyncio.Task] = set()     # results being stored
         # own pending entries still to re-read on start: the last id read, None when done
         self._history: dict[str, str | None] = {s: "0-0" for s in keys.streams}
         self._claim_cursor: dict[str, str] = {s: "0-0" for s in keys.streams}
@@ -166,12 +168,22 @@ class Worker:
             await self._starting
             self._starting = None
         self._read_back()
-        if self._finishing:
-            await asyncio.gather(*self._finishing)
+        while self._reading or self._finishing:
+            await asyncio.gather(*self._reading, *self._finishing)
 
     def _busy(self) -> set[asyncio.Task]:
         """What a worker with nothing to do next waits on."""
-        return {self._starting} if self._starting is not None else set(self._finishing)
+        if self._starting is not None:
+            return {self._starting}
+        return self._reading | self._finishing
+
+    def _may_start(self) -> bool:
+        """A pass may start when the previous one has launched, at most one other is on
+        the device (a third would only wait there, and so would a request put in it) and
+        the stores keep up."""
+        on_device = (self._launched is not None) + len(self._reading)
+        return (self._starting is None and on_device < ON_DEVICE
+                and len(self._finishing) < MAX_FINISHING)
 
     async def _create_groups(self) -> None:
         for stream in self.keys.streams:
@@ -242,11 +254,11 @@ class Worker:
         waited_ms = (time.monotonic() - min(e.arrived for e in self._ready)) * 1000 \
             if self._ready else 0.0
         due = bool(self._ready) and (full or waited_ms >= self.settings.max_wait_ms)
-        if due and self._starting is None and len(self._finishing) < MAX_FINISHING:
+        if due and self._may_start():
             await self._take_interactive()
             self._dispatch()
             return
-        if self._starting is None:   # no pass follows right now: read the last one back
+        if self._starting is None and not due:   # no pass follows now: read the last back
             self._read_back()
         busy = self._busy()
         if full and busy:   # the next pass is complete: wait until it may start
@@ -435,20 +447,28 @@ class Worker:
         results."""
         pass_, self._launched = self._launched, None
         if pass_ is not None:
-            task = asyncio.create_task(self._finish_pass(pass_))
-            self._finishing.add(task)
-            task.add_done_callback(self._finishing.discard)
+            task = asyncio.create_task(self._read_pass(pass_))
+            self._reading.add(task)
+            task.add_done_callback(self._reading.discard)
 
-    async def _finish_pass(self, pass_: Launched) -> None:
-        live = pass_.entries
+    async def _read_pass(self, pass_: Launched) -> None:
         try:
-            outcomes = pass_.outcomes
-            if outcomes is None:
+            if pass_.outcomes is None:
                 try:
-                    outcomes, seconds = await ENGINE_THREAD.run(timed, pass_.flight.finish)
+                    pass_.outcomes, seconds = await ENGINE_THREAD.run(timed, pass_.flight.finish)
                     pass_.busy_s += seconds
                 except Exception as err:
-                    outcomes = await self._score_alone(live, err)
+                    pass_.outcomes = await self._score_alone(pass_.entries, err)
+        except BaseException:
+            self._release_held(pass_.entries)
+            raise
+        task = asyncio.create_task(self._finish_pass(pass_))
+        self._finishing.add(task)
+        task.add_done_callback(self._finishing.discard)
+
+    async def _finish_pass(self, pass_: Launched) -> None:
+        live, outcomes = pass_.entries, pass_.outcomes
+        try:
             await pass_.marking
             answered = []
             for entry, outcome in zip(live, outcomes, strict=True):
