@@ -23,6 +23,9 @@ class ServiceSettings(BaseSettings):
     quant: str = "auto"                   # engine scheme: auto | fp32 | bf16 | fp8 | int8
     load_format: Literal["auto", "dummy"] = "auto"   # dummy: random weights of the model's shapes
     max_wait_ms: int = 50                 # a lone request is not held longer for a fuller pass
+    # bulk entries fill a pass that holds interactive ones only up to this many rows, so a
+    # request waits for a short pass, not a full one (None: a quarter of the pass budget)
+    interactive_pass_tokens: int | None = Field(default=None, ge=1)
     read_count: int = 256                 # entries per XREADGROUP
     claim_idle_ms: int = 120_000          # longer than the slowest pass
     max_deliveries: int = 3               # then the entry goes to the dead-letter stream

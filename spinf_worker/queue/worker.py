@@ -399,13 +399,24 @@ class Worker:
 
     # ---- passes ------------------------------------------------------------------------
 
+    @property
+    def interactive_budget(self) -> int:
+        """Rows up to which bulk entries fill a pass that holds interactive ones."""
+        return min(self.budget, self.settings.interactive_pass_tokens or self.budget // 4)
+
     def _dispatch(self) -> None:
         """Start a pass over the ready entries that fit the budget, interactive first; the
-        misfits wait for the next pass."""
-        ordered = sorted(self._ready, key=lambda e: e.stream != self.keys.interactive)
+        misfits wait for the next pass. Interactive entries fill the whole budget; bulk ones
+        join them only up to ``interactive_budget``, so the pass a request waits for is short
+        (a pass without interactive entries is filled to the budget)."""
+        interactive = self.keys.interactive
+        ordered = sorted(self._ready, key=lambda e: e.stream != interactive)
+        bulk_budget = self.interactive_budget if ordered[0].stream == interactive \
+            else self.budget
         batch, rest, rows = [], [], 0
         for entry in ordered:
-            if not batch or rows + entry.rows <= self.budget:
+            limit = self.budget if entry.stream == interactive else bulk_budget
+            if not batch or rows + entry.rows <= limit:
                 batch.append(entry)
                 rows += entry.rows
             else:

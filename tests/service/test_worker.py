@@ -386,3 +386,56 @@ async def test_an_interactive_request_joins_the_next_pass_ahead_of_bulk(redis, k
     assert result["status_code"] == 200
     answered = await redis.mget([keys.result(j) for j in bulk_jobs])
     assert 0 < sum(r is not None for r in answered) < len(bulk_jobs)
+
+
+async def _read_until(worker: Worker, rows: int) -> None:
+    """Read and parse entries until the ready ones hold at least ``rows`` rows."""
+    while sum(e.rows for e in worker._ready) < rows:
+        raw, redelivered = await worker._read(64, None)
+        assert raw, "the streams ran dry"
+        await worker._admit(raw, redelivered)
+
+
+@pytest.mark.asyncio
+async def test_bulk_fills_a_pass_with_an_interactive_request_only_up_to_its_budget(
+        redis, keys, settings, tiny_engine):
+    """A pass that holds an interactive request takes bulk entries up to
+    interactive_pass_tokens rows, so the request waits for a short pass; a bulk pass is
+    filled to the whole budget, and so is a pass of interactive entries alone."""
+    rows = tiny_engine.rows(ScoreRequest.parse(body(0)))
+    settings = settings.model_copy(update={"interactive_pass_tokens": 3 * rows})
+    producer = Producer(redis, keys, settings)
+    worker = Worker(tiny_engine, redis, keys, settings)
+    assert worker.interactive_budget == 3 * rows < worker.budget
+    for i in range(2 * worker.budget // rows + 2):
+        await producer.submit(Submission(body(i), priority="bulk"))
+    await worker._create_groups()
+    worker._need_groups = False
+
+    async def dispatched() -> list:
+        before = list(worker._ready)
+        worker._dispatch()
+        batch = [e for e in before if e not in worker._ready]
+        await asyncio.wait_for(worker._drain(), WAIT_S)
+        return batch
+
+    await _read_until(worker, worker.budget)
+    single, _ = await producer.submit(Submission(body(999)))
+    await worker._take_interactive()
+    batch = await dispatched()
+    assert [e.job for e in batch if e.stream == keys.interactive] == [single]
+    assert 0 < sum(e.rows for e in batch if e.stream == keys.bulk) <= 3 * rows
+    (result,) = await results_of(redis, keys, [single])
+    assert result["status_code"] == 200
+
+    await _read_until(worker, worker.budget)
+    batch = await dispatched()          # bulk alone: the whole budget
+    assert all(e.stream == keys.bulk for e in batch)
+    assert sum(e.rows for e in batch) > worker.budget - rows
+
+    singles = [(await producer.submit(Submission(body(1000 + i))))[0]
+               for i in range(worker.budget // rows)]
+    await worker._take_interactive()
+    batch = await dispatched()          # interactive entries fill the whole budget
+    assert sum(e.stream == keys.interactive for e in batch) == len(singles)
+    assert sum(e.rows for e in batch) > 3 * rows
