@@ -1,7 +1,7 @@
 """A bulk batch of many documents through the real service: one result per custom_id, Redis
 memory while it runs, the output file streamed.
 
-``--docs`` distinct documents (``service_gpu.load_docs``) as one ``/v1/files`` +
+``--docs`` distinct documents (AG News items and windows of the articles' words) as one ``/v1/files`` +
 ``/v1/batches`` job on a private ``redis-server``, ``spinf-serve api`` and one
 ``spinf-serve worker`` (``service_gpu.Service``). While it runs: Redis ``used_memory`` and the
 work streams' lengths, sampled. When it completes: the output file read as a stream, line by
@@ -34,11 +34,25 @@ from service_gpu import (  # noqa: E402
     HTTP_TIMEOUT_S,
     QUESTIONS,
     Service,
-    load_docs,
     tree_pids,
 )
 
 SAMPLE_S = 0.5
+WINDOWS = (150, 130, 110, 90)    # words: windows of each length at every word of the articles
+
+
+def bulk_docs(data: Path, n: int) -> list[str]:
+    """n distinct documents: the AG News items, then windows of the articles' words."""
+    ag = [json.loads(x) for x in (data / "ag_news_sample.jsonl").read_text().splitlines()]
+    docs = [f"{a['title']}\n\n{a['description']}" for a in ag]
+    for size in WINDOWS:
+        for line in (data / "news_articles.jsonl").read_text().splitlines():
+            words = json.loads(line)["text"].split()
+            docs += [" ".join(words[i:i + size]) for i in range(len(words) - size)]
+    docs = list(dict.fromkeys(docs))
+    if len(docs) < n:
+        raise SystemExit(f"only {len(docs)} distinct documents in {data}")
+    return docs[:n]
 
 
 def rss_mib(pids: list[int]) -> float:
@@ -147,7 +161,6 @@ def main() -> None:
     parser.add_argument("--redis-server", default="redis-server")
     parser.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
     parser.add_argument("--docs", type=int, default=20000)
-    parser.add_argument("--doc-tokens", type=int, default=470)
     parser.add_argument("--questions", type=int, default=56, help="the first N news questions")
     parser.add_argument("--api-workers", type=int, default=2)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
@@ -155,10 +168,7 @@ def main() -> None:
     args = parser.parse_args()
     commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
                                            capture_output=True, text=True).stdout.strip()
-    from spinf_worker.models.loader import load_checkpoint
-
-    tokenizer = load_checkpoint(args.model, load_format="dummy").tokenizer
-    docs = load_docs(args.data, tokenizer, args.docs, args.doc_tokens)
+    docs = bulk_docs(args.data, args.docs)
     scoring = json.loads(QUESTIONS.read_text())
     scoring = {"queries": scoring["queries"][:args.questions], "case_insensitive": False}
     lines = "".join(json.dumps({"custom_id": f"doc-{i}", "method": "POST", "url": "/v1/score",
