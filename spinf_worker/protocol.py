@@ -702,10 +702,19 @@ class ExtractedQuery(_Optional):
     combinations: list[ExtractedCombination]
 
 
+def _query_tag(value: Any) -> str:
+    """Which query shape ``value`` is. Serialising a response asks once per query: models are
+    told apart by their class (a missing attribute of a pydantic model costs an exception)."""
+    if isinstance(value, ScoredQuery):
+        return "scored"
+    if isinstance(value, ExtractedQuery):
+        return "extracted"
+    return "extracted" if isinstance(value, dict) and value.get("kind") else "scored"
+
+
 QueryResult = Annotated[
     Annotated[ScoredQuery, Tag("scored")] | Annotated[ExtractedQuery, Tag("extracted")],
-    Discriminator(lambda v: "extracted" if (v.get("kind") if isinstance(v, dict)
-                                            else getattr(v, "kind", None)) else "scored"),
+    Discriminator(_query_tag),
 ]
 
 
