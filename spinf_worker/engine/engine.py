@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import platform
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -29,6 +30,25 @@ from .presentation import Presenter, choose_mode
 from .runner import DocScores, ModelRunner, PendingPass
 
 KERNEL_VERSION = "prefix-tree-fused-4"   # bump when a change moves any score's bits
+
+
+def cpu_class() -> str:
+    """The CPU as the fingerprint names it: its vendor and the vector instructions torch
+    dispatches to (e.g. ``cpu AuthenticAMD AVX2``). The BLAS and torch pick other fp32
+    kernels on another vendor or ISA, so the same scores come out in other bits."""
+    return f"cpu {cpu_vendor()} {torch.backends.cpu.get_cpu_capability()}"
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor string (``GenuineIntel``, ``AuthenticAMD``, ...), else the machine."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
+            for line in info:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine() or "unknown"
 
 
 @dataclass
@@ -98,9 +118,15 @@ class Engine:
     def model_name(self) -> str:
         return self.checkpoint.name
 
+    @property
+    def device_class(self) -> str:
+        """What the fingerprint calls the device: the GPU's name, or ``cpu_class()``."""
+        if self.device.type == "cuda":
+            return torch.cuda.get_device_name(self.device)
+        return cpu_class()
+
     def _fingerprint(self) -> str:
-        device_class = (torch.cuda.get_device_name(self.device) if self.device.type == "cuda"
-                        else "cpu")
+        device_class = self.device_class
         fused = self.settings.fuse and self.device.type == "cuda"   # other kernels, other bits
         parts = [self.checkpoint.weights_digest, self.scheme, __version__, KERNEL_VERSION,
                  f"threads={torch.get_num_threads()}", f"fused={fused}",

@@ -44,8 +44,5 @@ def load_engine(args: argparse.Namespace) -> Engine:
 
 
 def device_class(engine: Engine) -> str:
-    """What the fingerprint calls the device: the GPU's name, or ``cpu``."""
-    import torch
-
-    device = engine.device
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    """What the fingerprint calls the device (Engine.device_class)."""
+    return engine.device_class

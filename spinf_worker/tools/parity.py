@@ -115,7 +115,7 @@ def score_fixture(engine: Engine, fixture: Fixture, passes: int) -> Run:
 
 def reference_name(engine: Engine) -> str:
     """The conventional file name of the engine's reference: ``<model>.<device>-<scheme>``,
-    e.g. gemma-3-270m.cpu-fp32.json.gz, gemma-3-270m.h200-bf16.json.gz."""
+    e.g. gemma-3-270m.cpu-authenticamd-avx2-fp32.json.gz, gemma-3-270m.h200-bf16.json.gz."""
     device = device_class(engine).lower().removeprefix("nvidia ")
     slug = "".join(ch if ch.isalnum() else "-" for ch in device).strip("-")
     return f"{engine.model_name.rsplit('/', 1)[-1]}.{slug}-{engine.scheme}.json.gz"
