@@ -44,7 +44,8 @@ OTHER_ENVIRONMENT = {
                       "error",
 }
 
-# The schemas api.md describes, in this order (the ones they refer to follow).
+# The schemas api.md describes first, in this order; those they refer to follow, then the
+# other bodies of the operations.
 ROOT_SCHEMAS = ("ScoreRequest", "ScoreResponse", "ChatCompletionRequest", "ChatScoreResponse",
                 "JobRequest", "JobAccepted", "Job", "BatchCreate", "Batch", "FileObject",
                 "ModelList", "ErrorEnvelope")
@@ -148,7 +149,7 @@ def render_api(schema: dict) -> str:
             lines.append("")
     # the shapes, breadth first from the main bodies
     order: list[str] = []
-    queue = list(ROOT_SCHEMAS)
+    queue = [*ROOT_SCHEMAS, *_refs(schema["paths"])]
     while queue:
         name = queue.pop(0)
         if name in order or name not in components:
@@ -246,7 +247,7 @@ def render_configuration() -> str:
              "| setting | environment variable | type | default | description |",
              "| --- | --- | --- | --- | --- |"]
     for row in service_settings():
-        lines.append(f"| `{row['name']}` | `{row['env']}` | `{_cell(row['type'])}` | "
+        lines.append(f"| `{row['name']}` | `{row['env']}` | {_cell(row['type'])} | "
                      f"{_default(row['default'])} | {_cell(row['description'])} |")
     lines += ["", "## Engine settings", "",
               "`spinf_worker/engine/engine.py` (`EngineSettings`): the Python engine's "
@@ -255,7 +256,7 @@ def render_configuration() -> str:
               "above.", "",
               "| setting | type | default | description |", "| --- | --- | --- | --- |"]
     for row in engine_settings():
-        lines.append(f"| `{row['name']}` | `{_cell(row['type'])}` | {_default(row['default'])} | "
+        lines.append(f"| `{row['name']}` | {_cell(row['type'])} | {_default(row['default'])} | "
                      f"{_cell(row['description'])} |")
     lines += ["", "## Other environment variables", "", "| variable | |", "| --- | --- |"]
     lines += [f"| `{name}` | {_cell(text)} |" for name, text in OTHER_ENVIRONMENT.items()]
