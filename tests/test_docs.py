@@ -19,8 +19,9 @@ The line before a block may say how else to take it:
   the live response to the page's previous request block, `"…"` standing for what is left
   out;
 - `<!-- docs-test: pack -->` (json): a prompt pack file; it must load;
-- `<!-- docs-test: default-model -->`: needs the real default model's answers; runs in the
-  slow test, against a live server on the default model.
+- `<!-- docs-test: default-model -->`: needs the real default model (its answers, or a
+  command that loads it); runs in the slow test, against a live server on the default
+  model, after the page's blocks before it (on the tiny one) have left their files.
 
 Any other block, or a fence without a language, fails the static test.
 """
@@ -418,18 +419,27 @@ DEFAULT_MODEL_PAGES = [p for p in PAGES if any(b.kind == "default-model" for b i
 
 @pytest.mark.slow
 @pytest.mark.parametrize("page", DEFAULT_MODEL_PAGES, ids=lambda p: str(p.relative_to(DOCS)))
-def test_default_model_blocks_run(page, default_engine, tmp_path):
-    """The blocks that need the real default model's answers, against a server on it."""
+def test_default_model_blocks_run(page, live, default_engine, tmp_path):
+    """The page again, in order, its default-model blocks against a server on the real
+    default model (the others against the tiny one, for the files and names they leave)."""
     _ping_redis()
-    expected = sum(b.kind == "default-model" for b in parse_blocks(page))
-    with Live(default_engine, f"spinf-docs-{uuid.uuid4().hex[:10]}") as server:
-        blocks = [b for b in parse_blocks(page) if b.kind == "default-model"]
-        run = PageRun(page, tmp_path / "work", server.url)
+    blocks = parse_blocks(page)
+    ran = 0
+    with Live(default_engine, f"spinf-docs-{uuid.uuid4().hex[:10]}") as real:
+        run = PageRun(page, tmp_path / "work", live.url)
         for block in blocks:
-            if block.lang == "python":
-                run.run_python(block)
-            elif block.lang == "bash":
-                run.run_bash(block)
-            else:
-                run.post(block)
-    assert len(blocks) == expected
+            if block.kind in TESTED:
+                run.run(block)
+            elif block.kind == "default-model":
+                run.url = real.url
+                try:
+                    if block.lang == "python":
+                        run.run_python(block)
+                    elif block.lang == "bash":
+                        run.run_bash(block)
+                    else:
+                        run.post(block)
+                finally:
+                    run.url = live.url
+                ran += 1
+    assert ran == sum(b.kind == "default-model" for b in blocks) > 0
