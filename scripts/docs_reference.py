@@ -3,8 +3,9 @@
 - docs/reference/openapi.json: the API's OpenAPI schema, as `GET /openapi.json` serves it;
 - docs/reference/api.md: its operations and the shapes of the bodies they take and return;
 - docs/reference/configuration.md: every setting (ServiceSettings: SPINF_* environment
-  variables; EngineSettings: the Python engine), the other environment variables the code
-  reads, and every command's flags (the CLI's argparse parser).
+  variables; EngineSettings: the Python engine; IngestConfig and SourceConfig: the ingest
+  YAML), the other environment variables the code reads, and every command's flags (the
+  CLI's argparse parser).
 
     python scripts/docs_reference.py           # write the files
     python scripts/docs_reference.py --check   # exit 1, naming them, when a file is stale
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -193,6 +195,20 @@ def service_settings() -> list[dict]:
     return rows
 
 
+def pydantic_rows(model) -> list[dict]:
+    """Every field of a pydantic model: name, type, default, description."""
+    return [{"name": name, "type": _annotation(info.annotation),
+             "default": info.get_default(call_default_factory=True),
+             "description": info.description or ""}
+            for name, info in model.model_fields.items()]
+
+
+def ingest_settings() -> dict[str, list[dict]]:
+    from spinf_worker.ingest.config import IngestConfig, SourceConfig
+
+    return {"IngestConfig": pydantic_rows(IngestConfig), "SourceConfig": pydantic_rows(SourceConfig)}
+
+
 def engine_settings() -> list[dict]:
     from spinf_worker.engine.engine import EngineSettings
 
@@ -204,7 +220,8 @@ def _annotation(annotation: object) -> str:
     text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", None)
     if text is None or "[" in repr(annotation):
         text = repr(annotation)
-    return str(text).replace("typing.", "").replace("NoneType", "None")
+    text = re.sub(r"\b(?:[a-z_]+\.)+([A-Z]\w*)", r"\1", str(text))   # module paths off
+    return text.replace("typing.", "").replace("NoneType", "None")
 
 
 def _default(value: object) -> str:
@@ -258,6 +275,20 @@ def render_configuration() -> str:
     for row in engine_settings():
         lines.append(f"| `{row['name']}` | {_cell(row['type'])} | {_default(row['default'])} | "
                      f"{_cell(row['description'])} |")
+    ingest = ingest_settings()
+    lines += ["", "## Ingest configuration", "",
+              "`spinf-serve ingest --config FILE`: a YAML file "
+              "(`spinf_worker/ingest/config.py`, `IngestConfig`; unknown keys are errors). "
+              "Flags add feeds and sinks to the file's and replace its other values "
+              "([INGEST.md](../INGEST.md)).", "",
+              "| key | type | default | description |", "| --- | --- | --- | --- |"]
+    lines += [f"| `{row['name']}` | {_cell(row['type'])} | {_default(row['default'])} | "
+              f"{_cell(row['description'])} |" for row in ingest["IngestConfig"]]
+    lines += ["", "Each entry of `feeds` (`SourceConfig`): exactly one of `url`, `jsonl` or "
+              "`stream`.", "",
+              "| key | type | default | description |", "| --- | --- | --- | --- |"]
+    lines += [f"| `{row['name']}` | {_cell(row['type'])} | {_default(row['default'])} | "
+              f"{_cell(row['description'])} |" for row in ingest["SourceConfig"]]
     lines += ["", "## Other environment variables", "", "| variable | |", "| --- | --- |"]
     lines += [f"| `{name}` | {_cell(text)} |" for name, text in OTHER_ENVIRONMENT.items()]
     lines += ["", "## Commands", "",

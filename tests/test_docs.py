@@ -19,6 +19,7 @@ The line before a block may say how else to take it:
   the live response to the page's previous request block, `"…"` standing for what is left
   out;
 - `<!-- docs-test: pack -->` (json): a prompt pack file; it must load;
+- `<!-- docs-test: ingest-config -->` (yaml): an `ingest --config` file; it must validate;
 - `<!-- docs-test: default-model -->`: needs the real default model (its answers, or a
   command that loads it); runs in the slow test, against a live server on the default
   model, after the page's blocks before it (on the tiny one) have left their files.
@@ -55,7 +56,8 @@ LOCAL_URL = "http://127.0.0.1:8000"
 REDIS_URL = os.environ.get("SPINF_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 RUNS = {"python", "bash", "json"}
 NEVER_RUN = {"text"}
-KINDS = {"response": {"json"}, "pack": {"json"}, "default-model": {"python", "bash", "json"}}
+KINDS = {"response": {"json"}, "pack": {"json"}, "ingest-config": {"yaml"},
+         "default-model": {"python", "bash", "json"}}
 BLOCK_TIMEOUT_S = WAIT_S
 FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>[^`\n]*)$")
 MARKER = re.compile(r"^\s*<!--\s*(?P<what>not-tested|docs-test):\s*(?P<arg>.*?)\s*-->\s*$")
@@ -203,8 +205,9 @@ def test_every_setting_is_documented():
     module = _reference_module()
     page = (DOCS / "reference" / "configuration.md").read_text(encoding="utf-8")
     service, engine = module.service_settings(), module.engine_settings()
-    assert len(service) >= 25 and len(engine) >= 8
-    for row in service + engine:
+    ingest = [row for rows in module.ingest_settings().values() for row in rows]
+    assert len(service) >= 25 and len(engine) >= 8 and len(ingest) >= 15
+    for row in service + engine + ingest:
         assert len(row["description"]) > 10, f"{row['name']}: no description"
         assert f"| `{row['name']}` |" in page, row["name"]
     for row in service:
@@ -312,6 +315,12 @@ class PageRun:
             from spinf_worker.packs import pack_from_data
 
             pack_from_data(json.loads(block.code), block.where)
+        elif kind == "ingest-config":
+            import yaml
+
+            from spinf_worker.ingest.config import IngestConfig
+
+            IngestConfig.model_validate(yaml.safe_load(block.code))
         elif block.lang == "python":
             self.run_python(block)
         elif block.lang == "bash":
@@ -388,7 +397,7 @@ def _not_in(shown, real, where: str, optional: frozenset = frozenset()):
                 yield from _not_in(value, real[i], f"{where}[{i}]", optional)
 
 
-TESTED = ("run", "response", "pack")
+TESTED = ("run", "response", "pack", "ingest-config")
 SCHEMA_FIELDS = frozenset(_schema_fields())
 
 
@@ -412,6 +421,12 @@ def test_page_blocks_run(page, live, tmp_path):
     expected = sum(b.kind in TESTED for b in parse_blocks(page))
     ran = _run_page(page, live.url, tmp_path / "work")
     assert ran == expected, f"{ran} of {expected} blocks ran"
+
+
+def test_committed_openapi_is_what_the_live_server_serves(live):
+    served = httpx.get(f"{live.url}/openapi.json", timeout=WAIT_S).json()
+    committed = json.loads((DOCS / "reference" / "openapi.json").read_text(encoding="utf-8"))
+    assert served == committed, "stale: run python scripts/docs_reference.py"
 
 
 DEFAULT_MODEL_PAGES = [p for p in PAGES if any(b.kind == "default-model" for b in parse_blocks(p))]
