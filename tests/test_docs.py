@@ -34,6 +34,7 @@ import importlib.util
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import uuid
@@ -73,7 +74,8 @@ class Block:
 
     @property
     def where(self) -> str:
-        return f"{self.page.relative_to(ROOT)}:{self.line}"
+        page = self.page.relative_to(ROOT) if self.page.is_relative_to(ROOT) else self.page
+        return f"{page}:{self.line}"
 
     @property
     def kind(self) -> str:
@@ -156,6 +158,14 @@ def test_the_block_parser_reads_markers_and_indented_fences(tmp_path):
     assert (second.lang, second.code, second.kind) == ("python", "print(1)\n", "run")
     assert (third.kind, third.code) == ("response", '{"a": 1}\n')
     assert (fourth.kind, fourth.code) == ("text", "```\n")
+
+
+def test_a_python_block_that_never_ends_is_stopped(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "BLOCK_TIMEOUT_S", 1)
+    page = tmp_path / "loop.md"
+    page.write_text("```python\nwhile True:\n    pass\n```\n")
+    with pytest.raises(TimeoutError, match="still running"):
+        PageRun(page, tmp_path / "work", LOCAL_URL).run_python(parse_blocks(page)[0])
 
 
 def test_the_response_check_finds_invented_and_missing_fields():
@@ -331,12 +341,22 @@ class PageRun:
             raise AssertionError(f"{block.where}: nothing runs a ```{block.lang} block")
 
     def run_python(self, block: Block) -> None:
+        """In this process (the page's namespace), with no SPINF_* variable set, stopped by
+        SIGALRM if it runs past BLOCK_TIMEOUT_S (a loop that polls for ever)."""
         cwd, saved = os.getcwd(), {k: os.environ.pop(k) for k in list(os.environ)
                                    if k.startswith("SPINF_")}
+
+        def too_long(*_):
+            raise TimeoutError(f"{block.where}: still running after {BLOCK_TIMEOUT_S} s")
+
+        previous = signal.signal(signal.SIGALRM, too_long)
+        signal.alarm(int(BLOCK_TIMEOUT_S))
         os.chdir(self.workdir)
         try:
             exec(compile(self.code(block), block.where, "exec"), self.namespace)
         finally:
+            signal.alarm(0)
+            signal.signal(signal.SIGALRM, previous)
             os.chdir(cwd)
             os.environ.update(saved)
 
