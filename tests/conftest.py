@@ -89,8 +89,9 @@ rates? Summary: the company reported higher sales and profit this year, and its 
 """
 
 
-def tiny_tokenizer():
-    """A ``tokenizers`` BPE built like the packaged model's, with a vocabulary of ~750."""
+def tiny_tokenizer(corpus: str = TINY_CORPUS, vocab_size: int = 1024):
+    """A ``tokenizers`` BPE built like the packaged model's, with a vocabulary of ~750 (on
+    ``TINY_CORPUS``; another corpus trains other pieces)."""
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
 
     from spinf_worker.models.gguf_convert import build_tokenizer
@@ -102,21 +103,21 @@ def tiny_tokenizer():
         pre_tokenizers.Digits(individual_digits=True),
         pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="never")])
     alphabet = [chr(c) for c in range(0x21, 0x7F)] + ["\u2581", "\n", "\t"]
-    trainer = trainers.BpeTrainer(vocab_size=1024, initial_alphabet=alphabet,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=alphabet,
                                   limit_alphabet=len(alphabet), show_progress=False)
-    trainer_tok.train_from_iterator([TINY_CORPUS], trainer)
+    trainer_tok.train_from_iterator([corpus], trainer)
     pieces = [p for p, _ in sorted(trainer_tok.get_vocab().items(), key=lambda kv: kv[1])]
     tokens = TINY_CONTROL + [f"<0x{b:02X}>" for b in range(256)] + pieces
     types = [3] * len(TINY_CONTROL) + [6] * 256 + [1] * len(pieces)   # control, byte, normal
     return build_tokenizer(tokens, types, unk_id=TINY_UNK)
 
 
-def write_tiny_tokenizer(path: Path) -> Path:
+def write_tiny_tokenizer(path: Path, corpus: str = TINY_CORPUS, vocab_size: int = 1024) -> Path:
     """tokenizer.json and tokenizer_config.json as a converted GGUF has them (a BOS
     post-processor that the loader drops, no chat template)."""
     from tokenizers import processors
 
-    tokenizer = tiny_tokenizer()
+    tokenizer = tiny_tokenizer(corpus, vocab_size)
     bos = TINY_CONTROL[TINY_BOS]
     tokenizer.post_processor = processors.TemplateProcessing(
         single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1",

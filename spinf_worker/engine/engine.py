@@ -12,7 +12,7 @@ import gc
 import hashlib
 import platform
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -53,17 +53,29 @@ def cpu_vendor() -> str:
 
 @dataclass
 class EngineSettings:
-    max_pass_tokens: int | None = None   # None: 16384 on CUDA, 8192 on the CPU
-    # content tokens per input: the hosted API's 4,096; a server of one's own may raise it up
-    # to the model's context (a request's own `limits` may only lower it)
-    max_content_tokens: int = DEFAULT_LIMITS.max_content_tokens
-    max_combinations: int = 10_000   # per query (the hosted limit: 10,000 prompts an input)
-    floor_cache_size: int = 100_000
-    presentation: str = "auto"       # auto | raw | chat
-    scheme: str = "auto"             # auto | fp32 | bf16 | fp8 (W8A8; GPUs with fp8 tensor cores)
-    #                                  | int8 (weight-only, per-channel scales; CPU or CUDA)
-    cuda_graphs: bool = True         # CUDA: replay passes as captured graphs (engine/cuda_graphs.py)
-    fuse: bool = True                # CUDA: fused projections and forward kernels (off: module by module)
+    """The engine's settings (``Engine(..., settings=)``, ``Engine.load(..., settings=)``).
+    Each field's ``doc`` is its entry in docs/reference/configuration.md."""
+
+    max_pass_tokens: int | None = field(default=None, metadata={
+        "doc": "rows of one pass. None: 16384 on CUDA, 8192 on the CPU"})
+    # the hosted API's 4,096; a server of one's own may raise it up to the model's context
+    max_content_tokens: int = field(default=DEFAULT_LIMITS.max_content_tokens, metadata={
+        "doc": "content tokens per input; up to the model's context (a request's own "
+               "`limits` may only lower it)"})
+    max_combinations: int = field(default=10_000, metadata={
+        "doc": "combinations per query (the hosted limit: 10,000 prompts an input)"})
+    floor_cache_size: int = field(default=100_000, metadata={
+        "doc": "floor values kept in the in-process LRU"})
+    presentation: str = field(default="auto", metadata={
+        "doc": "`auto` | `raw` | `chat`: how content is shown to the model (auto: the chat "
+               "template for an instruct model that has one, else the raw text)"})
+    scheme: str = field(default="auto", metadata={
+        "doc": "`auto` | `fp32` | `bf16` | `fp8` (W8A8; GPUs with fp8 tensor cores) | `int8` "
+               "(weight-only, per-channel scales; CPU or CUDA)"})
+    cuda_graphs: bool = field(default=True, metadata={
+        "doc": "CUDA: replay passes as captured graphs (engine/cuda_graphs.py)"})
+    fuse: bool = field(default=True, metadata={
+        "doc": "CUDA: fused projections and forward kernels (off: module by module)"})
 
 
 def freeze_heap() -> None:

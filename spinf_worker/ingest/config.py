@@ -40,15 +40,26 @@ class _Strict(BaseModel):
 
 class SourceConfig(_Strict):
     """One source: exactly one of ``url`` (RSS/Atom), ``jsonl`` (a file followed as it grows)
-    or ``stream`` (a Redis stream key)."""
+    or ``stream`` (a Redis stream key). Each field's description is its entry in
+    docs/reference/configuration.md."""
 
-    name: str | None = Field(default=None, min_length=1, max_length=200)
-    url: str | None = None
-    jsonl: str | None = None
-    stream: str | None = None
-    interval_s: float | None = Field(default=None, gt=0)
-    pack: list[PackRef] | None = None
-    queries: str | None = None
+    name: str | None = Field(default=None, min_length=1, max_length=200,
+                             description="the source's name, the `feed` of its results "
+                                         "(default: host + path, the file's stem, the key)")
+    url: str | None = Field(default=None, description="an RSS or Atom feed (http or https)")
+    jsonl: str | None = Field(default=None, description="a JSONL file followed as it grows "
+                                                        "(relative to the config file)")
+    stream: str | None = Field(default=None, description="a Redis stream key another "
+                                                         "system writes articles into")
+    interval_s: float | None = Field(default=None, gt=0,
+                                     description="seconds between polls (default: the "
+                                                 "file's, else 300 for feeds, 1 for files "
+                                                 "and streams)")
+    pack: list[PackRef] | None = Field(default=None,
+                                       description="prompt packs to score with: an id, or a "
+                                                   "list of ids and `{id, version, ...}`")
+    queries: str | None = Field(default=None, description="a JSON file: a scoring block or a "
+                                                          "list of queries")
 
     _pack_shorthand = field_validator("pack", mode="before")(_pack_list)
 
@@ -77,18 +88,35 @@ class SourceConfig(_Strict):
 
 
 class IngestConfig(_Strict):
-    name: str = Field(default="default", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
-    feeds: list[SourceConfig] = Field(default_factory=list)
-    sinks: list[str] = Field(default_factory=list)
+    """The top level of ``--config FILE``. Each field's description is its entry in
+    docs/reference/configuration.md."""
+
+    name: str = Field(default="default", pattern=r"^[A-Za-z0-9_.-]{1,64}$",
+                      description="the consumer's name: its state in Redis")
+    feeds: list[SourceConfig] = Field(default_factory=list, description="the sources")
+    sinks: list[str] = Field(default_factory=list,
+                             description="`jsonl:PATH`, `redis:STREAM` or `webhook:URL`")
     # defaults for feeds that do not set their own
-    pack: list[PackRef] | None = None
-    queries: str | None = None
-    interval_s: float | None = Field(default=None, gt=0)
-    fetch_pages: bool = False
-    fetch_allow: list[str] = Field(default_factory=list)   # hosts/CIDRs pages may come from
-    max_in_flight: int = Field(default=256, ge=1)          # items submitted, not yet sunk
-    remember_days: float = Field(default=30.0, gt=0)       # how long seen ids are kept
-    stream_start: Literal["0", "$"] = "0"                  # where a new stream group starts
+    pack: list[PackRef] | None = Field(default=None, description="packs for feeds that set "
+                                                                 "none")
+    queries: str | None = Field(default=None, description="the queries file for feeds that "
+                                                          "set none")
+    interval_s: float | None = Field(default=None, gt=0,
+                                     description="the poll interval for feeds that set none")
+    fetch_pages: bool = Field(default=False, description="fetch the linked page of items "
+                                                         "that carry only a summary")
+    fetch_allow: list[str] = Field(default_factory=list,
+                                   description="hosts and CIDRs pages may come from although "
+                                               "they are private")
+    max_in_flight: int = Field(default=256, ge=1, description="items submitted and not yet "
+                                                              "written to the sinks "
+                                                              "(backpressure)")
+    remember_days: float = Field(default=30.0, gt=0, description="how long seen item ids are "
+                                                                 "kept for de-duplication")
+    stream_start: Literal["0", "$"] = Field(default="0",
+                                            description="where a new stream consumer group "
+                                                        "starts: `0` the whole stream, `$` "
+                                                        "only new entries")
 
     _pack_shorthand = field_validator("pack", mode="before")(_pack_list)
 

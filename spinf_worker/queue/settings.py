@@ -1,4 +1,7 @@
-"""Typed settings of the service, from SPINF_* environment variables."""
+"""Typed settings of the service, from SPINF_* environment variables.
+
+Every field carries its description: docs/reference/configuration.md is generated from them
+(scripts/docs_reference.py), and a test fails when a field is undocumented."""
 
 from __future__ import annotations
 
@@ -11,44 +14,85 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 class ServiceSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SPINF_", extra="ignore")
 
-    redis_url: str | None = None          # None: `serve` starts a private redis-server
-    prefix: str = "spinf"
+    redis_url: str | None = Field(
+        None, description="Redis URL of the deployment. None: `serve` and `ingest` start a "
+                          "private redis-server; `api`, `worker` and `dispatcher` need one.")
+    prefix: str = Field("spinf", description="key prefix: every key is `<prefix>:{q}:...` "
+                                             "(one Redis Cluster slot)")
     # results and job records
-    result_ttl_s: int = 7 * 24 * 3600
-    # prompt packs besides the official ones: directories and git+URL[@rev] (JSON list)
-    packs: list[str] = Field(default_factory=list)
+    result_ttl_s: int = Field(7 * 24 * 3600, description="seconds results, job records, "
+                                                         "files and idempotency keys are kept")
+    packs: list[str] = Field(
+        default_factory=list,
+        description="prompt pack sources besides the official packs: directories, "
+                    "`git+URL[@rev][#subdir]`, `github:owner/repo[@ref][#subdir]` (a JSON "
+                    "list); the API and the workers load the same list")
     # workers
-    max_pass_tokens: int | None = None    # None: the engine's default for the device
-    max_content_tokens: int = 4096        # per input (the hosted limit); up to the model's context
-    quant: str = "auto"                   # engine scheme: auto | fp32 | bf16 | fp8 | int8
-    load_format: Literal["auto", "dummy"] = "auto"   # dummy: random weights of the model's shapes
-    max_wait_ms: int = 50                 # a lone request is not held longer for a fuller pass
-    # bulk entries fill a pass that holds interactive ones only up to this many rows, so a
-    # request waits for a short pass, not a full one (None: a quarter of the pass budget)
-    interactive_pass_tokens: int | None = Field(default=None, ge=1)
-    read_count: int = 256                 # entries per XREADGROUP
-    claim_idle_ms: int = 120_000          # longer than the slowest pass
-    max_deliveries: int = 3               # then the entry goes to the dead-letter stream
-    heartbeat_s: float = 2.0
-    worker_ttl_s: float = 10.0            # a worker silent this long is not alive
+    max_pass_tokens: int | None = Field(
+        None, description="rows of one pass. None: the engine's default for the device "
+                          "(16384 on CUDA, 8192 on the CPU)")
+    max_content_tokens: int = Field(
+        4096, description="content tokens per input (the hosted limit); a server may raise "
+                          "it up to the model's context, a request's `limits` only lower it")
+    quant: str = Field("auto", description="the engine's scheme (`--quant`): `auto`, `fp32`, "
+                                           "`bf16`, `fp8`, `int8`")
+    load_format: Literal["auto", "dummy"] = Field(
+        "auto", description="`dummy` (`--load-format`): the model's config and tokenizer with "
+                            "random weights of its shapes, for capacity and speed runs")
+    max_wait_ms: int = Field(50, description="a lone request is not held longer than this for "
+                                             "a fuller pass")
+    interactive_pass_tokens: int | None = Field(
+        None, ge=1, description="bulk entries fill a pass that holds interactive requests "
+                                "only up to this many rows, so a request waits for a short "
+                                "pass of its own, not a full one. None: a quarter of the "
+                                "pass budget")
+    read_count: int = Field(256, description="stream entries a worker reads per XREADGROUP")
+    claim_idle_ms: int = Field(
+        120_000, description="an entry a worker has held this long is reclaimed by another "
+                             "(keep it longer than the slowest pass)")
+    max_deliveries: int = Field(3, description="deliveries of an entry before it goes to the "
+                                               "dead-letter stream")
+    heartbeat_s: float = Field(2.0, description="worker heartbeat period, seconds")
+    worker_ttl_s: float = Field(10.0, description="a worker silent this long is not alive "
+                                                  "(`/ready`, `/v1/models`)")
     # API
-    # processes of `spinf-serve api` on one host and port, under uvicorn's supervisor
-    api_workers: int = Field(default=1, ge=1)
-    sync_timeout_s: float = 120.0         # /v1/score waits this long for a result, then 503
-    max_backlog: int = 1_000_000          # entries waiting: past it, 429 + Retry-After
-    # a batch's queuer silent this long (its lease not renewed) is taken over by another instance
-    batch_lease_s: float = 30.0
-    max_body_bytes: int = 10 * 1024 * 1024
-    max_file_bytes: int = 200 * 1024 * 1024
-    # each "<key>" or "<key> <tenant>" (a bare key: a tenant of its own; api/auth.py)
-    api_keys: list[str] = Field(default_factory=list)   # empty: no auth
-    api_keys_file: str | None = None
-    # `serve --token`: a bearer token for /v1 like an API key, and the trusted token /v0 needs
-    # (with none, /v0 answers loopback callers only)
-    token: str | None = None
+    api_workers: int = Field(
+        default=1, ge=1,
+        description="`spinf-serve api` processes on one host and port (`--workers`), under "
+                    "uvicorn's supervisor, each with its own reply stream")
+    sync_timeout_s: float = Field(
+        120.0, description="`/v1/score` waits this long for its result, then answers 503 "
+                           "`model_unavailable` with the job's id (the job goes on)")
+    max_backlog: int = Field(
+        1_000_000, description="entries waiting in the work streams: past it, 429 "
+                               "`concurrency_limit` with Retry-After; batch queueing pauses "
+                               "at it")
+    batch_lease_s: float = Field(
+        30.0, description="a batch's queuer that has not renewed its lease this long is taken "
+                          "over by another API instance")
+    max_body_bytes: int = Field(10 * 1024 * 1024, description="request body limit, bytes "
+                                                              "(else 413 `body_too_large`)")
+    max_file_bytes: int = Field(200 * 1024 * 1024, description="uploaded file limit "
+                                                               "(`/v1/files`), bytes")
+    api_keys: list[str] = Field(
+        default_factory=list,
+        description="bearer keys, each `<key>` or `<key> <tenant>` (a bare key is a tenant of "
+                    "its own; api/auth.py); empty, with no token: no authentication")
+    api_keys_file: str | None = Field(None, description="more keys, one per line in the same "
+                                                        "format (`#` comments)")
+    token: str | None = Field(
+        None, description="`serve --token`: a bearer token for /v1 like an API key (the "
+                          "operator: it sees every tenant), and the trusted token /v0 needs "
+                          "(with none, /v0 answers loopback callers only)")
     # callbacks
-    webhook_secret: str | None = None     # whsec_<base64>; generated by `serve` when unset
-    callback_max_attempts: int = 6
-    callback_backoff_s: float = 1.0       # first retry delay; doubles, with jitter
-    callback_timeout_s: float = 10.0
-    callback_allow: list[str] = Field(default_factory=list)   # hosts / CIDRs allowed despite being private
+    webhook_secret: str | None = Field(
+        None, description="`whsec_<base64>`: the key callbacks are signed with; `serve` "
+                          "generates one into its state dir when unset")
+    callback_max_attempts: int = Field(6, description="delivery attempts per callback")
+    callback_backoff_s: float = Field(1.0, description="first retry delay, seconds; doubles, "
+                                                       "with full jitter")
+    callback_timeout_s: float = Field(10.0, description="timeout of one callback request, "
+                                                        "seconds")
+    callback_allow: list[str] = Field(
+        default_factory=list, description="hosts and CIDRs callbacks may reach although they "
+                                          "are private (the SSRF guard refuses them otherwise)")
