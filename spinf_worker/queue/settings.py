@@ -22,6 +22,11 @@ class ServiceSettings(BaseSettings):
     # results and job records
     result_ttl_s: int = Field(7 * 24 * 3600, description="seconds results, job records, "
                                                          "files and idempotency keys are kept")
+    batch_result_ttl_s: int = Field(
+        3600, ge=1, description="seconds a batch line's own result key is kept (at most "
+                                "`result_ttl_s`): its answer lives on in the batch's output "
+                                "file, so Redis holds it once; a line with a callback keeps "
+                                "`result_ttl_s` for the dispatcher")
     packs: list[str] = Field(
         default_factory=list,
         description="prompt pack sources besides the official packs: directories, "

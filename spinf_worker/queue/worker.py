@@ -559,7 +559,8 @@ class Worker:
             for entry, result, status in answered:
                 if status is None or not entry.job:
                     continue
-                pipe.set(self.keys.result(entry.job), result.to_bytes(), ex=ttl)
+                pipe.set(self.keys.result(entry.job), result.to_bytes(),
+                         ex=self._result_ttl(entry))
                 fields: dict[str, str | int] = {"status": status, "finished_at": finished_at}
                 if result.error is not None:
                     fields["error"] = json.dumps(result.error)
@@ -603,6 +604,13 @@ class Worker:
                   if isinstance(r, Exception) and not (recorded and i == at)]
         if errors:
             raise errors[0]
+
+    def _result_ttl(self, entry: Entry) -> int:
+        """A batch line's answer is kept in the batch's output file: its result key only
+        bridges a re-delivery, unless a callback still has to read it."""
+        if entry.fields.get("batch") and not entry.fields.get("callback"):
+            return min(self.settings.result_ttl_s, self.settings.batch_result_ttl_s)
+        return self.settings.result_ttl_s
 
     def _queue_ack(self, pipe, entries: list[Entry]) -> None:
         by_stream: dict[str, list[str]] = {}

@@ -12,7 +12,7 @@ import pytest_asyncio
 
 from spinf_worker.queue import batches, files
 from spinf_worker.queue.keys import GROUP
-from spinf_worker.queue.producer import Producer
+from spinf_worker.queue.producer import Producer, Submission
 from spinf_worker.queue.redis_client import connect
 from spinf_worker.queue.results import JobResult
 from spinf_worker.queue.worker import Worker
@@ -131,3 +131,33 @@ async def test_a_pass_records_its_lines_in_one_call_and_a_repeat_is_not_counted(
     for stream in keys.streams:   # every entry acked and deleted
         assert await redis.xlen(stream) == 0
         assert (await redis.xpending(stream, GROUP))["pending"] == 0
+
+
+@pytest.mark.asyncio
+async def test_a_batch_lines_result_key_is_kept_for_batch_result_ttl_s(
+        tiny_engine, redis, keys, settings):
+    """The answer of a batch line is held once for result_ttl_s, in the output file: its
+    job's result key expires after batch_result_ttl_s; a synchronous job's is kept."""
+    settings = settings.model_copy(update={"batch_result_ttl_s": 300})
+    batch_id = await queued_batch(redis, keys, settings, "t", 3)
+    jobs = [f["job"] for _, f in await redis.xrange(keys.bulk)]
+    single, _ = await Producer(redis, keys, settings).submit(Submission(
+        {"text": "a lone note", "scoring": {"queries": [QUERY]}}))
+    worker = Worker(tiny_engine, redis, keys, settings, name="ttl")
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while (await batches.get_batch(redis, keys, batch_id))["status"] != "completed" \
+                or await redis.get(keys.result(single)) is None:
+            assert time.monotonic() < deadline, "the batch or the job did not complete"
+            await asyncio.sleep(0.05)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, WAIT_S)
+    assert len(await out_lines(redis, keys, batch_id)) == 3
+    for job in jobs:
+        assert await redis.get(keys.result(job)) is not None
+        assert 0 < await redis.ttl(keys.result(job)) <= 300
+    assert await redis.ttl(keys.result(single)) > 300
+    assert await redis.ttl(keys.result(single)) <= settings.result_ttl_s
