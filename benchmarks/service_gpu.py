@@ -313,18 +313,22 @@ async def run_interactive(client: httpx.AsyncClient, requests: list[dict], trick
                           ) -> dict:
     """A bulk batch of every document, and meanwhile one single request every trickle_s."""
     batch = asyncio.create_task(run_batch(client, requests, "bulk2"))
-    latencies, singles, k = [], [], 0
+    latencies, singles, sent, k = [], [], [], 0
+    t0 = time.perf_counter()
     while not batch.done():
         body = dict(requests[k % len(requests)])
         singles.append(asyncio.create_task(post_score(client, body)))
+        sent.append(time.perf_counter() - t0)
         k += 1
         await asyncio.sleep(trickle_s)
     seconds, _ = await batch
     for task in singles:
         _, s = await task
         latencies.append(s)
+    # each request: (seconds after the batch was submitted, its latency), to place outliers
+    timeline = [[round(at, 3), round(s, 4)] for at, s in zip(sent, latencies, strict=True)]
     latencies.sort()
-    return dict(batch_seconds=seconds, singles=len(latencies),
+    return dict(batch_seconds=seconds, singles=len(latencies), timeline=timeline,
                 p50_s=statistics.median(latencies) if latencies else None,
                 p99_s=latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))]
                 if latencies else None)
