@@ -11,13 +11,21 @@ in the worker's order, so it never refuses what a worker would score.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from .errors import ContextLengthError, InvalidRequestError, RequestTooLargeError
 from .pack_refs import resolve as resolve_pack
 from .packs import Pack
-from .protocol import DEFAULT_LIMITS, Document, Limits, Query, ScoreRequest
+from .protocol import (
+    DEFAULT_LIMITS,
+    Document,
+    Limits,
+    Message,
+    Query,
+    ScoreRequest,
+    media_kinds,
+)
 from .templates import SCORED, Combination
 
 Encode = Callable[[str], Sequence[int]]
@@ -107,10 +115,13 @@ def check_pack_ids(doc: Document, runs: list[PackRun], index: int) -> None:
                 param=f"inputs.{index}.queries", code="duplicate_id")
 
 
-def wrapped_messages(doc: Document, runs: list[PackRun], index: int) -> list[dict]:
+def wrapped_messages(doc: Document, runs: list[PackRun], index: int,
+                     image: str | None = None) -> list[dict]:
     """The input's messages as ``[{"role", "content": str}]``, wrapped in its packs'
-    context (one context per call)."""
-    messages = [{"role": m.role, "content": m.text(param=f"inputs.{index}.messages.{k}")}
+    context (one context per call); ``image``: the text an image part is presented as
+    (None: the text alone, as the content token limit counts it)."""
+    messages = [{"role": m.role,
+                 "content": m.text(param=f"inputs.{index}.messages.{k}", image=image)}
                 for k, m in enumerate(doc.messages)]
     wraps = set()
     for run in runs:
@@ -128,6 +139,18 @@ def wrapped_messages(doc: Document, runs: list[PackRun], index: int) -> list[dic
         messages[0]["content"] = before + messages[0]["content"]
         messages[-1]["content"] += after
     return messages
+
+
+def check_media_kinds(messages: list[Message], readable: Collection[str], model: str,
+                      where: str) -> None:
+    """``media_not_supported`` for a content with media the served model does not read
+    (``readable``: the kinds it reads, e.g. ``("image",)``)."""
+    missing = sorted(media_kinds(messages) - set(readable))
+    if missing:
+        raise InvalidRequestError(
+            f"model {model} does not read {' or '.join(missing)} input here",
+            param="messages" if where == "messages" else f"{where}.messages",
+            code="media_not_supported")
 
 
 # ---- queries ---------------------------------------------------------------------------

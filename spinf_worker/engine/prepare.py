@@ -21,6 +21,7 @@ from ..request_limits import (
     case_rule,
     case_spellings,
     check_combination_count,
+    check_media_kinds,
     check_pack_ids,
     check_query_tokens,
     content_limit,
@@ -152,6 +153,7 @@ class Preparer:
         docs, limits = [], request.effective_limits
         for i, doc in enumerate(request.documents()):
             where, params = query_params(request, i, doc)
+            check_media_kinds(doc.messages, (), self.model, where)   # a text model
             check_combination_count(doc.queries, params, self.max_combinations)
             queries, key = list(doc.queries), doc.layout_key
             if runs:

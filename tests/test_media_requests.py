@@ -1,0 +1,200 @@
+"""Media content parts: the hosted shapes parse (spinf-client's image() and video() parts
+unmodified), bad parts are 400s with the hosted codes at parse time, a model that does not
+read a kind says media_not_supported, and what only decoding finds is invalid_media from
+the engine."""
+
+from __future__ import annotations
+
+import base64
+import io
+import struct
+
+import numpy as np
+import pytest
+import spinf_client
+
+from spinf_worker.errors import InvalidRequestError
+from spinf_worker.media import audio_seconds, image_info
+from spinf_worker.protocol import ScoreRequest
+
+QUERY = {"id": "red", "template": "\nIs the picture red?\nAnswer:{?}", "options": [" yes", " no"]}
+SCORING = {"queries": [QUERY], "case_insensitive": False}
+
+
+def image_url(seed: int, size: tuple[int, int] = (45, 30), mode: str = "RGB",
+              fmt: str = "PNG") -> str:
+    """A random image as a data URL (numpy noise, so resizing has work to do)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    channels = len(mode)
+    pixels = rng.integers(0, 256, size=(size[1], size[0], channels), dtype=np.uint8)
+    image = Image.fromarray(pixels if channels > 1 else pixels[..., 0], mode)
+    buffer = io.BytesIO()
+    image.save(buffer, fmt)
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def image_part(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def pil_image(seed: int = 0, size=(48, 36)):
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
+
+
+def jpeg_bytes(seed: int = 0) -> bytes:
+    buffer = io.BytesIO()
+    pil_image(seed).save(buffer, "JPEG")
+    return buffer.getvalue()
+
+
+def wav(seconds: float, rate: int = 8000) -> str:
+    import wave
+
+    buffer = io.BytesIO()
+    with wave.open(buffer, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(b"\0\0" * int(seconds * rate))
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def request_with(*parts, limits=None) -> dict:
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}, *parts]}],
+            "scoring": SCORING}
+    if limits:
+        body["limits"] = limits
+    return body
+
+
+def parse_error(body) -> InvalidRequestError:
+    with pytest.raises(InvalidRequestError) as caught:
+        ScoreRequest.parse(body)
+    return caught.value
+
+
+def test_spinf_client_parts_parse_unmodified():
+    image = spinf_client.image(pil_image(), detail="low")
+    video = spinf_client.video([(0.0, jpeg_bytes(1)), (0.5, jpeg_bytes(2)),
+                                (61.25, jpeg_bytes(3))])
+    request = ScoreRequest.parse(request_with(image, video))
+    parts = request.messages[0].content
+    assert parts[1].image_url.detail == "low" and parts[1].image_url._info.format == "jpeg"
+    assert [f.t for f in parts[2].video.frames] == [0.0, 0.5, 61.25]
+    # what the API queues is what it was sent (a frame's image gets the default detail)
+    dumped = request.model_dump(mode="json", exclude_none=True)["messages"][0]["content"]
+    assert dumped[1] == image
+    assert dumped[2]["video"]["detail"] == "low"
+    assert [(f["t"], f["image_url"]["url"]) for f in dumped[2]["video"]["frames"]] == \
+        [(f["t"], f["image_url"]["url"]) for f in video["video"]["frames"]]
+
+
+def png_header(width: int, height: int) -> bytes:
+    """The first bytes of a PNG declaring a size (no pixel data: the header decides)."""
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + struct.pack(">I", 13) + b"IHDR" + ihdr + b"\0\0\0\0"
+
+
+def data_url(data: bytes, kind: str = "png") -> str:
+    return f"data:image/{kind};base64," + base64.b64encode(data).decode()
+
+
+BAD_PARTS = [
+    # (part, limits, param below messages.0.content.1, code)
+    ({"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}, None,
+     "image_url.url", "invalid_media"),
+    ({"type": "image_url", "image_url": {"url": data_url(b"GIF89a")}}, None,
+     "image_url.url", "invalid_media"),
+    ({"type": "image_url", "image_url": {"url": data_url(b"not an image at all")}}, None,
+     "image_url.url", "invalid_media"),
+    ({"type": "image_url", "image_url": {"url": data_url(png_header(40, 40), "tiff")}}, None,
+     "image_url.url", "invalid_media"),
+    ({"type": "image_url", "image_url": {"url": "http://example.com/a.png"}}, None,
+     "image_url.url", "invalid_media"),
+    ({"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}, None,
+     "image_url.url", "invalid_media"),
+    ({"type": "image_url", "image_url": {"url": data_url(png_header(10_000, 10_000))}}, None,
+     "image_url.url", "invalid_media"),
+    ({"type": "image_url", "image_url": {"url": data_url(png_header(100, 100))}},
+     {"max_image_pixels": 9_999}, "image_url.url", "invalid_media"),
+    ({"type": "image_url", "image_url": {"url": image_url(0), "detail": "max"}}, None,
+     "image_url.detail", "invalid_field"),
+    ({"type": "image_url", "image_url": {}}, None, "image_url.url", "invalid_field"),
+    ({"type": "image_url", "image_url": "data:image/png;base64,AAAA"}, None, "image_url",
+     "invalid_field"),
+    ({"type": "input_audio", "input_audio": {"data": "%%%", "format": "wav"}}, None,
+     "input_audio.data", "invalid_media"),
+    ({"type": "input_audio", "input_audio": {"data": wav(0.1), "format": "aiff"}}, None,
+     "input_audio.format", "invalid_field"),
+    ({"type": "input_audio", "input_audio": {"data": base64.b64encode(b"RIFFxxxxWAVE")
+                                             .decode(), "format": "wav"}}, None,
+     "input_audio.data", "invalid_media"),
+    ({"type": "input_audio", "input_audio": {"data": wav(3.0), "format": "wav"}},
+     {"max_audio_seconds": 2}, "input_audio.data", "invalid_media"),
+    ({"type": "video", "video": {"frames": []}}, None, "video.frames", "invalid_field"),
+    ({"type": "video", "video": {"frames": [{"t": 2, "image_url": {"url": image_url(0)}},
+                                            {"t": 1, "image_url": {"url": image_url(1)}}]}},
+     None, "video.frames.1.t", "invalid_field"),
+    ({"type": "video", "video": {"frames": [{"t": -1, "image_url": {"url": image_url(0)}}]}},
+     None, "video.frames.0.t", "invalid_field"),
+    ({"type": "video", "video": {"frames": [{"t": 0, "image_url": {"url": "data:,"}}]}},
+     None, "video.frames.0.image_url.url", "invalid_media"),
+    ({"type": "video", "video": {"frames": [{"t": k, "image_url": {"url": image_url(k)}}
+                                            for k in range(3)]}},
+     {"max_frames": 2}, "video.frames", "invalid_field"),
+    ({"type": "audio", "audio": {}}, None, "", "unsupported_content"),
+    ({"type": {"nested": 1}}, None, "", "unsupported_content"),
+]
+
+
+@pytest.mark.parametrize(("part", "limits", "param", "code"), BAD_PARTS)
+def test_bad_media_parts_are_400s_with_the_hosted_codes(part, limits, param, code):
+    error = parse_error(request_with(part, limits=limits))
+    assert error.status == 400
+    assert (error.param, error.code) == (
+        "messages.0.content.1" + (f".{param}" if param else ""), code), error.message
+
+
+def test_bad_parts_in_inputs_name_the_input():
+    body = {"inputs": [{"id": "a", "messages": [{"content": "fine"}]},
+                       {"id": "b", "messages": [{"content": [
+                           {"type": "image_url", "image_url": {"url": "data:image/png;base64,"}}]}]}],
+            "scoring": SCORING}
+    error = parse_error(body)
+    assert (error.param, error.code) == ("inputs.1.messages.0.content.0.image_url.url",
+                                         "invalid_media")
+
+
+@pytest.mark.parametrize(("fmt", "mode"), [("PNG", "RGB"), ("JPEG", "RGB"), ("GIF", "P"),
+                                           ("WEBP", "RGB"), ("WEBP", "RGBA")])
+def test_image_sizes_come_from_the_header(fmt, mode):
+    image = pil_image(0, (123, 45)).convert(mode)
+    buffer = io.BytesIO()
+    image.save(buffer, fmt, **({"lossless": True} if mode == "RGBA" else {}))
+    info = image_info(buffer.getvalue(), 10**9)
+    assert (info.format, info.width, info.height) == (fmt.lower(), 123, 45)
+
+
+def test_wav_seconds_come_from_the_header():
+    assert audio_seconds(base64.b64decode(wav(1.5)), "wav") == pytest.approx(1.5)
+    assert audio_seconds(b"whatever", "mp3") is None
+
+
+def test_a_text_model_answers_media_not_supported(tiny_engine):
+    from spinf_worker.errors import SpinfError
+
+    for part in (image_part(image_url(0)),
+                 {"type": "input_audio", "input_audio": {"data": wav(0.2), "format": "wav"}},
+                 spinf_client.video([(0.0, jpeg_bytes())])):
+        result = tiny_engine.score_batch([request_with(part)])[0]
+        assert isinstance(result, SpinfError)
+        assert (result.status, result.code, result.param) == (400, "media_not_supported",
+                                                              "messages")
+        assert tiny_engine.rows(request_with({"type": "text", "text": "y"})) > 0
+        with pytest.raises(InvalidRequestError, match="does not read"):
+            tiny_engine.rows(request_with(part))
