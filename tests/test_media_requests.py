@@ -198,3 +198,42 @@ def test_a_text_model_answers_media_not_supported(tiny_engine):
         assert tiny_engine.rows(request_with({"type": "text", "text": "y"})) > 0
         with pytest.raises(InvalidRequestError, match="does not read"):
             tiny_engine.rows(request_with(part))
+
+
+
+def test_spinf_client_image_scores_unmodified(tiny_vision_engine):
+    part = spinf_client.image(pil_image(3))
+    response = tiny_vision_engine.score({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "Photo:"}, part]}], "scoring": SCORING})
+    assert [o.text for o in response.results[0].queries[0].combinations[0].options] == \
+        [" yes", " no"]
+
+
+def test_the_image_model_reads_images_only(tiny_vision_engine):
+    audio = {"type": "input_audio", "input_audio": {"data": wav(0.2), "format": "wav"}}
+    body = {"inputs": [{"id": "a", "messages": [{"content": [image_part(image_url(0))]}]},
+                       {"id": "b", "messages": [{"content": [audio]}]}], "scoring": SCORING}
+    result = tiny_vision_engine.score_batch([body])[0]
+    assert (result.code, result.param) == ("media_not_supported", "inputs.1.messages")
+    assert "audio" in result.message
+
+
+def test_what_only_decoding_finds_is_invalid_media_from_the_engine(tiny_vision_engine):
+    """A JPEG cut short: its header passes, Pillow cannot decode it."""
+    from .test_media_gemma3 import media_request
+
+    cut = jpeg_bytes(4)[:300]
+    result = tiny_vision_engine.score_batch([media_request(data_url(cut, "jpeg"))])[0]
+    assert (result.status, result.code, result.param) == (
+        400, "invalid_media", "messages.0.content.1.image_url.url")
+
+
+def test_the_image_marker_in_text_is_refused(tiny_vision_engine):
+    from .test_media_gemma3 import media_request
+
+    body = media_request(image_url(0), before="look: <start_of_image>")
+    result = tiny_vision_engine.score_batch([body])[0]
+    assert (result.status, result.code) == (400, "unsupported_content")
+    body = media_request(image_url(0), after="<image_soft_token>")
+    result = tiny_vision_engine.score_batch([body])[0]
+    assert (result.status, result.code) == (400, "unsupported_content")

@@ -24,6 +24,7 @@ from ..protocol import DEFAULT_LIMITS, ScoreRequest, ScoreResponse
 from .batch import ScoringBatch
 from .decode import SlotDecoder, SlotJob
 from .floors import FloorCache
+from .media import MediaLayout
 from .prepare import Preparer
 from .presentation import Presenter, choose_mode
 from .runner import DocScores, ModelRunner, PendingPass
@@ -82,7 +83,8 @@ class Engine:
                                  context=self.config.max_position_embeddings,
                                  max_combinations=self.settings.max_combinations,
                                  max_content_tokens=self.settings.max_content_tokens,
-                                 model=checkpoint.name)
+                                 model=checkpoint.name,
+                                 media=MediaLayout.for_model(self.model, tok, self.device))
         self.floors = FloorCache(self.settings.floor_cache_size)
         self.fingerprint = self._fingerprint()
 

@@ -1,0 +1,84 @@
+"""Images in a document's root: how the served model reads them, and where they land.
+
+An image part is presented as the model's start-of-image text (as Gemma 3's chat template
+writes an image), and the presented text's markers are then expanded to the processor's
+sequence, ``\\n\\n<start_of_image>`` + N soft tokens + ``<end_of_image>\\n\\n``, before it is
+tokenised, exactly as transformers' Gemma3Processor expands them. The soft tokens' rows get
+the image's features in the forward (models/gemma3_vision.py) and attend to each other both
+ways (kernels/attention.py). Every question stays a branch after the root: the image is
+read once. floor_p is unchanged: the same questions over empty content, without media.
+
+Only the CPU engine reads images for now: the CUDA attention has no bidirectional image
+blocks, so there a media part is ``media_not_supported``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..errors import InvalidRequestError
+from ..protocol import ImageUrlPart, Message
+from .layout import FlatDoc, ImageRows
+
+
+@dataclass(frozen=True)
+class MediaLayout:
+    """What a model that reads images needs of a document's images."""
+
+    kinds: tuple[str, ...]        # the media kinds the model reads: ("image",)
+    marker: str                   # how an image part is presented: "<start_of_image>"
+    sequence: str                 # what each marker becomes before tokenising
+    image_id: int                 # the soft token's id
+    tokens: int                   # soft tokens per image
+    processing: object            # models.gemma3_image.ImageProcessing
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, tokenizer, device: torch.device
+                  ) -> MediaLayout | None:
+        kinds = getattr(model, "MEDIA", ())
+        if not kinds or device.type != "cpu":
+            return None
+        cfg = model.cfg
+        boi, eoi, image = (tokenizer.id_to_token(i) for i in (
+            cfg.boi_token_id, cfg.eoi_token_id, cfg.image_token_id))
+        if None in (boi, eoi, image):
+            raise ValueError("the tokenizer lacks the model's image tokens")
+        return cls(tuple(kinds), boi, f"\n\n{boi}{image * cfg.mm_tokens_per_image}{eoi}\n\n",
+                   cfg.image_token_id, cfg.mm_tokens_per_image, cfg.image)
+
+    def pixels(self, messages: list[Message], max_pixels: int, where: str
+               ) -> list[torch.Tensor]:
+        """Every image of the content, in order, decoded and preprocessed."""
+        out = []
+        for m, message in enumerate(messages):
+            for k, part in message.media_parts():
+                if isinstance(part, ImageUrlPart):
+                    try:
+                        out.append(self.processing.pixels(part.image_url.url, max_pixels))
+                    except InvalidRequestError as err:
+                        err.param = f"{where}.{m}.content.{k}.image_url.url"
+                        raise
+        return out
+
+    def expand(self, text: str, images: int, where: str) -> str:
+        """The presented text with each image marker expanded to the model's sequence."""
+        if text.count(self.marker) != images:
+            raise InvalidRequestError(
+                f"the content's text holds the model's image marker {self.marker!r}",
+                param=where, code="unsupported_content")
+        return text.replace(self.marker, self.sequence)
+
+    def place(self, flat: FlatDoc, pixels: list[torch.Tensor], where: str) -> None:
+        """Give a laid-out document its images: the rows of each image's soft tokens."""
+        ids = flat.input_ids[:flat.root].numpy()
+        soft = ids == self.image_id
+        starts = np.flatnonzero(soft & ~np.concatenate([[False], soft[:-1]]))
+        if len(starts) != len(pixels) or int(soft.sum()) != len(pixels) * self.tokens:
+            raise InvalidRequestError("the content's text holds the model's image tokens",
+                                      param=where, code="unsupported_content")
+        flat.media = [ImageRows(int(s), int(s) + self.tokens, p)
+                      for s, p in zip(starts, pixels, strict=True)]
+
