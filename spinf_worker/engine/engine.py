@@ -100,6 +100,12 @@ class Engine:
     def model_name(self) -> str:
         return self.checkpoint.name
 
+    @property
+    def media_kinds(self) -> tuple[str, ...]:
+        """The media kinds this engine reads in a content (("image",) or none)."""
+        media = self.preparer.media
+        return media.kinds if media is not None else ()
+
     def _fingerprint(self) -> str:
         device_class = (torch.cuda.get_device_name(self.device) if self.device.type == "cuda"
                         else "cpu")

@@ -52,3 +52,8 @@ class ServiceSettings(BaseSettings):
     callback_backoff_s: float = 1.0       # first retry delay; doubles, with jitter
     callback_timeout_s: float = 10.0
     callback_allow: list[str] = Field(default_factory=list)   # hosts / CIDRs allowed despite being private
+    # media: https:// image URLs fetched by the API (else only data: URLs), under the
+    # callbacks' SSRF rule and callback_allow (api/media.py)
+    fetch_media: bool = False
+    media_fetch_timeout_s: float = 10.0
+    media_fetch_max_bytes: int = Field(default=20 * 1024 * 1024, ge=1)
