@@ -168,3 +168,34 @@ def test_fetching_an_https_image_through_the_guard(image_server):
                                       ("/cat.png", ("127.0.0.1",), 10, "over 10 bytes")]:
         with pytest.raises(MediaError, match=words):
             asyncio.run(get(path, allow, limit))
+
+
+def test_batch_lines_with_media_the_model_cannot_take_are_error_lines(tiny_vision_engine,
+                                                                      settings):
+    """A batch on the image model: an image line is scored; an https:// image (never
+    fetched for batch lines) and an audio line are error lines, never queued."""
+    import json
+
+    from .test_batches import batch_in, lines_of, upload
+
+    def line(custom_id: str, part: dict) -> dict:
+        return {"custom_id": custom_id, "method": "POST", "url": "/v1/score",
+                "body": request_with(part)}
+
+    remote = {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}
+    content = "\n".join(json.dumps(x) for x in [
+        line("image", image_part(image_url(2))), line("remote", remote),
+        line("audio", AUDIO)]).encode()
+    fetching = settings.model_copy(update={"fetch_media": True})
+    with LiveServer(fetching) as server, InProcessWorker(tiny_vision_engine, fetching):
+        client = httpx.Client(base_url=server.v1, timeout=WAIT_S)
+        batch = client.post("/batches", json={"input_file_id": upload(client, content)["id"],
+                                              "endpoint": "/v1/score"}).json()
+        done = batch_in(client, batch["id"], "completed")
+        assert done["request_counts"] == {"total": 3, "completed": 1, "failed": 2}
+        assert [x["custom_id"] for x in lines_of(client, done["output_file_id"])] == ["image"]
+        errors = {e["custom_id"]: e["error"] for e in lines_of(client, done["error_file_id"])}
+        assert errors["remote"]["code"] == "invalid_media"
+        assert "data: URL" in errors["remote"]["message"]
+        assert errors["audio"]["code"] == "media_not_supported"
+    assert entries_added(settings) == 1
