@@ -145,6 +145,11 @@ class Video(BaseModel):
         return self
 
 
+def frame_time(t: float) -> str:
+    """A video frame's timestamp as Gemma's video prompt writes it: ``mm:ss``."""
+    return f"{int(t // 60):02d}:{int(t % 60):02d}"
+
+
 class ImageUrlPart(BaseModel):
     type: Literal["image_url"]
     image_url: ImageUrl
@@ -197,15 +202,22 @@ class Message(BaseModel):
 
     def text(self, *, param: str = "messages", image: str | None = None) -> str:
         """The message as plain text: string content, or its text parts joined with "";
-        ``image``: the text each image part is read as (None: images are left out).
+        ``image``: the text each image is read as, an image part's or a video frame's (a
+        video: each frame as ``mm:ss`` + " " + the image, frames joined by a space); None:
+        media are left out.
 
         ``param`` names this message in the error (the caller knows its index)."""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text if isinstance(part, TextPart) else image
-                       for part in self.content
-                       if isinstance(part, TextPart) or (image is not None
-                                                         and isinstance(part, ImageUrlPart)))
+        out = []
+        for part in self.content:
+            if isinstance(part, TextPart):
+                out.append(part.text)
+            elif image is not None and isinstance(part, ImageUrlPart):
+                out.append(image)
+            elif image is not None and isinstance(part, VideoPart):
+                out.append(" ".join(f"{frame_time(f.t)} {image}" for f in part.video.frames))
+        return "".join(out)
 
     def media_parts(self) -> list[tuple[int, MediaPart]]:
         """(index in content, part) of every media part."""

@@ -52,14 +52,16 @@ def test_pixels_equal_the_transformers_processor(tiny_vision_engine, tiny_vision
     assert torch.equal(ours, theirs)
 
 
-def oracle_scores(oracle, engine, url: str, text: str, queries) -> dict[tuple, float]:
+def oracle_scores(oracle, engine, url: str | list[str], text: str, queries
+                  ) -> dict[tuple, float]:
     """Each option's logprob from one plain transformers forward per (query, option): BOS +
     the text with the processor's image sequence, the template, the option."""
     tok = engine.checkpoint.tokenizer
     boi, eoi, soft = TINY_IMAGE_TOKENS
     expanded = text.replace(boi, f"\n\n{boi}{soft * TINY_MM_TOKENS}{eoi}\n\n")
     root = [TINY_BOS, *tok.encode(expanded, add_special_tokens=False).ids]
-    pixels = oracle_pixels(url, engine.checkpoint.path)
+    pixels = torch.cat([oracle_pixels(u, engine.checkpoint.path)
+                        for u in ([url] if isinstance(url, str) else url)])
     image_id = tok.token_to_id(soft)
     out = {}
     for q in queries:
@@ -217,3 +219,41 @@ def test_runner_raw_tensors_equal_with_images_around(tiny_vision_engine):
         packed = tiny_vision_engine.runner.run(others[:before] + [target] + others[before:])
         assert all(torch.equal(a, b) for a, b in
                    zip(alone.logprobs, packed[before].logprobs, strict=True)), before
+
+
+def test_video_frames_are_images_after_their_timestamps(tiny_vision_engine,
+                                                        tiny_vision_oracle):
+    """A video part: each frame read as ``mm:ss`` then the image (frames joined by a space),
+    scored like transformers given the frames as images in that text."""
+    import spinf_client
+
+    frames = [image_url(30 + k, (40, 30), fmt="JPEG") for k in range(3)]
+    video = spinf_client.video([(t, base64.b64decode(u.split(",", 1)[1]))
+                                for t, u in zip((0.0, 2.5, 65.25), frames, strict=True)])
+    request = {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "Clip:"}, video, {"type": "text", "text": " The end."}]}],
+        "scoring": {"queries": QUERIES, "case_insensitive": False}}
+    response = tiny_vision_engine.score(request)
+    ours = option_logprobs(response)
+    boi = TINY_IMAGE_TOKENS[0]
+    theirs = oracle_scores(tiny_vision_oracle, tiny_vision_engine, frames,
+                           f"Clip:00:00 {boi} 00:02 {boi} 01:05 {boi} The end.", QUERIES)
+    assert max(abs(ours[k] - theirs[k]) for k in ours) <= 1e-4
+    content = response.usage.content
+    per_frame = TINY_MM_TOKENS + 2
+    assert (content["images"], content["video_frames"], content["video_tokens"]) == \
+        (0, 3, 3 * per_frame)
+    assert content["text_tokens"] == content["tokens"] - 3 * per_frame
+
+
+def test_usage_counts_image_tokens(tiny_vision_engine):
+    text_only = tiny_vision_engine.score({"text": "Product photo: A red kettle.",
+                                          "scoring": {"queries": QUERIES}}).usage
+    with_image = tiny_vision_engine.score(media_request(image_url(7))).usage
+    per_image = TINY_MM_TOKENS + 2
+    assert (with_image.content["images"], with_image.content["image_tokens"]) == (1, per_image)
+    assert (text_only.content["images"], text_only.content["image_tokens"]) == (0, 0)
+    assert with_image.prompt_tokens_details["image_tokens"] == per_image
+    # the image's tokens, the markers and the blank lines around it are the difference
+    assert with_image.content["tokens"] > text_only.content["tokens"] + per_image
+    assert with_image.prompt_tokens > text_only.prompt_tokens + per_image

@@ -209,7 +209,7 @@ def test_spinf_client_image_scores_unmodified(tiny_vision_engine):
         [" yes", " no"]
 
 
-def test_the_image_model_reads_images_only(tiny_vision_engine):
+def test_the_image_model_reads_images_and_video_frames_not_audio(tiny_vision_engine):
     audio = {"type": "input_audio", "input_audio": {"data": wav(0.2), "format": "wav"}}
     body = {"inputs": [{"id": "a", "messages": [{"content": [image_part(image_url(0))]}]},
                        {"id": "b", "messages": [{"content": [audio]}]}], "scoring": SCORING}

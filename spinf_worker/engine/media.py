@@ -7,6 +7,8 @@ tokenised, exactly as transformers' Gemma3Processor expands them. The soft token
 the image's features in the forward (models/gemma3_vision.py) and attend to each other both
 ways (kernels/attention.py). Every question stays a branch after the root: the image is
 read once. floor_p is unchanged: the same questions over empty content, without media.
+A video's frames are images in order, each after its ``mm:ss`` timestamp (the layout of
+Gemma's video prompt; Gemma 3 has no video tokens of its own).
 
 Only the CPU engine reads images for now: the CUDA attention has no bidirectional image
 blocks, so there a media part is ``media_not_supported``.
@@ -20,7 +22,7 @@ import numpy as np
 import torch
 
 from ..errors import InvalidRequestError
-from ..protocol import ImageUrlPart, Message
+from ..protocol import ImageUrlPart, Message, VideoPart
 from .layout import FlatDoc, ImageRows
 
 
@@ -50,18 +52,28 @@ class MediaLayout:
                    cfg.image_token_id, cfg.mm_tokens_per_image, cfg.image)
 
     def pixels(self, messages: list[Message], max_pixels: int, where: str
-               ) -> list[torch.Tensor]:
-        """Every image of the content, in order, decoded and preprocessed."""
-        out = []
+               ) -> tuple[list[torch.Tensor], int]:
+        """Every image of the content in order (an image part's, a video's frames), decoded
+        and preprocessed; and how many of them are video frames."""
+        out, frames = [], 0
         for m, message in enumerate(messages):
             for k, part in message.media_parts():
+                at = f"{where}.{m}.content.{k}"
                 if isinstance(part, ImageUrlPart):
+                    images = [(part.image_url, f"{at}.image_url.url")]
+                elif isinstance(part, VideoPart):
+                    images = [(f.image_url, f"{at}.video.frames.{j}.image_url.url")
+                              for j, f in enumerate(part.video.frames)]
+                    frames += len(images)
+                else:
+                    continue
+                for image, param in images:
                     try:
-                        out.append(self.processing.pixels(part.image_url.url, max_pixels))
+                        out.append(self.processing.pixels(image.url, max_pixels))
                     except InvalidRequestError as err:
-                        err.param = f"{where}.{m}.content.{k}.image_url.url"
+                        err.param = param
                         raise
-        return out
+        return out, frames
 
     def expand(self, text: str, images: int, where: str) -> str:
         """The presented text with each image marker expanded to the model's sequence."""

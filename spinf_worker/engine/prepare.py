@@ -79,6 +79,7 @@ class Prepared:
     flat: FlatDoc | None = None      # set once the content is tokenised
     images: list = field(default_factory=list)   # per image its pixels (engine/media.py)
     text_only: str | None = None     # with images: the content presented without them
+    video_frames: int = 0            # how many of the images are a video's frames (usage)
 
 
 @dataclass
@@ -198,7 +199,8 @@ class Preparer:
         is, its images decoded (engine/media.py)."""
         media, where = self.media, prepared.param
         messages = where if where == "messages" else f"{where}.messages"
-        prepared.images = media.pixels(doc.messages, limits.max_image_pixels, messages)
+        prepared.images, prepared.video_frames = media.pixels(doc.messages,
+                                                              limits.max_image_pixels, messages)
         prepared.text_only = prepared.text
         prepared.text = media.expand(
             self.presenter.present(wrapped_messages(doc, runs, index, image=media.marker)),

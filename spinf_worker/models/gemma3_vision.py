@@ -187,7 +187,7 @@ class Gemma3VisionModel(Gemma3Model):
     """The text stack's ``forward`` with the images of the pass read first: ``plan.media``
     lists (pass row of an image's first soft token, its pixels)."""
 
-    MEDIA = ("image",)
+    MEDIA = ("image", "video")     # a video: its frames, each an image after its timestamp
 
     def __init__(self, cfg: Gemma3VisionConfig):
         super().__init__(cfg)

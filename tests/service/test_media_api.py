@@ -64,7 +64,7 @@ def test_an_image_scores_end_to_end_on_the_multimodal_model(tiny_vision_engine, 
                      "media_not_supported", "messages")
         assert entries_added(settings) == queued
         model = client.get("/models").json()["models"][0]
-        assert model["media"] == ["image"]
+        assert model["media"] == ["image", "video"]
 
         # the OpenAI SDK's content parts, unmodified
         from openai import OpenAI
