@@ -51,29 +51,33 @@ class MediaLayout:
         return cls(tuple(kinds), boi, f"\n\n{boi}{image * cfg.mm_tokens_per_image}{eoi}\n\n",
                    cfg.image_token_id, cfg.mm_tokens_per_image, cfg.image)
 
-    def pixels(self, messages: list[Message], max_pixels: int, where: str
-               ) -> tuple[list[torch.Tensor], int]:
-        """Every image of the content in order (an image part's, a video's frames), decoded
-        and preprocessed; and how many of them are video frames."""
+    def images(self, messages: list[Message], where: str
+               ) -> tuple[list[tuple[str, str]], int]:
+        """(url, param) of every image of the content in order (an image part's, a video's
+        frames), and how many of them are video frames. Nothing is decoded yet."""
         out, frames = [], 0
         for m, message in enumerate(messages):
             for k, part in message.media_parts():
                 at = f"{where}.{m}.content.{k}"
                 if isinstance(part, ImageUrlPart):
-                    images = [(part.image_url, f"{at}.image_url.url")]
+                    out.append((part.image_url.url, f"{at}.image_url.url"))
                 elif isinstance(part, VideoPart):
-                    images = [(f.image_url, f"{at}.video.frames.{j}.image_url.url")
-                              for j, f in enumerate(part.video.frames)]
-                    frames += len(images)
-                else:
-                    continue
-                for image, param in images:
-                    try:
-                        out.append(self.processing.pixels(image.url, max_pixels))
-                    except InvalidRequestError as err:
-                        err.param = param
-                        raise
+                    out += [(f.image_url.url, f"{at}.video.frames.{j}.image_url.url")
+                            for j, f in enumerate(part.video.frames)]
+                    frames += len(part.video.frames)
         return out, frames
+
+    def pixels(self, images: list[tuple[str, str]], max_pixels: int) -> list[torch.Tensor]:
+        """The images decoded and preprocessed; ``invalid_media`` naming the one that is
+        not readable."""
+        out = []
+        for url, param in images:
+            try:
+                out.append(self.processing.pixels(url, max_pixels))
+            except InvalidRequestError as err:
+                err.param = param
+                raise
+        return out
 
     def expand(self, text: str, images: int, where: str) -> str:
         """The presented text with each image marker expanded to the model's sequence."""

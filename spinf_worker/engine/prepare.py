@@ -77,7 +77,10 @@ class Prepared:
     query_set: QuerySet
     text: str                        # the presented content (images as their token sequences)
     flat: FlatDoc | None = None      # set once the content is tokenised
-    images: list = field(default_factory=list)   # per image its pixels (engine/media.py)
+    # per image (an image part's, a video frame's) its url and where it is in the request;
+    # decoded when the document is laid out (engine/media.py)
+    images: list[tuple[str, str]] = field(default_factory=list)
+    max_pixels: int = DEFAULT_LIMITS.max_image_pixels
     text_only: str | None = None     # with images: the content presented without them
     video_frames: int = 0            # how many of the images are a video's frames (usage)
 
@@ -134,15 +137,9 @@ class Preparer:
             doc.flat = doc.query_set.block.place(root, self.pad_id)
             if isinstance(out[i], SpinfError):
                 continue
-            content = len(root) - 1
-            if doc.images:
-                try:
-                    self.media.place(doc.flat, doc.images, doc.param)
-                except SpinfError as err:
-                    out[i] = err
-                    continue
-                # the content limit counts the text; images count in the processed tokens
-                content = len(self.presenter.root_ids_batch([doc.text_only])[0]) - 1
+            # the content limit counts the text; media count in the processed tokens
+            content = (len(root) - 1 if not doc.images else
+                       len(self.presenter.root_ids_batch([doc.text_only])[0]) - 1)
             # the same checks, in the same order, as request_limits.check_request at the API
             processed[i] = processed.get(i, 0) + doc.flat.tokens + doc.query_set.decode_budget
             limit = out[i].request.effective_limits.max_processed_tokens
@@ -155,6 +152,12 @@ class Preparer:
             elif doc.flat.max_position >= self.context:
                 out[i] = past_context(doc.input_id, doc.flat.max_position, self.context,
                                       doc.param)
+            elif doc.images:      # decoded last: nothing is decoded for a refused request
+                try:
+                    self.media.place(doc.flat, self.media.pixels(doc.images, doc.max_pixels),
+                                     doc.param)
+                except SpinfError as err:
+                    out[i] = err
         return out
 
     def parse(self, raw: dict | ScoreRequest) -> PreparedRequest:
@@ -196,11 +199,11 @@ class Preparer:
     def _present_images(self, prepared: Prepared, doc: Document, runs: list[PackRun],
                         index: int, limits: Limits) -> None:
         """A content with images: presented with each image's token sequence where the image
-        is, its images decoded (engine/media.py)."""
+        is (engine/media.py); the images are decoded when it is laid out."""
         media, where = self.media, prepared.param
         messages = where if where == "messages" else f"{where}.messages"
-        prepared.images, prepared.video_frames = media.pixels(doc.messages,
-                                                              limits.max_image_pixels, messages)
+        prepared.images, prepared.video_frames = media.images(doc.messages, messages)
+        prepared.max_pixels = limits.max_image_pixels
         prepared.text_only = prepared.text
         prepared.text = media.expand(
             self.presenter.present(wrapped_messages(doc, runs, index, image=media.marker)),

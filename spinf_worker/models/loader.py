@@ -40,6 +40,7 @@ CONVERTER_VERSION = 1
 _HUB_PATTERNS = [
     "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
     "special_tokens_map.json", "chat_template.json", "chat_template.jinja",
+    "preprocessor_config.json", "processor_config.json",
     "*.safetensors", "model.safetensors.index.json",
 ]
 
