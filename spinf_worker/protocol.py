@@ -24,6 +24,7 @@ from pydantic import (
     StrictStr,
     Tag,
     ValidationError,
+    field_validator,
     model_serializer,
     model_validator,
 )
@@ -122,8 +123,15 @@ class InputAudio(BaseModel):
 
 
 class VideoFrame(BaseModel):
-    t: StrictFloat | StrictInt = Field(ge=0)     # seconds from the start of the video
+    t: float = Field(ge=0, allow_inf_nan=False)     # seconds from the start of the video
     image_url: ImageUrl
+
+    @field_validator("t", mode="before")
+    @classmethod
+    def _number(cls, value: Any) -> Any:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise _invalid("t is a number of seconds", code="invalid_field")
+        return value
 
 
 class Video(BaseModel):

@@ -142,6 +142,10 @@ BAD_PARTS = [
      None, "video.frames.1.t", "invalid_field"),
     ({"type": "video", "video": {"frames": [{"t": -1, "image_url": {"url": image_url(0)}}]}},
      None, "video.frames.0.t", "invalid_field"),
+    ({"type": "video", "video": {"frames": [{"t": "1", "image_url": {"url": image_url(0)}}]}},
+     None, "video.frames.0.t", "invalid_field"),
+    ({"type": "video", "video": {"frames": [{"t": True, "image_url": {"url": image_url(0)}}]}},
+     None, "video.frames.0.t", "invalid_field"),
     ({"type": "video", "video": {"frames": [{"t": 0, "image_url": {"url": "data:,"}}]}},
      None, "video.frames.0.image_url.url", "invalid_media"),
     ({"type": "video", "video": {"frames": [{"t": k, "image_url": {"url": image_url(k)}}
@@ -158,6 +162,14 @@ def test_bad_media_parts_are_400s_with_the_hosted_codes(part, limits, param, cod
     assert error.status == 400
     assert (error.param, error.code) == (
         "messages.0.content.1" + (f".{param}" if param else ""), code), error.message
+
+
+def test_a_frame_time_must_be_finite():
+    part = {"type": "video", "video": {"frames": [{"t": float("inf"),
+                                                    "image_url": {"url": image_url(0)}}]}}
+    error = parse_error(request_with(part))
+    assert (error.param, error.code) == ("messages.0.content.1.video.frames.0.t",
+                                         "invalid_field")
 
 
 def test_bad_parts_in_inputs_name_the_input():
