@@ -15,6 +15,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from .errors import ContextLengthError, InvalidRequestError, RequestTooLargeError
+from .media import MEDIA_PARTS
 from .pack_refs import resolve as resolve_pack
 from .packs import Pack
 from .protocol import (
@@ -99,7 +100,18 @@ def case_rule(request: ScoreRequest, runs: list[PackRun]) -> bool:
 
 
 def check_pack_ids(doc: Document, runs: list[PackRun], index: int) -> None:
-    """A pack's query ids and group belong to it."""
+    """A pack's query ids and group belong to it, and the content's media are kinds the
+    pack's questions were written for (its ``media``, by default text only)."""
+    where = f"inputs.{index}.messages"
+    for run in runs:
+        for m, message in enumerate(doc.messages):
+            for k, part in message.media_parts():
+                kind = MEDIA_PARTS[part.type]
+                if kind not in run.pack.file.media:
+                    raise InvalidRequestError(
+                        f"the {run.pack.id} pack reads {', '.join(run.pack.file.media)}, "
+                        f"not {kind}", param=f"{where}.{m}.content.{k}.type",
+                        code="pack_media_not_supported")
     own = {q.id for q in doc.queries}
     groups = {run.pack.group for run in runs}
     for q in doc.queries:

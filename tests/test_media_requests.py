@@ -249,3 +249,20 @@ def test_the_image_marker_in_text_is_refused(tiny_vision_engine):
     body = media_request(image_url(0), after="<image_soft_token>")
     result = tiny_vision_engine.score_batch([body])[0]
     assert (result.status, result.code) == (400, "unsupported_content")
+
+
+def test_a_pack_written_for_text_refuses_media(tiny_vision_engine):
+    """The official packs read text (their ``media``): an image under one is
+    pack_media_not_supported, at the engine as at the API (request_limits)."""
+    from spinf_worker.request_limits import check_request
+
+    body = {"inputs": [{"id": "a", "messages": [{"content": "fine"}]},
+                       {"id": "b", "messages": [{"content": [
+                           {"type": "text", "text": "see"}, image_part(image_url(0))]}]}],
+            "scoring": {"packs": [{"id": "spinf/moderation"}]}}
+    result = tiny_vision_engine.score_batch([body])[0]
+    assert (result.status, result.code, result.param) == (
+        400, "pack_media_not_supported", "inputs.1.messages.0.content.1.type")
+    with pytest.raises(InvalidRequestError) as caught:
+        check_request(ScoreRequest.parse(body), tiny_vision_engine.packs, tokens=None)
+    assert (caught.value.code, caught.value.param) == (result.code, result.param)
