@@ -257,3 +257,33 @@ def test_usage_counts_image_tokens(tiny_vision_engine):
     # the image's tokens, the markers and the blank lines around it are the difference
     assert with_image.content["tokens"] > text_only.content["tokens"] + per_image
     assert with_image.prompt_tokens > text_only.prompt_tokens + per_image
+
+
+def test_a_checkpoint_in_transformers_4_layout_loads_the_same(tiny_vision_dir, tiny_vision_engine,
+                                                             tmp_path):
+    """Hub checkpoints written by transformers 4 keep the tower under
+    ``vision_tower.vision_model.`` and the text model under ``language_model.model.``: the
+    same weights renamed so score the same bits."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from spinf_worker.engine import Engine
+
+    for f in tiny_vision_dir.iterdir():
+        if f.name != "model.safetensors":
+            shutil.copy(f, tmp_path / f.name)
+    weights = load_file(tiny_vision_dir / "model.safetensors")
+    renamed = {}
+    for name, tensor in weights.items():
+        if name.startswith("vision_tower."):
+            name = "vision_tower.vision_model." + name[len("vision_tower."):]
+        elif name.startswith("model.vision_tower."):
+            name = "vision_tower.vision_model." + name[len("model.vision_tower."):]
+        renamed[name] = tensor
+    assert any(n.startswith("vision_tower.vision_model.") for n in renamed)
+    save_file(renamed, tmp_path / "model.safetensors")
+    legacy = Engine.load(str(tmp_path), device="cpu")
+    request = media_request(image_url(7))
+    assert option_logprobs(legacy.score(request)) == \
+        option_logprobs(tiny_vision_engine.score(request))

@@ -102,7 +102,7 @@ class Engine:
 
     @property
     def media_kinds(self) -> tuple[str, ...]:
-        """The media kinds this engine reads in a content (("image",) or none)."""
+        """The media kinds this engine reads in a content (("image", "video") or none)."""
         media = self.preparer.media
         return media.kinds if media is not None else ()
 

@@ -30,7 +30,7 @@ from .layout import FlatDoc, ImageRows
 class MediaLayout:
     """What a model that reads images needs of a document's images."""
 
-    kinds: tuple[str, ...]        # the media kinds the model reads: ("image",)
+    kinds: tuple[str, ...]        # the media kinds the model reads: ("image", "video")
     marker: str                   # how an image part is presented: "<start_of_image>"
     sequence: str                 # what each marker becomes before tokenising
     image_id: int                 # the soft token's id
@@ -97,4 +97,3 @@ class MediaLayout:
                                       param=where, code="unsupported_content")
         flat.media = [ImageRows(int(s), int(s) + self.tokens, p)
                       for s, p in zip(starts, pixels, strict=True)]
-
