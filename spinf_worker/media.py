@@ -44,6 +44,37 @@ class ImageInfo:
         return self.width * self.height
 
 
+@dataclass(frozen=True)
+class ImageText:
+    """How a model reads an image in its text: the image part is presented as ``marker``,
+    and each marker of the presented text becomes ``sequence`` before it is tokenised."""
+
+    marker: str
+    sequence: str
+
+    @classmethod
+    def gemma3(cls, boi: str, eoi: str, soft: str, tokens: int) -> ImageText:
+        """Gemma 3's (transformers' Gemma3Processor): ``\\n\\n<start_of_image>`` + the soft
+        tokens + ``<end_of_image>\\n\\n``."""
+        return cls(boi, f"\n\n{boi}{soft * tokens}{eoi}\n\n")
+
+    @classmethod
+    def from_config(cls, config: dict, id_to_token) -> ImageText | None:
+        """From a checkpoint's config.json (a Gemma 3 with a vision tower) and its
+        tokenizer's ``id_to_token``; None for a model that reads no images."""
+        if config.get("model_type") != "gemma3" or not config.get("vision_config"):
+            return None
+        ids = [config.get(f"{k}_token_id", config.get(f"{k}_token_index", default))
+               for k, default in (("boi", 255999), ("eoi", 256000), ("image", 262144))]
+        texts = [id_to_token(i) for i in ids]
+        if None in texts:
+            return None
+        return cls.gemma3(*texts, int(config.get("mm_tokens_per_image", 256)))
+
+    def expand(self, text: str) -> str:
+        return text.replace(self.marker, self.sequence)
+
+
 def b64decode(text: str, what: str) -> bytes:
     try:
         data = base64.b64decode(text, validate=True)

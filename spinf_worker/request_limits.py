@@ -15,7 +15,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from .errors import ContextLengthError, InvalidRequestError, RequestTooLargeError
-from .media import MEDIA_PARTS
+from .media import MEDIA_PARTS, ImageText
 from .pack_refs import resolve as resolve_pack
 from .packs import Pack
 from .protocol import (
@@ -343,11 +343,13 @@ def past_context(input_id: str, max_position: int, context: int, param: str
 class ServedTokens:
     """What the API knows of the served model: its tokenizer's ``encode`` (no BOS), how it
     presents content ("raw": the messages joined by blank lines; "chat": its chat template,
-    which the API does not render), and its context in positions (None: unknown)."""
+    which the API does not render), its context in positions (None: unknown), and how it
+    reads an image in its text (None: it reads none)."""
 
     encode: Encode
     mode: str
     context: int | None = None
+    image: ImageText | None = None
 
 
 def check_request(request: ScoreRequest, packs: dict, *, tokens: ServedTokens | None,
@@ -378,7 +380,13 @@ def check_request(request: ScoreRequest, packs: dict, *, tokens: ServedTokens | 
         grids = [q.combinations_list() for q in queries]
         if encode is not None:
             check_query_tokens(queries, grids, limits, params, encode, bound=utf8_bound)
-        laid_out.append((doc, where, queries, grids, wrapped_messages(doc, runs, i)))
+        messages = wrapped_messages(doc, runs, i)
+        full = None      # with media: the content as the model reads it, images included
+        image = getattr(tokens, "image", None)
+        if image is not None and media_kinds(doc.messages):
+            full = image.expand("\n\n".join(
+                m["content"] for m in wrapped_messages(doc, runs, i, image.marker)))
+        laid_out.append((doc, where, queries, grids, messages, full))
     if tokens is None or tokens.mode != "raw":
         return
     _check_content(request, laid_out, tokens, limits, content_limit(request,
@@ -389,34 +397,36 @@ def _check_content(request: ScoreRequest, laid_out: list, tokens: ServedTokens,
                    limits: Limits, content_max: int) -> None:
     """The processed tokens (content, prefix-tree rows and decoding, summed over the
     inputs), each input's content and its longest question within the context; bounds
-    first, exact counts only where a bound does not settle it."""
+    first, exact counts only where a bound does not settle it. The content limit counts the
+    text; the processed tokens and the context count the media's tokens too (``full``)."""
     encode = tokens.encode
     limit = limits.max_processed_tokens
-    texts = ["\n\n".join(m["content"] for m in messages) for *_, messages in laid_out]
-    bounds = [_bounds(queries, grids) for _doc, _where, queries, grids, _m in laid_out]
-    decodes = [decode_budget(queries, grids) for _doc, _where, queries, grids, _m in laid_out]
+    texts = ["\n\n".join(m["content"] for m in laid[4]) for laid in laid_out]
+    reads = [laid[5] if laid[5] is not None else text
+             for laid, text in zip(laid_out, texts, strict=True)]
+    bounds = [_bounds(queries, grids) for _doc, _where, queries, grids, *_ in laid_out]
+    decodes = [decode_budget(queries, grids) for _doc, _where, queries, grids, *_ in laid_out]
     # BOS + content, branch rows, decoding: within the limit by the bounds, nothing to count
-    exact_rows = sum(1 + utf8_bound(text) + rows + decode for text, (rows, _), decode
-                     in zip(texts, bounds, decodes, strict=True)) > limit
+    exact_rows = sum(1 + utf8_bound(read) + rows + decode for read, (rows, _), decode
+                     in zip(reads, bounds, decodes, strict=True)) > limit
     processed = 0
-    for (doc, where, queries, grids, _m), text, (rows, depth), decode in zip(
-            laid_out, texts, bounds, decodes, strict=True):
+    for (doc, where, queries, grids, *_), text, read, (rows, depth), decode in zip(
+            laid_out, texts, reads, bounds, decodes, strict=True):
         content = len(encode(text)) if exact_rows or utf8_bound(text) > content_max else None
         if exact_rows:
             rows, depth = branch_rows(queries, grids, encode)
-            processed += 1 + content + rows + decode
+            processed += 1 + (content if read is text else len(encode(read))) + rows + decode
             if processed > limit:
                 raise too_large(limit)
         if content is not None and content > content_max:
             raise content_too_long(doc.input_id, content, content_max, where)
-        if tokens.context is None or utf8_bound(text) + depth < tokens.context:
+        if tokens.context is None or utf8_bound(read) + depth < tokens.context:
             continue
         if not exact_rows:
             depth = branch_rows(queries, grids, encode)[1]
-        if content is None:
-            content = len(encode(text))
-        if content + depth >= tokens.context:
-            raise past_context(doc.input_id, content + depth, tokens.context, where)
+        read_tokens = len(encode(read))
+        if read_tokens + depth >= tokens.context:
+            raise past_context(doc.input_id, read_tokens + depth, tokens.context, where)
 
 
 def _bounds(queries: list[Query], grids: list[list[Combination]]) -> tuple[int, int]:

@@ -266,3 +266,39 @@ def test_a_pack_written_for_text_refuses_media(tiny_vision_engine):
     with pytest.raises(InvalidRequestError) as caught:
         check_request(ScoreRequest.parse(body), tiny_vision_engine.packs, tokens=None)
     assert (caught.value.code, caught.value.param) == (result.code, result.param)
+
+
+def test_the_api_counts_an_images_tokens_as_the_worker_does(tiny_vision_engine):
+    """With the served model's files (api/tokens.py), the API's checks count an image's
+    tokens in the processed tokens as the worker lays them out, and leave them out of the
+    content limit, as the worker does: the same request passes or fails both alike."""
+    from api.tokens import load
+    from spinf_worker.errors import SpinfError
+    from spinf_worker.request_limits import check_request
+
+    from .conftest import TINY_MM_TOKENS
+    from .test_media_gemma3 import media_request
+
+    tokens = load(str(tiny_vision_engine.checkpoint.path))
+    assert tokens.image is not None and tokens.image.marker == "<start_of_image>"
+    base = media_request(image_url(4), before="Photo of a kettle:", after=" It is red.")
+    doc = tiny_vision_engine.preparer.prepare_batch([base])[0].docs[0]
+    rows = doc.flat.tokens
+
+    def both(limits: dict) -> tuple:
+        body = {**base, "limits": limits}
+        worker = tiny_vision_engine.score_batch([body])[0]
+        try:
+            check_request(ScoreRequest.parse(body), {}, tokens=tokens)
+            api = None
+        except SpinfError as err:
+            api = err.code
+        return (worker.code if isinstance(worker, SpinfError) else None), api
+
+    assert both({"max_processed_tokens": rows}) == (None, None)
+    assert both({"max_processed_tokens": rows - 1}) == ("request_too_large",) * 2
+    # the content limit counts the text: an image's many tokens do not count in it
+    content = len(tiny_vision_engine.presenter.root_ids_batch([doc.text_only])[0]) - 1
+    assert content < doc.flat.root - 1 - TINY_MM_TOKENS
+    assert both({"max_content_tokens": content}) == (None, None)
+    assert both({"max_content_tokens": content - 1}) == ("content_too_long",) * 2

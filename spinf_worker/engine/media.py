@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ..errors import InvalidRequestError
+from ..media import ImageText
 from ..protocol import ImageUrlPart, Message, VideoPart
 from .layout import FlatDoc, ImageRows
 
@@ -48,8 +49,9 @@ class MediaLayout:
             cfg.boi_token_id, cfg.eoi_token_id, cfg.image_token_id))
         if None in (boi, eoi, image):
             raise ValueError("the tokenizer lacks the model's image tokens")
-        return cls(tuple(kinds), boi, f"\n\n{boi}{image * cfg.mm_tokens_per_image}{eoi}\n\n",
-                   cfg.image_token_id, cfg.mm_tokens_per_image, cfg.image)
+        text = ImageText.gemma3(boi, eoi, image, cfg.mm_tokens_per_image)
+        return cls(tuple(kinds), text.marker, text.sequence, cfg.image_token_id,
+                   cfg.mm_tokens_per_image, cfg.image)
 
     def images(self, messages: list[Message], where: str
                ) -> tuple[list[tuple[str, str]], int]:
