@@ -287,3 +287,14 @@ def test_a_checkpoint_in_transformers_4_layout_loads_the_same(tiny_vision_dir, t
     request = media_request(image_url(7))
     assert option_logprobs(legacy.score(request)) == \
         option_logprobs(tiny_vision_engine.score(request))
+
+
+def test_extraction_slots_decode_after_an_image(tiny_vision_engine):
+    """An extraction slot's beams attend to the root's kept keys, image rows included: the
+    answers are those of the same request decoded alone or packed with others."""
+    query = {"id": "what", "template": "\nWhat is it? \"{*}\"", "max_tokens": 4}
+    request = media_request(image_url(12), queries=[query, QUERIES[0]])
+    alone = tiny_vision_engine.score(request).results[0].queries[0]
+    assert alone.combinations[0].answers
+    packed = tiny_vision_engine.score_batch([media_request(image_url(13)), request])[1]
+    assert packed.results[0].queries[0] == alone
