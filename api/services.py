@@ -49,6 +49,7 @@ class WorkerInfo:
     host: str | None = None
     pid: int | None = None
     passes: int = 0
+    media: list[str] | None = None   # the media kinds its model reads (None: not said)
 
     @property
     def available(self) -> bool:
@@ -77,7 +78,9 @@ class WorkerInfo:
                    started_ms=_int_or_none(info.get("started_ms")),
                    loaded_ms=_int_or_none(info.get("loaded_ms")), family=info.get("family"),
                    host=info.get("host"), pid=_int_or_none(info.get("pid")),
-                   passes=int(info.get("passes") or 0))
+                   passes=int(info.get("passes") or 0),
+                   media=[str(k) for k in info["media"]] if isinstance(info.get("media"), list)
+                   else None)
 
 
 def _int_or_none(value: Any) -> int | None:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import structlog
 
+from spinf_worker.media import ImageText
 from spinf_worker.model_names import INSTRUCT_NAME, auto_presentation, is_default  # noqa: F401 - the rule, here too
 from spinf_worker.models.cache import CONVERSION_MARKER, DEFAULT_DIR, cache_root
 from spinf_worker.request_limits import ServedTokens
@@ -99,8 +100,8 @@ def load(model: str) -> ServedTokens | None:
     def encode(text: str) -> tuple[int, ...]:
         return short(text) if len(text) <= SHORT_TEXT else ids(text)
 
-    config = _read_json(directory / "config.json")
-    config = config.get("text_config") or config
+    raw_config = _read_json(directory / "config.json")
+    config = raw_config.get("text_config") or raw_config
     context = config.get("max_position_embeddings")
     tokenizer_config = _read_json(directory / "tokenizer_config.json")
     chat = ((directory / "chat_template.jinja").is_file()
@@ -109,7 +110,8 @@ def load(model: str) -> ServedTokens | None:
     mode = auto_presentation(model, chat)
     log.info("model tokenizer loaded", model=model, path=str(directory), mode=mode,
              context=context)
-    return ServedTokens(encode, mode, context if isinstance(context, int) else None)
+    return ServedTokens(encode, mode, context if isinstance(context, int) else None,
+                        ImageText.from_config(raw_config, tokenizer.id_to_token))
 
 
 class TokenizerCache:

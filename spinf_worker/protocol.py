@@ -24,15 +24,20 @@ from pydantic import (
     StrictStr,
     Tag,
     ValidationError,
+    field_validator,
     model_serializer,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
 
-from spinf_worker import templates
+from spinf_worker import media, templates
 from spinf_worker.errors import InvalidRequestError, SpinfError
 
 MAX_QUERIES = 10_000
+# The hosted API's media limits (a request's `limits` may lower them): frames per video,
+# seconds of audio, pixels of an image as its header declares them.
+DEFAULT_MEDIA_LIMITS = {"max_frames": 1024, "max_audio_seconds": 600,
+                        "max_image_pixels": 50_000_000}
 MAX_ID_LENGTH = 128
 
 # Extraction slots ({*}, {n}, {$}), the hosted API's limits: (default, lowest, highest).
@@ -77,19 +82,98 @@ class TextPart(BaseModel):
     text: str
 
 
+class ImageUrl(BaseModel):
+    """An image: a ``data:image/...;base64,`` URL (``https://`` only where the server fetches
+    remote images: the API inlines it before queueing). Its format and size are read from
+    its header here (``media.image_info``), so bytes that are no image are refused at once."""
+
+    url: str
+    detail: Literal["low", "auto", "high"] = "auto"   # high reads as auto
+
+    _info: media.ImageInfo | None = PrivateAttr(default=None)   # None: a remote URL
+
+    @model_validator(mode="after")
+    def _check(self) -> ImageUrl:
+        if media.is_remote(self.url):
+            return self
+        try:
+            self._info = media.image_info(media.image_bytes(self.url),
+                                          DEFAULT_MEDIA_LIMITS["max_image_pixels"])
+        except media.MediaError as error:
+            error.param = "url"
+            raise _carry(error) from None
+        return self
+
+
+class InputAudio(BaseModel):
+    data: str
+    format: Literal["wav", "mp3", "flac", "ogg", "m4a", "webm"]
+
+    _seconds: float | None = PrivateAttr(default=None)   # None: unknown until decoded
+
+    @model_validator(mode="after")
+    def _check(self) -> InputAudio:
+        try:
+            self._seconds = media.audio_seconds(media.b64decode(self.data, "audio data"),
+                                                self.format)
+        except media.MediaError as error:
+            error.param = "data"
+            raise _carry(error) from None
+        return self
+
+
+class VideoFrame(BaseModel):
+    t: float = Field(ge=0, allow_inf_nan=False)     # seconds from the start of the video
+    image_url: ImageUrl
+
+    @field_validator("t", mode="before")
+    @classmethod
+    def _number(cls, value: Any) -> Any:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise _invalid("t is a number of seconds", code="invalid_field")
+        return value
+
+
+class Video(BaseModel):
+    """Frames the caller sampled, in time order; each is read as its ``mm:ss`` timestamp
+    followed by the image."""
+
+    frames: list[VideoFrame]
+    detail: Literal["low", "auto", "high"] = "low"
+
+    @model_validator(mode="after")
+    def _check(self) -> Video:
+        if not self.frames:
+            raise _invalid("a video needs at least one frame", param="frames",
+                           code="invalid_field")
+        for k in range(1, len(self.frames)):
+            if self.frames[k].t < self.frames[k - 1].t:
+                raise _invalid("frames must be in time order (t not decreasing)",
+                               param=f"frames.{k}.t", code="invalid_field")
+        return self
+
+
+def frame_time(t: float) -> str:
+    """A video frame's timestamp as Gemma's video prompt writes it: ``mm:ss``."""
+    return f"{int(t // 60):02d}:{int(t % 60):02d}"
+
+
 class ImageUrlPart(BaseModel):
     type: Literal["image_url"]
-    image_url: dict[str, Any]
+    image_url: ImageUrl
 
 
 class InputAudioPart(BaseModel):
     type: Literal["input_audio"]
-    input_audio: dict[str, Any]
+    input_audio: InputAudio
 
 
 class VideoPart(BaseModel):
     type: Literal["video"]
-    video: dict[str, Any]
+    video: Video
+
+
+MediaPart = ImageUrlPart | InputAudioPart | VideoPart
 
 
 def _part_tag(value: Any) -> str | None:
@@ -124,23 +208,30 @@ class Message(BaseModel):
     role: Literal["system", "developer", "user", "assistant"] = "user"
     content: Content
 
-    @model_validator(mode="after")
-    def _text_only(self) -> Message:
-        # every model stack here reads text: a media part is refused before it is queued
-        if not isinstance(self.content, str):
-            for index, part in enumerate(self.content):
-                if not isinstance(part, TextPart):
-                    raise _invalid(f"the served models read text only, not {part.type}",
-                                   param=f"content.{index}", code="media_not_supported")
-        return self
-
-    def text(self, *, param: str = "messages") -> str:
-        """The message as plain text: string content, or its text parts joined with "".
+    def text(self, *, param: str = "messages", image: str | None = None) -> str:
+        """The message as plain text: string content, or its text parts joined with "";
+        ``image``: the text each image is read as, an image part's or a video frame's (a
+        video: each frame as ``mm:ss`` + " " + the image, frames joined by a space); None:
+        media are left out.
 
         ``param`` names this message in the error (the caller knows its index)."""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        out = []
+        for part in self.content:
+            if isinstance(part, TextPart):
+                out.append(part.text)
+            elif image is not None and isinstance(part, ImageUrlPart):
+                out.append(image)
+            elif image is not None and isinstance(part, VideoPart):
+                out.append(" ".join(f"{frame_time(f.t)} {image}" for f in part.video.frames))
+        return "".join(out)
+
+    def media_parts(self) -> list[tuple[int, MediaPart]]:
+        """(index in content, part) of every media part."""
+        if isinstance(self.content, str):
+            return []
+        return [(k, p) for k, p in enumerate(self.content) if not isinstance(p, TextPart)]
 
 
 def _check_range(value: int | float, low: int | float, high: int | float, *, name: str) -> None:
@@ -367,6 +458,9 @@ class Limits(BaseModel):
     max_extractions_per_input: int = Field(10, ge=0)
     max_options: int = Field(1000, gt=0)
     max_option_tokens: int = Field(5, gt=0)
+    max_frames: int = Field(DEFAULT_MEDIA_LIMITS["max_frames"], gt=0)
+    max_audio_seconds: int = Field(DEFAULT_MEDIA_LIMITS["max_audio_seconds"], gt=0)
+    max_image_pixels: int = Field(DEFAULT_MEDIA_LIMITS["max_image_pixels"], gt=0)
 
     def capped(self, by: Limits) -> Limits:
         return Limits(**{k: min(getattr(self, k), getattr(by, k)) for k in Limits.model_fields})
@@ -454,6 +548,42 @@ class Input(BaseModel):
     parameters: dict[str, ParameterValue] | None = None
 
 
+def media_kinds(messages: list[Message]) -> set[str]:
+    """The media kinds (image, audio, video) of a content's parts."""
+    return {media.MEDIA_PARTS[part.type] for m in messages for _, part in m.media_parts()}
+
+
+def check_media(messages: list[Message], limits: Limits, where: str) -> None:
+    """A content's media within the call's limits (frames per video, seconds of audio where
+    the header tells them, pixels per image)."""
+    for m, message in enumerate(messages):
+        for k, part in message.media_parts():
+            at = f"{where}.{m}.content.{k}"
+            images: list[tuple[ImageUrl, str]] = []
+            if isinstance(part, ImageUrlPart):
+                images.append((part.image_url, f"{at}.image_url.url"))
+            elif isinstance(part, VideoPart):
+                frames = part.video.frames
+                if len(frames) > limits.max_frames:
+                    raise _invalid(f"{len(frames):,} frames; at most {limits.max_frames:,} per "
+                                   "video", param=f"{at}.video.frames", code="invalid_field")
+                images += [(f.image_url, f"{at}.video.frames.{j}.image_url.url")
+                           for j, f in enumerate(frames)]
+            else:
+                seconds = part.input_audio._seconds
+                if seconds is not None and seconds > limits.max_audio_seconds:
+                    raise _invalid(f"the audio is {seconds:,.1f} s; at most "
+                                   f"{limits.max_audio_seconds:,} s",
+                                   param=f"{at}.input_audio.data", code="invalid_media")
+            for image, param in images:
+                info = image._info
+                if info is not None and info.pixels > limits.max_image_pixels:
+                    raise _invalid(f"the image is {info.width}x{info.height} = "
+                                   f"{info.pixels:,} pixels; at most "
+                                   f"{limits.max_image_pixels:,}", param=param,
+                                   code="invalid_media")
+
+
 @dataclass(frozen=True)
 class Document:
     """One input as the engine reads it: its messages and every query asked of it (the
@@ -512,6 +642,7 @@ class ScoreRequest(BaseModel):
             messages = (self.messages if self.messages is not None
                         else [Message(role="user", content=self.text)])
             self._check_queries(list(shared.values()), limits, "scoring.queries")
+            check_media(messages, limits, "messages")
             return [Document("0", messages, list(shared.values()), scoring.layout_key(), None)]
         documents, ids = [], set()
         for i, inp in enumerate(self.inputs):
@@ -546,6 +677,7 @@ class ScoreRequest(BaseModel):
                 chosen.append(q)
             key = query_layout_key(chosen, scoring.ignores_case)
         self._check_queries(chosen, limits, where)
+        check_media(inp.messages, limits, f"{where}.messages")
         return Document(inp.id, inp.messages, chosen, key, inp.parameters)
 
     def _check_queries(self, queries: list[Query], limits: Limits, where: str) -> None:

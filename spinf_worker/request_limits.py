@@ -11,13 +11,22 @@ in the worker's order, so it never refuses what a worker would score.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from .errors import ContextLengthError, InvalidRequestError, RequestTooLargeError
+from .media import MEDIA_PARTS, ImageText
 from .pack_refs import resolve as resolve_pack
 from .packs import Pack
-from .protocol import DEFAULT_LIMITS, Document, Limits, Query, ScoreRequest
+from .protocol import (
+    DEFAULT_LIMITS,
+    Document,
+    Limits,
+    Message,
+    Query,
+    ScoreRequest,
+    media_kinds,
+)
 from .templates import SCORED, Combination
 
 Encode = Callable[[str], Sequence[int]]
@@ -91,7 +100,18 @@ def case_rule(request: ScoreRequest, runs: list[PackRun]) -> bool:
 
 
 def check_pack_ids(doc: Document, runs: list[PackRun], index: int) -> None:
-    """A pack's query ids and group belong to it."""
+    """A pack's query ids and group belong to it, and the content's media are kinds the
+    pack's questions were written for (its ``media``, by default text only)."""
+    where = f"inputs.{index}.messages"
+    for run in runs:
+        for m, message in enumerate(doc.messages):
+            for k, part in message.media_parts():
+                kind = MEDIA_PARTS[part.type]
+                if kind not in run.pack.file.media:
+                    raise InvalidRequestError(
+                        f"the {run.pack.id} pack reads {', '.join(run.pack.file.media)}, "
+                        f"not {kind}", param=f"{where}.{m}.content.{k}.type",
+                        code="pack_media_not_supported")
     own = {q.id for q in doc.queries}
     groups = {run.pack.group for run in runs}
     for q in doc.queries:
@@ -107,10 +127,13 @@ def check_pack_ids(doc: Document, runs: list[PackRun], index: int) -> None:
                 param=f"inputs.{index}.queries", code="duplicate_id")
 
 
-def wrapped_messages(doc: Document, runs: list[PackRun], index: int) -> list[dict]:
+def wrapped_messages(doc: Document, runs: list[PackRun], index: int,
+                     image: str | None = None) -> list[dict]:
     """The input's messages as ``[{"role", "content": str}]``, wrapped in its packs'
-    context (one context per call)."""
-    messages = [{"role": m.role, "content": m.text(param=f"inputs.{index}.messages.{k}")}
+    context (one context per call); ``image``: the text an image part is presented as
+    (None: the text alone, as the content token limit counts it)."""
+    messages = [{"role": m.role,
+                 "content": m.text(param=f"inputs.{index}.messages.{k}", image=image)}
                 for k, m in enumerate(doc.messages)]
     wraps = set()
     for run in runs:
@@ -128,6 +151,18 @@ def wrapped_messages(doc: Document, runs: list[PackRun], index: int) -> list[dic
         messages[0]["content"] = before + messages[0]["content"]
         messages[-1]["content"] += after
     return messages
+
+
+def check_media_kinds(messages: list[Message], readable: Collection[str], model: str,
+                      where: str) -> None:
+    """``media_not_supported`` for a content with media the served model does not read
+    (``readable``: the kinds it reads, e.g. ``("image",)``)."""
+    missing = sorted(media_kinds(messages) - set(readable))
+    if missing:
+        raise InvalidRequestError(
+            f"model {model} does not read {' or '.join(missing)} input here",
+            param="messages" if where == "messages" else f"{where}.messages",
+            code="media_not_supported")
 
 
 # ---- queries ---------------------------------------------------------------------------
@@ -308,11 +343,13 @@ def past_context(input_id: str, max_position: int, context: int, param: str
 class ServedTokens:
     """What the API knows of the served model: its tokenizer's ``encode`` (no BOS), how it
     presents content ("raw": the messages joined by blank lines; "chat": its chat template,
-    which the API does not render), and its context in positions (None: unknown)."""
+    which the API does not render), its context in positions (None: unknown), and how it
+    reads an image in its text (None: it reads none)."""
 
     encode: Encode
     mode: str
     context: int | None = None
+    image: ImageText | None = None
 
 
 def check_request(request: ScoreRequest, packs: dict, *, tokens: ServedTokens | None,
@@ -343,7 +380,13 @@ def check_request(request: ScoreRequest, packs: dict, *, tokens: ServedTokens | 
         grids = [q.combinations_list() for q in queries]
         if encode is not None:
             check_query_tokens(queries, grids, limits, params, encode, bound=utf8_bound)
-        laid_out.append((doc, where, queries, grids, wrapped_messages(doc, runs, i)))
+        messages = wrapped_messages(doc, runs, i)
+        full = None      # with media: the content as the model reads it, images included
+        image = getattr(tokens, "image", None)
+        if image is not None and media_kinds(doc.messages):
+            full = image.expand("\n\n".join(
+                m["content"] for m in wrapped_messages(doc, runs, i, image.marker)))
+        laid_out.append((doc, where, queries, grids, messages, full))
     if tokens is None or tokens.mode != "raw":
         return
     _check_content(request, laid_out, tokens, limits, content_limit(request,
@@ -354,34 +397,36 @@ def _check_content(request: ScoreRequest, laid_out: list, tokens: ServedTokens,
                    limits: Limits, content_max: int) -> None:
     """The processed tokens (content, prefix-tree rows and decoding, summed over the
     inputs), each input's content and its longest question within the context; bounds
-    first, exact counts only where a bound does not settle it."""
+    first, exact counts only where a bound does not settle it. The content limit counts the
+    text; the processed tokens and the context count the media's tokens too (``full``)."""
     encode = tokens.encode
     limit = limits.max_processed_tokens
-    texts = ["\n\n".join(m["content"] for m in messages) for *_, messages in laid_out]
-    bounds = [_bounds(queries, grids) for _doc, _where, queries, grids, _m in laid_out]
-    decodes = [decode_budget(queries, grids) for _doc, _where, queries, grids, _m in laid_out]
+    texts = ["\n\n".join(m["content"] for m in laid[4]) for laid in laid_out]
+    reads = [laid[5] if laid[5] is not None else text
+             for laid, text in zip(laid_out, texts, strict=True)]
+    bounds = [_bounds(queries, grids) for _doc, _where, queries, grids, *_ in laid_out]
+    decodes = [decode_budget(queries, grids) for _doc, _where, queries, grids, *_ in laid_out]
     # BOS + content, branch rows, decoding: within the limit by the bounds, nothing to count
-    exact_rows = sum(1 + utf8_bound(text) + rows + decode for text, (rows, _), decode
-                     in zip(texts, bounds, decodes, strict=True)) > limit
+    exact_rows = sum(1 + utf8_bound(read) + rows + decode for read, (rows, _), decode
+                     in zip(reads, bounds, decodes, strict=True)) > limit
     processed = 0
-    for (doc, where, queries, grids, _m), text, (rows, depth), decode in zip(
-            laid_out, texts, bounds, decodes, strict=True):
+    for (doc, where, queries, grids, *_), text, read, (rows, depth), decode in zip(
+            laid_out, texts, reads, bounds, decodes, strict=True):
         content = len(encode(text)) if exact_rows or utf8_bound(text) > content_max else None
         if exact_rows:
             rows, depth = branch_rows(queries, grids, encode)
-            processed += 1 + content + rows + decode
+            processed += 1 + (content if read is text else len(encode(read))) + rows + decode
             if processed > limit:
                 raise too_large(limit)
         if content is not None and content > content_max:
             raise content_too_long(doc.input_id, content, content_max, where)
-        if tokens.context is None or utf8_bound(text) + depth < tokens.context:
+        if tokens.context is None or utf8_bound(read) + depth < tokens.context:
             continue
         if not exact_rows:
             depth = branch_rows(queries, grids, encode)[1]
-        if content is None:
-            content = len(encode(text))
-        if content + depth >= tokens.context:
-            raise past_context(doc.input_id, content + depth, tokens.context, where)
+        read_tokens = len(encode(read))
+        if read_tokens + depth >= tokens.context:
+            raise past_context(doc.input_id, read_tokens + depth, tokens.context, where)
 
 
 def _bounds(queries: list[Query], grids: list[list[Combination]]) -> tuple[int, int]:

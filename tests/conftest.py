@@ -192,3 +192,82 @@ def oracle_logprob(model, ids: list[int], n_context: int) -> float:
         logits = model(torch.tensor([ids])).logits[0].float()
     logprobs = torch.log_softmax(logits, dim=-1)
     return sum(logprobs[j - 1, ids[j]].item() for j in range(n_context, len(ids)))
+
+
+# The tiny multimodal Gemma 3: the tiny tokenizer plus Gemma 3's three image tokens (added
+# after its vocabulary), a small SigLIP tower and projector, and a processor config of its
+# own (mean, std and size differ from the defaults, so a processor that ignored it fails).
+TINY_IMAGE_TOKENS = ["<start_of_image>", "<end_of_image>", "<image_soft_token>"]
+TINY_IMAGE_SIZE = 32
+TINY_MM_TOKENS = 16
+
+
+def write_tiny_gemma3_vision(path: Path, tokenizer_dir: Path, *, seed: int = 0) -> Path:
+    from tokenizers import AddedToken, Tokenizer
+    from transformers import (
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        Gemma3TextConfig,
+        SiglipVisionConfig,
+    )
+    from transformers.models.gemma3.image_processing_pil_gemma3 import (
+        Gemma3ImageProcessorPil,
+    )
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    base = tokenizer.get_vocab_size()
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                  for t in TINY_IMAGE_TOKENS])
+    boi, eoi, image = (tokenizer.token_to_id(t) for t in TINY_IMAGE_TOKENS)
+    assert (boi, eoi, image) == (base, base + 1, base + 2)
+    torch.manual_seed(seed)
+    text = Gemma3TextConfig(
+        vocab_size=base + 3, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+        sliding_window=8, max_position_embeddings=4096,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                     "sliding_attention"],
+        bos_token_id=TINY_BOS, eos_token_id=TINY_EOS, pad_token_id=TINY_PAD)
+    vision = SiglipVisionConfig(hidden_size=24, intermediate_size=48, num_hidden_layers=2,
+                                num_attention_heads=2, image_size=TINY_IMAGE_SIZE,
+                                patch_size=4, vision_use_head=False)
+    cfg = Gemma3Config(text_config=text, vision_config=vision,
+                       mm_tokens_per_image=TINY_MM_TOKENS, image_token_id=image,
+                       boi_token_id=boi, eoi_token_id=eoi, bos_token_id=TINY_BOS,
+                       eos_token_id=TINY_EOS, pad_token_id=TINY_PAD)
+    model = Gemma3ForConditionalGeneration(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0.0, 0.3)
+            elif "mm_input_projection" in name:
+                p.normal_(0.0, 0.2)
+    model.save_pretrained(path)
+    Gemma3ImageProcessorPil(size={"height": TINY_IMAGE_SIZE, "width": TINY_IMAGE_SIZE},
+                            image_mean=[0.48, 0.46, 0.41],
+                            image_std=[0.27, 0.26, 0.28]).save_pretrained(path)
+    tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_bytes(
+        (tokenizer_dir / "tokenizer_config.json").read_bytes())
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_vision_dir(tmp_path_factory, tiny_tokenizer_dir) -> Path:
+    return write_tiny_gemma3_vision(tmp_path_factory.mktemp("tiny-gemma3-vision"),
+                                    tiny_tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_vision_engine(tiny_vision_dir):
+    from spinf_worker.engine import Engine
+
+    return Engine.load(str(tiny_vision_dir), device="cpu")
+
+
+@pytest.fixture(scope="session")
+def tiny_vision_oracle(tiny_vision_dir):
+    from transformers import Gemma3ForConditionalGeneration
+
+    return Gemma3ForConditionalGeneration.from_pretrained(
+        tiny_vision_dir, dtype=torch.float32, attn_implementation="eager").eval()

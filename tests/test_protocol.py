@@ -144,14 +144,17 @@ def test_text_parts_are_joined():
     assert message.text() == "ab"
 
 
-@pytest.mark.parametrize("part", [
-    {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
-    {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
+@pytest.mark.parametrize(("part", "field"), [
+    ({"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+     "image_url.url"),
+    ({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
+     "input_audio.data"),
 ])
-def test_media_parts_are_refused_at_parse_time(part):
+def test_media_parts_that_are_no_media_are_refused_at_parse_time(part, field):
+    """(Whether the served model reads media is the engine's to say: tests/test_media_*.)"""
     error = parse_error(minimal(text=None, messages=[
         {"role": "user", "content": [{"type": "text", "text": "a"}, part]}]))
-    assert (error.param, error.code) == ("messages.0.content.1", "media_not_supported")
+    assert (error.param, error.code) == (f"messages.0.content.1.{field}", "invalid_media")
 
 
 def test_unknown_content_part_type_points_at_the_part():

@@ -17,14 +17,20 @@ from ..services import ServicesDep, WorkerInfo
 
 router = APIRouter(prefix="/v1/models", tags=["models"], dependencies=V1_AUTH)
 
-# What every model served here can do: options and extraction slots over text content.
+# What every model served here can do: options and extraction slots; media (content kinds
+# besides text) are the workers' to say (their registrations, api/media.py).
 CAPABILITIES = ["score", "extract"]
-MEDIA: list[str] = []
 
 
 def _status(workers: list[WorkerInfo]) -> ModelStatus:
     statuses = {w.status for w in workers}
     return next(s for s in ("available", "loading", "error") if s in statuses)
+
+
+def _media(workers: list[WorkerInfo]) -> list[str]:
+    """The media kinds every worker of the model reads."""
+    kinds = [set(w.media or ()) for w in workers]
+    return sorted(set.intersection(*kinds)) if kinds else []
 
 
 def _catalog(live: list[WorkerInfo]) -> list[ModelObject]:
@@ -35,8 +41,9 @@ def _catalog(live: list[WorkerInfo]) -> list[ModelObject]:
     return [ModelObject(id=model, name=model.rsplit("/", 1)[-1], status=_status(workers),
                         base_model=model, aliases=aliases(model),
                         family=next((w.family for w in workers if w.family), None),
-                        capabilities=CAPABILITIES, media=MEDIA, limits=limits,
-                        features=ModelFeatures(media=MEDIA, extraction="extract" in CAPABILITIES,
+                        capabilities=CAPABILITIES, media=_media(workers), limits=limits,
+                        features=ModelFeatures(media=_media(workers),
+                                               extraction="extract" in CAPABILITIES,
                                                generation="generate" in CAPABILITIES),
                         # since the first live worker began to load it (or its heartbeat,
                         # for a worker that does not say)

@@ -14,6 +14,7 @@ from spinf_worker.queue.results import normalize_error
 
 from ..auth import V1_AUTH, Caller, CallerDep
 from ..errors import NotFoundError
+from ..media import check_media
 from ..models import Job, JobAccepted, JobRequest, error_responses, json_body
 from ..services import Services, ServicesDep, read_json
 from .scoring import IdempotencyKey, accepted, check_backlog, check_limits, check_model, submit
@@ -39,6 +40,7 @@ async def create_job(request: Request, services: ServicesDep, caller: CallerDep,
                      idempotency_key: IdempotencyKey = None) -> JSONResponse:
     job_request = JobRequest.parse(await read_json(request))
     await check_model(services, job_request.model)
+    await check_media(services, job_request)
     await check_limits(services, job_request)
     await check_backlog(services)
     job_id = await submit(services, caller, Submission(

@@ -36,6 +36,7 @@ from ..errors import (
     ServiceUnavailableError,
     request_id_of,
 )
+from ..media import NOT_FETCHED, check_kinds, check_media, served_kinds
 from ..models import ChatCompletionRequest, JobAccepted, error_responses, json_body
 from ..services import Services, ServicesDep, read_json
 from .packs import loaded_packs
@@ -71,8 +72,14 @@ async def limits_check(services: Services) -> RequestCheck:
     worker's alone. The function may load a pack source: run it on a thread."""
     tokens = await services.served_tokens()
     sources = tuple(services.settings.packs)
+    served = await served_kinds(services, None)
+    remote = (NOT_FETCHED if not services.settings.fetch_media else
+              "remote image URLs are fetched for /v1/score, /v1/chat/completions and /v1/jobs; "
+              "send the image as a data: URL here")
 
     def check(request: ScoreRequest) -> None:
+        # media the served model reads; an https:// image is left only where not fetched
+        check_kinds(request, served, remote=remote)
         packs = loaded_packs(sources) if request.scoring.packs else {}
         check_request(request, packs, tokens=tokens,
                       max_content_tokens=services.settings.max_content_tokens,
@@ -135,6 +142,7 @@ async def submit_and_wait(services: Services, caller: Caller, request: ScoreRequ
     """(job id, its result or None when not finished within ``timeout``)."""
     await services.check_serving()
     await check_model(services, request.model)
+    await check_media(services, request)
     await check_limits(services, request)
     await check_backlog(services)
     payload = request.model_dump(mode="json", exclude_none=True)

@@ -25,6 +25,7 @@ from ..protocol import DEFAULT_LIMITS, ScoreRequest, ScoreResponse
 from .batch import ScoringBatch
 from .decode import SlotDecoder, SlotJob
 from .floors import FloorCache
+from .media import MediaLayout
 from .prepare import Preparer
 from .presentation import Presenter, choose_mode
 from .runner import DocScores, ModelRunner, PendingPass
@@ -114,7 +115,8 @@ class Engine:
                                  context=self.config.max_position_embeddings,
                                  max_combinations=self.settings.max_combinations,
                                  max_content_tokens=self.settings.max_content_tokens,
-                                 model=checkpoint.name)
+                                 model=checkpoint.name,
+                                 media=MediaLayout.for_model(self.model, tok, self.device))
         self.floors = FloorCache(self.settings.floor_cache_size)
         self.fingerprint = self._fingerprint()
 
@@ -136,6 +138,12 @@ class Engine:
         if self.device.type == "cuda":
             return torch.cuda.get_device_name(self.device)
         return cpu_class()
+
+    @property
+    def media_kinds(self) -> tuple[str, ...]:
+        """The media kinds this engine reads in a content (("image", "video") or none)."""
+        media = self.preparer.media
+        return media.kinds if media is not None else ()
 
     def _fingerprint(self) -> str:
         device_class = self.device_class

@@ -35,6 +35,16 @@ class Branch:
 
 
 @dataclass
+class ImageRows:
+    """An image in a document's root: its soft tokens are rows [start, end), which hold the
+    image's features and attend to each other both ways (engine/media.py)."""
+
+    start: int
+    end: int
+    pixels: torch.Tensor         # [3, H, W] preprocessed
+
+
+@dataclass
 class FlatDoc:
     """A DocTree flattened into padded rows, ready to be placed in a pass."""
 
@@ -50,6 +60,7 @@ class FlatDoc:
     readout_rows: torch.Tensor   # [n_readouts padded to READOUT_TILE] row within the document
     # extraction branches: branch -> (readout index, context rows (root + branch), settings)
     extract: dict[int, tuple[int, list[int], dict]] = field(default_factory=dict)
+    media: list[ImageRows] = field(default_factory=list)   # images in the root, in order
 
     @property
     def length(self) -> int:

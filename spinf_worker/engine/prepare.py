@@ -21,6 +21,7 @@ from ..request_limits import (
     case_rule,
     case_spellings,
     check_combination_count,
+    check_media_kinds,
     check_pack_ids,
     check_query_tokens,
     content_limit,
@@ -38,6 +39,7 @@ from ..templates import Combination
 from ..tiles import padded_rows
 from .floors import floor_key
 from .layout import Branch, BranchBlock, FlatDoc
+from .media import MediaLayout
 from .presentation import Presenter
 from .slots import search_beams, slot_settings
 
@@ -73,8 +75,14 @@ class Prepared:
     queries: list[Query]             # the input's, then those its packs add
     n_own: int                       # queries[:n_own] are the caller's
     query_set: QuerySet
-    text: str                        # the presented content
+    text: str                        # the presented content (images as their token sequences)
     flat: FlatDoc | None = None      # set once the content is tokenised
+    # per image (an image part's, a video frame's) its url and where it is in the request;
+    # decoded when the document is laid out (engine/media.py)
+    images: list[tuple[str, str]] = field(default_factory=list)
+    max_pixels: int = DEFAULT_LIMITS.max_image_pixels
+    text_only: str | None = None     # with images: the content presented without them
+    video_frames: int = 0            # how many of the images are a video's frames (usage)
 
 
 @dataclass
@@ -87,9 +95,12 @@ class PreparedRequest:
 class Preparer:
     def __init__(self, presenter: Presenter, pad_id: int, packs: dict, *,
                  model: str, context: int, max_combinations: int,
-                 max_content_tokens: int = DEFAULT_LIMITS.max_content_tokens):
-        """``model``: the served model's name (a request may name it, or one of its aliases)."""
+                 max_content_tokens: int = DEFAULT_LIMITS.max_content_tokens,
+                 media: MediaLayout | None = None):
+        """``model``: the served model's name (a request may name it, or one of its aliases).
+        ``media``: how the model reads images (None: it reads text only)."""
         self.presenter, self.pad_id, self.packs = presenter, pad_id, packs
+        self.media = media
         self.model, self.context, self.max_combinations = model, context, max_combinations
         self.max_content_tokens = max_content_tokens
         self._roots: OrderedDict[str, list[int]] = OrderedDict()   # tokenised by rows()
@@ -126,6 +137,9 @@ class Preparer:
             doc.flat = doc.query_set.block.place(root, self.pad_id)
             if isinstance(out[i], SpinfError):
                 continue
+            # the content limit counts the text; media count in the processed tokens
+            content = (len(root) - 1 if not doc.images else
+                       len(self.presenter.root_ids_batch([doc.text_only])[0]) - 1)
             # the same checks, in the same order, as request_limits.check_request at the API
             processed[i] = processed.get(i, 0) + doc.flat.tokens + doc.query_set.decode_budget
             limit = out[i].request.effective_limits.max_processed_tokens
@@ -133,11 +147,17 @@ class Preparer:
                 out[i] = too_large(limit)
                 continue
             limit = content_limit(out[i].request, self.max_content_tokens)
-            if len(root) - 1 > limit:
-                out[i] = content_too_long(doc.input_id, len(root) - 1, limit, doc.param)
+            if content > limit:
+                out[i] = content_too_long(doc.input_id, content, limit, doc.param)
             elif doc.flat.max_position >= self.context:
                 out[i] = past_context(doc.input_id, doc.flat.max_position, self.context,
                                       doc.param)
+            elif doc.images:      # decoded last: nothing is decoded for a refused request
+                try:
+                    self.media.place(doc.flat, self.media.pixels(doc.images, doc.max_pixels),
+                                     doc.param)
+                except SpinfError as err:
+                    out[i] = err
         return out
 
     def parse(self, raw: dict | ScoreRequest) -> PreparedRequest:
@@ -152,6 +172,8 @@ class Preparer:
         docs, limits = [], request.effective_limits
         for i, doc in enumerate(request.documents()):
             where, params = query_params(request, i, doc)
+            check_media_kinds(doc.messages, self.media.kinds if self.media else (),
+                              self.model, where)
             check_combination_count(doc.queries, params, self.max_combinations)
             queries, key = list(doc.queries), doc.layout_key
             if runs:
@@ -163,13 +185,29 @@ class Preparer:
                 key = query_layout_key(queries, case_insensitive)
             query_set = self._query_set(queries, key, case_insensitive,
                                         request.scoring.empty_floor, limits, params)
-            docs.append(Prepared(doc.input_id, where, queries, len(doc.queries), query_set,
-                                 self._present(doc, runs, i)))
+            prepared = Prepared(doc.input_id, where, queries, len(doc.queries), query_set,
+                                self._present(doc, runs, i))
+            if self.media is not None and any(m.media_parts() for m in doc.messages):
+                self._present_images(prepared, doc, runs, i, limits)
+            docs.append(prepared)
         return PreparedRequest(request, docs, runs)
 
     def _present(self, doc: Document, runs: list[PackRun], index: int) -> str:
         """The input's content presented, wrapped in its packs' context."""
         return self.presenter.present(wrapped_messages(doc, runs, index))
+
+    def _present_images(self, prepared: Prepared, doc: Document, runs: list[PackRun],
+                        index: int, limits: Limits) -> None:
+        """A content with images: presented with each image's token sequence where the image
+        is (engine/media.py); the images are decoded when it is laid out."""
+        media, where = self.media, prepared.param
+        messages = where if where == "messages" else f"{where}.messages"
+        prepared.images, prepared.video_frames = media.images(doc.messages, messages)
+        prepared.max_pixels = limits.max_image_pixels
+        prepared.text_only = prepared.text
+        prepared.text = media.expand(
+            self.presenter.present(wrapped_messages(doc, runs, index, image=media.marker)),
+            len(prepared.images), messages)
 
     def branches(self, queries: list[Query], grids: list[list[Combination]],
                  case_insensitive: bool = False) -> list[Branch]:

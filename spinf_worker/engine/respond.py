@@ -29,6 +29,8 @@ def build_response(p: PreparedRequest, scores: list[DocScores], floors: dict[tup
     extraction = {"slots": 0, "text": 0, "number": 0, "currency": 0}
     generation = {"slots": 0, "sequences": 0, "max_tokens": 0}
     content_tokens = query_tokens = floor_tokens = decoded = rows = padded = 0
+    # media: per image its soft tokens and the two markers around them
+    media = {"images": 0, "image_tokens": 0, "video_frames": 0, "video_tokens": 0}
     for doc, doc_scores in zip(p.docs, scores, strict=True):
         queries = _query_results(doc, doc_scores, floors, warnings)
         result = {"input_id": doc.input_id, "queries": queries[:doc.n_own]}
@@ -48,6 +50,13 @@ def build_response(p: PreparedRequest, scores: list[DocScores], floors: dict[tup
         results.append(result)
         qs = doc.query_set
         content_tokens += doc.flat.root - 1
+        if doc.flat.media:
+            frames = doc.video_frames
+            per_image = doc.flat.media[0].end - doc.flat.media[0].start + 2
+            media["images"] += len(doc.flat.media) - frames
+            media["image_tokens"] += (len(doc.flat.media) - frames) * per_image
+            media["video_frames"] += frames
+            media["video_tokens"] += frames * per_image
         query_tokens += qs.query_tokens
         floor_tokens += qs.floor_tokens
         rows += doc.flat.tokens
@@ -69,14 +78,18 @@ def build_response(p: PreparedRequest, scores: list[DocScores], floors: dict[tup
                 extraction[q.kind] += len(grid)
         decoded += _decoded_tokens(doc, doc_scores)
     prompt_tokens = content_tokens + query_tokens + floor_tokens
+    text_tokens = content_tokens - media["image_tokens"] - media["video_tokens"]
     usage = {
         "prompt_tokens": prompt_tokens, "completion_tokens": decoded,
         "total_tokens": prompt_tokens + decoded,
         "prompt_tokens_details": {"content_tokens": content_tokens,
-                                  "text_tokens": content_tokens,
+                                  "text_tokens": text_tokens,
+                                  "image_tokens": media["image_tokens"],
+                                  "video_tokens": media["video_tokens"],
                                   "query_tokens": query_tokens, "floor_tokens": floor_tokens},
         "inputs": len(p.docs),
-        "content": {"tokens": content_tokens, "text_tokens": content_tokens},
+        "content": {"tokens": content_tokens, "text_tokens": text_tokens, **media,
+                    "audio_seconds": 0, "audio_tokens": 0},
         "scoring": {**counts, "query_tokens": query_tokens, "floor_tokens": floor_tokens},
         "processed_tokens": rows + decoded,
         "billed_tokens": 0,

@@ -141,6 +141,8 @@ class ModelRunner:
             window = self.model.cfg.sliding_window
             plan = AttentionPlan([doc_span(d, s, window, self.device)
                                   for d, s in zip(docs, starts, strict=True)])
+            plan.media = [(s + image.start, image.pixels)
+                          for d, s in zip(docs, starts, strict=True) for image in d.media]
         if keep:
             plan.keep_rows = self._upload(torch.cat(keep))
         hidden = self.model(ids, pos, plan)
@@ -207,9 +209,15 @@ def doc_span(doc: FlatDoc, start: int, window: int, dev: torch.device) -> DocSpa
     span = DocSpan(start, doc.root, doc.tokens)
     windowed = doc.max_position >= window
     root_pos = torch.arange(doc.root)
+    seen = root_pos[:, None] >= root_pos[None, :]
+    if doc.media:   # an image's soft tokens see each other both ways (transformers' rule)
+        image = torch.full((doc.root,), -1)
+        for k, rows in enumerate(doc.media):
+            image[rows.start:rows.end] = k
+        seen = seen | ((image[:, None] == image[None, :]) & (image[:, None] >= 0))
+        span.root_mask = seen.to(dev)
     if windowed:
-        span.root_window = ((root_pos[:, None] >= root_pos[None, :])
-                            & (root_pos[:, None] - root_pos[None, :] < window)).to(dev)
+        span.root_window = (seen & (root_pos[:, None] - root_pos[None, :] < window)).to(dev)
     for bucket in doc.block.path_buckets:
         rows = torch.from_numpy(bucket.rows)
         path = torch.from_numpy(bucket.path) + doc.root

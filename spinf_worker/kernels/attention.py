@@ -46,7 +46,11 @@ class DocSpan:
     root: int                    # rows [0, root) are the root
     tokens: int                  # rows [root, tokens) are branch tokens; the rest is padding
     branches: list[BranchTiles] = field(default_factory=list)
-    root_window: torch.Tensor | None = None      # [root, root] bool; None: plain causal
+    # [root, root] bool: what root rows see on sliding-window layers (None: root_mask)
+    root_window: torch.Tensor | None = None
+    # [root, root] bool: what root rows see on the other layers (None: plain causal);
+    # causal, or the rows of one image, which see each other both ways
+    root_mask: torch.Tensor | None = None
 
 
 @dataclass
@@ -60,6 +64,8 @@ class AttentionPlan:
     keep_rows: torch.Tensor | None = None
     kept: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
     rows: int | None = None      # CUDA: the pass's real rows; the rest pads it to a bucket
+    # images of the pass: (pass row of its first soft token, its pixels), read by the model
+    media: list[tuple[int, torch.Tensor]] | None = None
 
     def attend(self, q, k, v, *, layer: int, sliding: bool, scale: float) -> torch.Tensor:
         if self.keep_rows is not None:
@@ -103,7 +109,7 @@ def _root_attention(q, k, v, doc: DocSpan, sliding: bool, scale: float) -> torch
     qh = q.transpose(0, 1)
     kh = k.transpose(0, 1).repeat_interleave(groups, dim=0)
     vh = v.transpose(0, 1).repeat_interleave(groups, dim=0)
-    mask = doc.root_window if sliding else None
+    mask = doc.root_window if sliding and doc.root_window is not None else doc.root_mask
     o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=mask is None,
                                        scale=scale)
     return o.transpose(0, 1)

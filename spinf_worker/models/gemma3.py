@@ -150,11 +150,16 @@ class Gemma3Model(PackedLM):
                 plan: AttentionPlan) -> torch.Tensor:
         if input_ids.is_cuda and self.use_fused:
             return self._forward_fused(input_ids, positions, plan)
-        x = self._embed(input_ids)
+        x = self._embed_inputs(input_ids, plan)
         ropes = self._ropes(positions, x.dtype)
         for layer in self.layers:
             x = layer(x, ropes[layer.sliding], plan)
         return self.norm(x)
+
+    def _embed_inputs(self, input_ids: torch.Tensor, plan) -> torch.Tensor:
+        """The first layer's input: the scaled token embeddings (a multimodal stack puts its
+        media features in their rows, models/gemma3_vision.py)."""
+        return self._embed(input_ids)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)

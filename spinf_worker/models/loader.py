@@ -40,6 +40,7 @@ CONVERTER_VERSION = 1
 _HUB_PATTERNS = [
     "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
     "special_tokens_map.json", "chat_template.json", "chat_template.jinja",
+    "preprocessor_config.json", "processor_config.json",
     "*.safetensors", "model.safetensors.index.json",
 ]
 
@@ -189,6 +190,11 @@ def load_hf_dir(path: Path, *, name: str, cache_dir: Path | None = None,
         if not (path / required).is_file():
             raise ModelNotFoundError(f"{path} has no {required}", param="model")
     config = text_config(json.loads((path / "config.json").read_text()))
+    if "vision_config" in config:
+        # preprocessor_config.json, or transformers 5's processor_config.json
+        processor = (_read_json(path / "preprocessor_config.json")
+                     or _read_json(path / "processor_config.json"))
+        config["preprocessor_config"] = processor.get("image_processor", processor) or None
     weights = None
     if dummy:
         weights_digest = _dummy_digest(config)
@@ -197,7 +203,8 @@ def load_hf_dir(path: Path, *, name: str, cache_dir: Path | None = None,
         weights = {}
         for file in files:
             weights.update(load_file(file))
-        weights = text_weights(weights, tied=config.get("tie_word_embeddings", True))
+        weights = text_weights(weights, tied=config.get("tie_word_embeddings", True),
+                               vision="vision_config" in config)
 
     tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
     tokenizer.post_processor = None  # callers add BOS themselves
@@ -217,7 +224,9 @@ def text_config(raw: dict) -> dict:
     """The text model's config, with the keys our engine reads filled in.
 
     Multimodal wrappers keep it under "text_config". transformers 5 writes rope bases only
-    under rope_parameters, older configs only as plain keys: provide both spellings.
+    under rope_parameters, older configs only as plain keys: provide both spellings. A
+    Gemma 3 wrapper's vision tower comes along: ``vision_config``, ``mm_tokens_per_image``
+    and the image token ids (models/gemma3_vision.py).
     """
     config = dict(raw.get("text_config") or raw)
     if "text_config" in raw:
@@ -227,6 +236,12 @@ def text_config(raw: dict) -> dict:
     if config.get("model_type") not in ("gemma3", "gemma3_text"):
         return config
     config["model_type"] = "gemma3_text"
+    if raw.get("model_type") == "gemma3" and raw.get("vision_config"):
+        config["vision_config"] = raw["vision_config"]
+        config["mm_tokens_per_image"] = raw.get("mm_tokens_per_image", 256)
+        for kind, default in (("image", 262144), ("boi", 255999), ("eoi", 256000)):
+            config[f"{kind}_token_id"] = raw.get(f"{kind}_token_id",
+                                                 raw.get(f"{kind}_token_index", default))
 
     rope = config.get("rope_parameters") or {}
     config.setdefault("rope_theta", rope.get("full_attention", {}).get("rope_theta", 1_000_000.0))
@@ -261,11 +276,28 @@ _PREFIX_RENAMES = [
 _NOT_TEXT = ("vision_tower", "multi_modal_projector", "audio_tower", "embed_vision", "embed_audio")
 
 
-def text_weights(weights: dict[str, torch.Tensor], *, tied: bool) -> dict[str, torch.Tensor]:
-    """Text-model weights under Gemma3ForCausalLM names, in float32."""
+# Where checkpoints keep a Gemma 3 vision tower and projector (transformers 4 and 5).
+_VISION_RENAMES = [
+    ("model.vision_tower.vision_model.", "vision_tower."),
+    ("vision_tower.vision_model.", "vision_tower."),
+    ("model.vision_tower.", "vision_tower."),
+    ("model.multi_modal_projector.", "multi_modal_projector."),
+]
+
+
+def text_weights(weights: dict[str, torch.Tensor], *, tied: bool,
+                 vision: bool = False) -> dict[str, torch.Tensor]:
+    """Text-model weights under Gemma3ForCausalLM names, in float32; ``vision``: the vision
+    tower's and projector's too, under ``vision_tower.`` and ``multi_modal_projector.``."""
     out = {}
     for name, tensor in weights.items():
         if any(part in name for part in _NOT_TEXT):
+            if vision and ("vision_tower" in name or "multi_modal_projector" in name):
+                for old, new in _VISION_RENAMES:
+                    if name.startswith(old):
+                        name = new + name[len(old):]
+                        break
+                out[name] = tensor if tensor.dtype == torch.float32 else tensor.float()
             continue
         for old, new in _PREFIX_RENAMES:
             if name.startswith(old):

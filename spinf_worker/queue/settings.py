@@ -101,3 +101,11 @@ class ServiceSettings(BaseSettings):
     callback_allow: list[str] = Field(
         default_factory=list, description="hosts and CIDRs callbacks may reach although they "
                                           "are private (the SSRF guard refuses them otherwise)")
+    fetch_media: bool = Field(
+        False, description="the API fetches `https://` image URLs (else only `data:` URLs are "
+                           "read), under the callbacks' SSRF rule and `callback_allow` "
+                           "(api/media.py)")
+    media_fetch_timeout_s: float = Field(10.0, description="timeout of one media fetch, "
+                                                           "seconds")
+    media_fetch_max_bytes: int = Field(20 * 1024 * 1024, ge=1,
+                                       description="largest media file fetched, bytes")

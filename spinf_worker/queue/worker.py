@@ -683,7 +683,8 @@ class Worker:
             "device": str(self.engine.device), "pid": os.getpid(),
             "host": socket.gethostname(), "heartbeat_ms": now_ms(), "passes": self.passes,
             "status": "available", "started_ms": self.started_ms, "loaded_ms": self.loaded_ms,
-            "family": config.get("model_type") if isinstance(config, dict) else None}))
+            "family": config.get("model_type") if isinstance(config, dict) else None,
+            "media": list(getattr(self.engine, "media_kinds", ()))}))
 
     async def _touch_held(self) -> None:
         """Reset the idle time of entries held (queued here or in a pass), so a pass longer
