@@ -262,7 +262,7 @@ class Tiers:
 
 
 def load_engine(spec: WorkerSpec, settings: ServiceSettings):
-    from .engine.engine import Engine, EngineSettings, freeze_heap
+    from .engine.engine import Engine, EngineSettings
     from .pack_sources import load_sources
 
     packs = load_sources(settings.packs)      # before the model: a bad pack fails fast
@@ -270,10 +270,8 @@ def load_engine(spec: WorkerSpec, settings: ServiceSettings):
                                      max_content_tokens=settings.max_content_tokens)
     if settings.max_pass_tokens:
         engine_settings.max_pass_tokens = settings.max_pass_tokens
-    engine = Engine.load(spec.model, device=spec.device, settings=engine_settings, packs=packs,
-                         load_format=settings.load_format)
-    freeze_heap()
-    return engine
+    return Engine.load(spec.model, device=spec.device, settings=engine_settings, packs=packs,
+                       load_format=settings.load_format)
 
 
 def _worker_name() -> str:
@@ -342,7 +340,13 @@ async def _run_worker(spec: WorkerSpec, settings: ServiceSettings, redis, keys: 
     if not loading.done():
         return
     engine = loading.result()               # raises the load's error
+    from .engine.engine import freeze_heap
     from .queue.worker import Worker
+
+    # Here, not on the engine thread: a collection runs the finalizers of whatever is
+    # unreachable, this loop's objects too, and those may only touch the loop from its thread
+    # (run from the engine thread, a worker now and then never woke from loading).
+    freeze_heap()
 
     await Worker(engine, redis, keys, settings, name=name, started_ms=started_ms).run(stop)
 

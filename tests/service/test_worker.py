@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -81,6 +82,27 @@ async def stream_lengths(redis, keys) -> int:
 def without_ids(response: dict) -> dict:
     """What two scorings of one request share: all but the id, the time and the timings."""
     return {k: v for k, v in response.items() if k not in ("id", "created", "timing")}
+
+
+class GatedEngine:
+    """The engine, whose ``gated_call``-th start_batch waits for ``gate`` (``reached`` is set
+    when it gets there): a pass held in flight for as long as a test needs."""
+
+    def __init__(self, engine, gated_call: int):
+        self.engine, self.gated_call, self.calls = engine, gated_call, 0
+        self.gate, self.reached = threading.Event(), threading.Event()
+        self.gated: list = []       # the requests of the gated call
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def start_batch(self, requests):
+        self.calls += 1
+        if self.calls == self.gated_call:
+            self.gated = list(requests)
+            self.reached.set()
+            self.gate.wait(WAIT_S)
+        return self.engine.start_batch(requests)
 
 
 @pytest.mark.asyncio
@@ -219,20 +241,17 @@ async def test_graceful_stop_finishes_the_pass_and_hands_back_the_rest(
     settings = settings.model_copy(update={"max_pass_tokens": 128})   # one document a pass
     producer = Producer(redis, keys, settings)
     jobs = [(await producer.submit(Submission(body(i))))[0] for i in range(8)]
-    worker = Worker(tiny_engine, redis, keys, settings)
+    # the second pass waits at the gate until the stop is given: stopped with a pass in flight
+    engine = GatedEngine(tiny_engine, gated_call=2)
+    worker = Worker(engine, redis, keys, settings)
     stop = asyncio.Event()
     task = asyncio.create_task(worker.run(stop))
-    running_job = None
-    deadline = time.monotonic() + WAIT_S
-    while running_job is None:   # stop while a pass is in flight
-        statuses = [await redis.hget(keys.job(j), "status") for j in jobs]
-        running_job = next((j for j, s in zip(jobs, statuses, strict=True) if s == "running"),
-                           None)
-        assert time.monotonic() < deadline, f"no pass seen in flight: {statuses}"
-        await asyncio.sleep(0.002)
+    assert await asyncio.to_thread(engine.reached.wait, WAIT_S), "no second pass started"
     stop.set()
+    engine.gate.set()
     await asyncio.wait_for(task, WAIT_S)
-
+    (gated,) = engine.gated
+    running_job = jobs[[body(i)["text"] for i in range(len(jobs))].index(gated.text)]
     assert (await producer.get_result(running_job)).status_code == 200
     done = [j for j in jobs if await producer.get_result(j) is not None]
     assert 1 <= len(done) < len(jobs)
@@ -293,7 +312,8 @@ async def test_killed_worker_entries_are_reclaimed(redis, redis_url, keys, setti
                 doomed.send_signal(signal.SIGCONT)
             if await stream_lengths(redis, keys) == 0:
                 jobs += [(await producer.submit(Submission(body(i))))[0] for i in range(10)]
-            assert time.monotonic() < deadline, "the worker never got going"
+            assert time.monotonic() < deadline, \
+                "the worker never got going\n" + (tmp_path / "doomed.log").read_text()[-3000:]
             await asyncio.sleep(0.01)
         doomed.send_signal(signal.SIGKILL)
         doomed.wait()
