@@ -70,7 +70,8 @@ class Gemma4Config:
         layer_types[-1] = "full_attention"   # transformers forces it too
         k_eq_v = bool(cfg.get("attention_k_eq_v", False))
         # Global layers' shapes: config.json written by transformers spells them per layer
-        # (per_layer_config); the original configs give global_head_dim and friends.
+        # (per_layer_config, empty when the global layers' shapes are the others'); the
+        # original configs give global_head_dim and friends.
         per_layer = {str(k): v for k, v in (cfg.get("per_layer_config") or {}).items()}
         global_kv = cfg.get("num_global_key_value_heads") if k_eq_v else None
         global_shape = {"head_dim": cfg.get("global_head_dim", 512)}
@@ -78,7 +79,7 @@ class Gemma4Config:
             global_shape["num_key_value_heads"] = global_kv
         head_dims, kv_heads = [], []
         for i, kind in enumerate(layer_types):
-            own = per_layer.get(str(i)) if per_layer else (
+            own = per_layer.get(str(i)) if "per_layer_config" in cfg else (
                 global_shape if kind == "full_attention" else {})
             head_dims.append((own or {}).get("head_dim") or cfg.get("head_dim", 256))
             kv_heads.append((own or {}).get("num_key_value_heads") or cfg["num_key_value_heads"])
