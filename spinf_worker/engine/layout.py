@@ -41,7 +41,8 @@ class ImageRows:
 
     start: int
     end: int
-    pixels: torch.Tensor         # [3, H, W] preprocessed
+    pixels: torch.Tensor         # [3, H, W] preprocessed (Gemma 4: [rows, columns, patch])
+    frame: bool = False          # a video's frame
 
 
 @dataclass

@@ -10,6 +10,11 @@ read once. floor_p is unchanged: the same questions over empty content, without 
 A video's frames are images in order, each after its ``mm:ss`` timestamp (the layout of
 Gemma's video prompt; Gemma 3 has no video tokens of its own).
 
+Gemma 4 lays an image out as ``<boi>`` + N soft tokens + ``<eoi>``, N following from the
+image's size (its header's, read when the request is parsed: nothing is decoded before the
+token limits); its soft tokens see each other both ways only on the sliding-window layers of
+models with ``use_bidirectional_attention = "vision"`` (the model's ``media_attention``).
+
 Only the CPU engine reads images for now: the CUDA attention has no bidirectional image
 blocks, so there a media part is ``media_not_supported``.
 """
@@ -28,15 +33,31 @@ from .layout import FlatDoc, ImageRows
 
 
 @dataclass(frozen=True)
+class MediaImage:
+    """An image of a content (an image part's, or a video frame): where it is, its header."""
+
+    url: str
+    param: str
+    frame: bool                   # a video's frame
+    width: int = 0                # from the header (0: unknown, a remote URL not inlined)
+    height: int = 0
+
+
+@dataclass(frozen=True)
 class MediaLayout:
     """What a model that reads images needs of a document's images."""
 
     kinds: tuple[str, ...]        # the media kinds the model reads: ("image", "video")
     marker: str                   # how an image part is presented: "<start_of_image>"
-    sequence: str                 # what each marker becomes before tokenising
+    sequence: str                 # what each marker becomes before tokenising (fixed count)
     image_id: int                 # the soft token's id
-    tokens: int                   # soft tokens per image
-    processing: object            # models.gemma3_image.ImageProcessing
+    tokens: int                   # soft tokens per image (0: per image, from its size)
+    processing: object            # models.gemma3_image / gemma4_image processing
+    # a layout whose token count follows the image's size: each marker becomes
+    # open + soft * N + close
+    open: str = ""
+    soft: str = ""
+    close: str = ""
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, tokenizer, device: torch.device
@@ -49,53 +70,83 @@ class MediaLayout:
             cfg.boi_token_id, cfg.eoi_token_id, cfg.image_token_id))
         if None in (boi, eoi, image):
             raise ValueError("the tokenizer lacks the model's image tokens")
+        if not hasattr(cfg, "mm_tokens_per_image"):     # Gemma 4: N from the image's size
+            return cls(tuple(kinds), boi, "", cfg.image_token_id, 0, cfg.image,
+                       open=boi, soft=image, close=eoi)
         text = ImageText.gemma3(boi, eoi, image, cfg.mm_tokens_per_image)
         return cls(tuple(kinds), text.marker, text.sequence, cfg.image_token_id,
                    cfg.mm_tokens_per_image, cfg.image)
 
-    def images(self, messages: list[Message], where: str
-               ) -> tuple[list[tuple[str, str]], int]:
-        """(url, param) of every image of the content in order (an image part's, a video's
-        frames), and how many of them are video frames. Nothing is decoded yet."""
+    def images(self, messages: list[Message], where: str) -> tuple[list[MediaImage], int]:
+        """Every image of the content in order (an image part's, a video's frames), and how
+        many of them are video frames. Nothing is decoded yet."""
         out, frames = [], 0
+
+        def one(image_url, param: str, frame: bool) -> MediaImage:
+            info = image_url._info
+            return MediaImage(image_url.url, param, frame, *(
+                (info.width, info.height) if info is not None else (0, 0)))
+
         for m, message in enumerate(messages):
             for k, part in message.media_parts():
                 at = f"{where}.{m}.content.{k}"
                 if isinstance(part, ImageUrlPart):
-                    out.append((part.image_url.url, f"{at}.image_url.url"))
+                    out.append(one(part.image_url, f"{at}.image_url.url", False))
                 elif isinstance(part, VideoPart):
-                    out += [(f.image_url.url, f"{at}.video.frames.{j}.image_url.url")
+                    out += [one(f.image_url, f"{at}.video.frames.{j}.image_url.url", True)
                             for j, f in enumerate(part.video.frames)]
                     frames += len(part.video.frames)
         return out, frames
 
-    def pixels(self, images: list[tuple[str, str]], max_pixels: int) -> list[torch.Tensor]:
+    def image_tokens(self, image: MediaImage) -> int:
+        """Soft tokens of one image in this model's layout."""
+        if self.tokens:
+            return self.tokens
+        if not image.width:
+            raise InvalidRequestError("send the image as a data URL", param=image.param,
+                                      code="invalid_media")
+        try:
+            return self.processing.tokens(image.width, image.height)
+        except InvalidRequestError as err:
+            err.param = image.param
+            raise
+
+    def pixels(self, images: list[MediaImage], max_pixels: int) -> list[torch.Tensor]:
         """The images decoded and preprocessed; ``invalid_media`` naming the one that is
         not readable."""
         out = []
-        for url, param in images:
+        for image in images:
             try:
-                out.append(self.processing.pixels(url, max_pixels))
+                out.append(self.processing.pixels(image.url, max_pixels))
             except InvalidRequestError as err:
-                err.param = param
+                err.param = image.param
                 raise
         return out
 
-    def expand(self, text: str, images: int, where: str) -> str:
+    def expand(self, text: str, images: list[MediaImage], where: str) -> str:
         """The presented text with each image marker expanded to the model's sequence."""
-        if text.count(self.marker) != images:
+        if text.count(self.marker) != len(images):
             raise InvalidRequestError(
                 f"the content's text holds the model's image marker {self.marker!r}",
                 param=where, code="unsupported_content")
-        return text.replace(self.marker, self.sequence)
+        if self.tokens:
+            return text.replace(self.marker, self.sequence)
+        pieces = text.split(self.marker)
+        out = [pieces[0]]
+        for image, piece in zip(images, pieces[1:], strict=True):
+            out += [self.open, self.soft * self.image_tokens(image), self.close, piece]
+        return "".join(out)
 
-    def place(self, flat: FlatDoc, pixels: list[torch.Tensor], where: str) -> None:
+    def place(self, flat: FlatDoc, images: list[MediaImage], pixels: list[torch.Tensor],
+              where: str) -> None:
         """Give a laid-out document its images: the rows of each image's soft tokens."""
         ids = flat.input_ids[:flat.root].numpy()
         soft = ids == self.image_id
         starts = np.flatnonzero(soft & ~np.concatenate([[False], soft[:-1]]))
-        if len(starts) != len(pixels) or int(soft.sum()) != len(pixels) * self.tokens:
+        ends = np.flatnonzero(soft & ~np.concatenate([soft[1:], [False]])) + 1
+        counts = [self.image_tokens(image) for image in images]
+        if len(starts) != len(pixels) or list(ends - starts) != counts:
             raise InvalidRequestError("the content's text holds the model's image tokens",
                                       param=where, code="unsupported_content")
-        flat.media = [ImageRows(int(s), int(s) + self.tokens, p)
-                      for s, p in zip(starts, pixels, strict=True)]
+        flat.media = [ImageRows(int(s), int(s) + n, p, image.frame)
+                      for s, n, p, image in zip(starts, counts, pixels, images, strict=True)]

@@ -50,13 +50,10 @@ def build_response(p: PreparedRequest, scores: list[DocScores], floors: dict[tup
         results.append(result)
         qs = doc.query_set
         content_tokens += doc.flat.root - 1
-        if doc.flat.media:
-            frames = doc.video_frames
-            per_image = doc.flat.media[0].end - doc.flat.media[0].start + 2
-            media["images"] += len(doc.flat.media) - frames
-            media["image_tokens"] += (len(doc.flat.media) - frames) * per_image
-            media["video_frames"] += frames
-            media["video_tokens"] += frames * per_image
+        for image in doc.flat.media:
+            kind = "video" if image.frame else "image"
+            media["video_frames" if image.frame else "images"] += 1
+            media[f"{kind}_tokens"] += image.end - image.start + 2
         query_tokens += qs.query_tokens
         floor_tokens += qs.floor_tokens
         rows += doc.flat.tokens
