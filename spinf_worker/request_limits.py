@@ -128,12 +128,13 @@ def check_pack_ids(doc: Document, runs: list[PackRun], index: int) -> None:
 
 
 def wrapped_messages(doc: Document, runs: list[PackRun], index: int,
-                     image: str | None = None) -> list[dict]:
+                     image: str | None = None, audio: str | None = None) -> list[dict]:
     """The input's messages as ``[{"role", "content": str}]``, wrapped in its packs'
-    context (one context per call); ``image``: the text an image part is presented as
-    (None: the text alone, as the content token limit counts it)."""
+    context (one context per call); ``image`` / ``audio``: the text an image / audio part is
+    presented as (None: the text alone, as the content token limit counts it)."""
     messages = [{"role": m.role,
-                 "content": m.text(param=f"inputs.{index}.messages.{k}", image=image)}
+                 "content": m.text(param=f"inputs.{index}.messages.{k}", image=image,
+                                   audio=audio)}
                 for k, m in enumerate(doc.messages)]
     wraps = set()
     for run in runs:

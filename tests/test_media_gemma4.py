@@ -205,3 +205,20 @@ def test_floor_is_the_questions_without_the_media(tiny_gemma4_vision_engine):
               for r in (with_image.results[0], text_only.results[0]) for q in r.queries]
     assert floors[:2] == floors[2:]
     assert all(f is not None for f in floors[0])
+
+
+def test_video_is_not_read_by_gemma4_here(tiny_gemma4_vision_engine):
+    """Gemma 4's processor reads frames as video tokens of their own (resized by
+    torchvision): not reproduced, so a video part is media_not_supported, never a 500."""
+    import spinf_client
+
+    from spinf_worker.errors import InvalidRequestError
+
+    frame = base64.b64decode(image_url(30, (40, 30), fmt="JPEG").split(",", 1)[1])
+    request = {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "Clip:"}, spinf_client.video([(0.0, frame)])]}],
+        "scoring": {"queries": QUERIES}}
+    assert tiny_gemma4_vision_engine.media_kinds == ("image", "audio")
+    result = tiny_gemma4_vision_engine.score_batch([request])[0]
+    assert isinstance(result, InvalidRequestError), result
+    assert (result.code, result.status) == ("media_not_supported", 400)

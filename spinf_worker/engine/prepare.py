@@ -207,7 +207,8 @@ class Preparer:
         prepared.max_pixels = limits.max_image_pixels
         prepared.text_only = prepared.text
         prepared.text = media.expand(
-            self.presenter.present(wrapped_messages(doc, runs, index, image=media.marker)),
+            self.presenter.present(wrapped_messages(doc, runs, index, image=media.marker,
+                                                    audio=media.audio_marker)),
             prepared.images, messages)
 
     def branches(self, queries: list[Query], grids: list[list[Combination]],

@@ -142,7 +142,7 @@ class ModelRunner:
             both_ways = getattr(self.model, "media_attention", "all")
             plan = AttentionPlan([doc_span(d, s, window, self.device, both_ways)
                                   for d, s in zip(docs, starts, strict=True)])
-            plan.media = [(s + image.start, image.pixels)
+            plan.media = [(s + image.start, image.pixels, image.kind)
                           for d, s in zip(docs, starts, strict=True) for image in d.media]
         if keep:
             plan.keep_rows = self._upload(torch.cat(keep))
@@ -218,7 +218,8 @@ def doc_span(doc: FlatDoc, start: int, window: int, dev: torch.device,
         # an image's soft tokens see each other both ways (transformers' rule)
         image = torch.full((doc.root,), -1)
         for k, rows in enumerate(doc.media):
-            image[rows.start:rows.end] = k
+            if rows.kind == "image":    # audio tokens stay causal
+                image[rows.start:rows.end] = k
         seen = seen | ((image[:, None] == image[None, :]) & (image[:, None] >= 0))
         if media_attention == "all":
             span.root_mask = seen.to(dev)

@@ -1,5 +1,7 @@
 """Gemma 4 with its vision tower (Gemma4ForConditionalGeneration's image path): the Gemma 4
-text stack, the vision encoder and the multimodal embedder in front of it.
+text stack, the vision encoder and the multimodal embedder in front of it; the audio tower
+too where the checkpoint has one (models/gemma4_audio.py: ``<boa>`` + N audio soft tokens +
+``<eoa>``, causal like the text, their per-layer inputs the pad token's as an image's).
 
 An image is read as ``<boi>`` + N soft tokens + ``<eoi>`` inside the content (the processor's
 layout), N following from the image's size (models/gemma4_image.py: the aspect ratio is kept,
@@ -28,6 +30,7 @@ from torch import nn
 
 from .gemma3_vision import _tile_rows
 from .gemma4 import Gemma4Config, Gemma4Model, _unit_rms
+from .gemma4_audio import AudioEmbedder, AudioProcessing, Gemma4AudioTower, Gemma4AudioTowerConfig
 from .gemma4_image import Gemma4ImageProcessing
 from .layers import Linear, RMSNorm
 
@@ -82,6 +85,12 @@ class Gemma4VisionConfig(Gemma4Config):
     pad_token_id: int = 0
     bidirectional_images: bool = False   # use_bidirectional_attention == "vision"
     image: Gemma4ImageProcessing | None = None
+    # the audio tower, where the checkpoint has one (models/gemma4_audio.py)
+    audio: Gemma4AudioTowerConfig | None = None
+    audio_token_id: int = 258881
+    boa_token_id: int = 256000
+    eoa_token_id: int = 258883
+    audio_processing: AudioProcessing | None = None
 
     @classmethod
     def from_hf(cls, cfg: dict) -> Gemma4VisionConfig:
@@ -97,12 +106,24 @@ class Gemma4VisionConfig(Gemma4Config):
         if image.max_soft_tokens * image.pooling_kernel_size > vision.position_embedding_size:
             raise ValueError("the image processor's longest side passes the vision tower's "
                              "position embeddings")
+        audio = {}
+        if cfg.get("audio_config"):
+            tower = Gemma4AudioTowerConfig.from_hf(cfg["audio_config"])
+            audio = dict(audio=tower, audio_token_id=int(cfg["audio_token_id"]),
+                         boa_token_id=int(cfg["boa_token_id"]),
+                         eoa_token_id=int(cfg["eoa_token_id"]),
+                         audio_processing=AudioProcessing.from_hf(
+                             cfg.get("audio_preprocessor_config"),
+                             int(cfg.get("audio_seq_length", 750))))
+            if audio["audio_processing"].feature_size != tower.subsampling_conv_channels[0]:
+                raise ValueError("the audio features' bins differ from the audio tower's "
+                                 "first convolution's channels")
         return cls(**{f.name: getattr(text, f.name) for f in fields(Gemma4Config)},
                    vision=vision, image_token_id=int(cfg["image_token_id"]),
                    boi_token_id=int(cfg["boi_token_id"]), eoi_token_id=int(cfg["eoi_token_id"]),
                    pad_token_id=int(cfg.get("pad_token_id") or 0),
                    bidirectional_images=mode == "vision",
-                   image=image)
+                   image=image, **audio)
 
 
 class ClippableLinear(nn.Module):
@@ -271,6 +292,11 @@ class Gemma4VisionModel(Gemma4Model):
         self.vision_tower = Gemma4VisionTower(cfg.vision)
         self.embed_vision = MultimodalEmbedder(cfg.vision.hidden_size, cfg.hidden_size,
                                                cfg.vision.rms_norm_eps)
+        if cfg.audio is not None:
+            self.MEDIA = ("image", "audio")
+            self.audio_tower = Gemma4AudioTower(cfg.audio)
+            self.embed_audio = AudioEmbedder(cfg.audio.output_proj_dims, cfg.hidden_size,
+                                             cfg.audio.rms_norm_eps)
 
     @property
     def media_attention(self) -> str:
@@ -282,11 +308,21 @@ class Gemma4VisionModel(Gemma4Model):
         """One image's soft tokens: ``[tokens, hidden]``."""
         return self.embed_vision(self.vision_tower(patches))
 
+    def audio_features(self, features: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """One audio's soft tokens: ``[tokens, hidden]``."""
+        return self.embed_audio(self.audio_tower(features, mask))
+
     def _embed_inputs(self, input_ids: torch.Tensor, plan) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
-        ids = input_ids.masked_fill(input_ids == cfg.image_token_id, cfg.pad_token_id)
+        soft = input_ids == cfg.image_token_id
+        if cfg.audio is not None:
+            soft |= input_ids == cfg.audio_token_id
+        ids = input_ids.masked_fill(soft, cfg.pad_token_id)
         x = self._embed(ids)
-        for row, patches in getattr(plan, "media", None) or ():
-            features = self.image_features(patches.to(x.device))
+        for row, payload, kind in getattr(plan, "media", None) or ():
+            if kind == "audio":
+                features = self.audio_features(payload[0].to(x.device), payload[1])
+            else:
+                features = self.image_features(payload.to(x.device))
             x[row:row + features.shape[0]] = features.to(x.dtype)
         return x, ids

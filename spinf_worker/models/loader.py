@@ -195,6 +195,11 @@ def load_hf_dir(path: Path, *, name: str, cache_dir: Path | None = None,
         processor = (_read_json(path / "preprocessor_config.json")
                      or _read_json(path / "processor_config.json"))
         config["preprocessor_config"] = processor.get("image_processor", processor) or None
+        # a Gemma 4's audio feature extractor (and token cap) live in processor_config.json
+        full = _read_json(path / "processor_config.json")
+        config["audio_preprocessor_config"] = full.get("feature_extractor")
+        if full.get("audio_seq_length"):
+            config["audio_seq_length"] = full["audio_seq_length"]
     weights = None
     if dummy:
         weights_digest = _dummy_digest(config)
@@ -238,6 +243,11 @@ def text_config(raw: dict) -> dict:
         config["vision_config"] = raw["vision_config"]
         for kind, default in (("image", 258880), ("boi", 255999), ("eoi", 258882)):
             config[f"{kind}_token_id"] = raw.get(f"{kind}_token_id", default)
+        if raw.get("audio_config"):
+            config["audio_config"] = raw["audio_config"]
+            for kind, default in (("audio", 258881), ("boa", 256000), ("eoa", 258883)):
+                config[f"{kind}_token_id"] = raw.get(f"{kind}_token_id",
+                                                     raw.get(f"{kind}_token_index", default))
     if config.get("model_type") not in ("gemma3", "gemma3_text"):
         return config
     config["model_type"] = "gemma3_text"
@@ -287,7 +297,9 @@ _VISION_RENAMES = [
     ("vision_tower.vision_model.", "vision_tower."),
     ("model.vision_tower.", "vision_tower."),
     ("model.multi_modal_projector.", "multi_modal_projector."),
-    ("model.embed_vision.", "embed_vision."),      # Gemma 4's multimodal embedder
+    ("model.embed_vision.", "embed_vision."),      # Gemma 4's multimodal embedders
+    ("model.audio_tower.", "audio_tower."),        # and its audio tower
+    ("model.embed_audio.", "embed_audio."),
 ]
 
 
@@ -299,8 +311,7 @@ def text_weights(weights: dict[str, torch.Tensor], *, tied: bool,
     out = {}
     for name, tensor in weights.items():
         if any(part in name for part in _NOT_TEXT):
-            if vision and any(part in name for part in (
-                    "vision_tower", "multi_modal_projector", "embed_vision")):
+            if vision and any(part in name for part in _NOT_TEXT):
                 for old, new in _VISION_RENAMES:
                     if name.startswith(old):
                         name = new + name[len(old):]
