@@ -145,7 +145,11 @@ class MediaLayout:
         """Soft tokens of an audio part: from its WAV header's length at the extractor's
         rate (``media_not_supported`` for the formats not decoded here)."""
         try:
-            return self.audio.tokens(self.audio.header_samples(part.url, part.format))
+            tokens = self.audio.tokens(self.audio.header_samples(part.url, part.format))
+            if not tokens:
+                raise InvalidRequestError("the audio is too short to read (under 40 ms)",
+                                          code="invalid_media")
+            return tokens
         except InvalidRequestError as err:
             err.param = part.param
             raise
