@@ -15,7 +15,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from .errors import ContextLengthError, InvalidRequestError, RequestTooLargeError
-from .media import MEDIA_PARTS, ImageText
+from .media import MEDIA_PARTS, ImageText, SizedMediaText
 from .pack_refs import resolve as resolve_pack
 from .packs import Pack
 from .protocol import (
@@ -350,7 +350,7 @@ class ServedTokens:
     encode: Encode
     mode: str
     context: int | None = None
-    image: ImageText | None = None
+    image: ImageText | SizedMediaText | None = None
 
 
 def check_request(request: ScoreRequest, packs: dict, *, tokens: ServedTokens | None,
@@ -386,7 +386,8 @@ def check_request(request: ScoreRequest, packs: dict, *, tokens: ServedTokens | 
         image = getattr(tokens, "image", None)
         if image is not None and media_kinds(doc.messages):
             full = image.expand("\n\n".join(
-                m["content"] for m in wrapped_messages(doc, runs, i, image.marker)))
+                m["content"] for m in wrapped_messages(doc, runs, i, image.marker,
+                                                        image.audio_marker)), doc.messages)
         laid_out.append((doc, where, queries, grids, messages, full))
     if tokens is None or tokens.mode != "raw":
         return

@@ -233,3 +233,47 @@ def test_bit_identical_alone_and_packed_among_text_image_and_audio_documents(
             assert scores_and_residuals(packed[position]) == alone, position
     finally:
         engine.settings.max_pass_tokens = old
+
+
+@pytest.mark.parametrize("parts", ["image", "audio", "both"])
+def test_the_api_counts_gemma4_media_tokens_as_the_worker_does(tiny_gemma4_vision_engine,
+                                                               parts):
+    """With the served model's files (api/tokens.py), the API's checks count each image's and
+    audio part's tokens (from their headers) in the processed tokens as the worker lays them
+    out, and leave them out of the content limit: the same request passes or fails both
+    alike."""
+    from api.tokens import load
+    from spinf_worker.errors import SpinfError
+    from spinf_worker.protocol import ScoreRequest
+    from spinf_worker.request_limits import check_request
+
+    engine = tiny_gemma4_vision_engine
+    tokens = load(str(engine.checkpoint.path))
+    assert tokens.image is not None and tokens.image.marker == TINY_GEMMA4_IMAGE_TOKENS[0]
+    content = [{"type": "text", "text": "Listing:"}]
+    if parts in ("image", "both"):
+        content.append(image_part(image_url(4, (60, 20))))
+    content.append({"type": "text", "text": " the seller said"})
+    if parts in ("audio", "both"):
+        content.append(audio_part(wav_b64(tone(11, 0.7))))
+    base = {"messages": [{"role": "user", "content": content}],
+            "scoring": {"queries": QUERIES, "case_insensitive": False}}
+    doc = engine.preparer.prepare_batch([base])[0].docs[0]
+    rows = doc.flat.tokens
+
+    def both(limits: dict) -> tuple:
+        body = {**base, "limits": limits}
+        worker = engine.score_batch([body])[0]
+        try:
+            check_request(ScoreRequest.parse(body), {}, tokens=tokens)
+            api = None
+        except SpinfError as err:
+            api = err.code
+        return (worker.code if isinstance(worker, SpinfError) else None), api
+
+    assert both({"max_processed_tokens": rows}) == (None, None)
+    assert both({"max_processed_tokens": rows - 1}) == ("request_too_large",) * 2
+    text = len(engine.presenter.root_ids_batch([doc.text_only])[0]) - 1
+    assert text < doc.flat.root - 1 - 10
+    assert both({"max_content_tokens": text}) == (None, None)
+    assert both({"max_content_tokens": text - 1}) == ("content_too_long",) * 2

@@ -28,12 +28,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..media import MediaError, b64decode
+from ..media import (
+    GEMMA4_MAX_AUDIO_SAMPLES,
+    MediaError,
+    b64decode,
+    gemma4_audio_tokens,
+    resampled_length,
+    wav_length,
+)
 from .gemma3_vision import _tile_rows
 from .gemma4 import _unit_rms
 from .layers import Linear, RMSNorm
 
-MAX_SAMPLES = 480_000        # the extractor's max_length (30 s at 16 kHz), truncated past it
+MAX_SAMPLES = GEMMA4_MAX_AUDIO_SAMPLES   # the extractor's max_length (30 s at 16 kHz)
 PAD_MULTIPLE = 128           # the extractor's pad_to_multiple_of
 
 
@@ -77,32 +84,18 @@ class AudioProcessing:
 
     def tokens(self, samples: int) -> int:
         """Soft tokens of ``samples`` samples at the extractor's rate (the processor's
-        count: mel frames, then two stride-2 convolutions, at most ``max_tokens``)."""
-        samples = min(samples, MAX_SAMPLES)
-        frames = (samples + self.frame_length // 2 - (self.frame_length + 1)) \
-            // self.hop_length + 1
-        if frames <= 0:
-            return 0
-        for _ in range(2):
-            frames = (frames + 2 - 3) // 2 + 1
-        return min(frames, self.max_tokens)
-
-    def samples(self, seconds: float) -> int:
-        return int(round(seconds * self.sampling_rate))
+        count: mel frames, then two stride-2 convolutions, at most ``max_tokens``;
+        media.gemma4_audio_tokens, shared with the API's token count)."""
+        return gemma4_audio_tokens(samples, self.frame_length, self.hop_length,
+                                   self.max_tokens)
 
     def header_samples(self, data: str, fmt: str) -> int:
         """Samples at the extractor's rate, from a base64 WAV's header (nothing decoded)."""
         if fmt != "wav":
             raise MediaError(f"{fmt} audio is not decoded here: send WAV (PCM)",
                              param="data", code="media_not_supported")
-        try:
-            with wave.open(io.BytesIO(b64decode(data, "audio data"))) as w:
-                n, rate = w.getnframes(), w.getframerate()
-        except MediaError:
-            raise
-        except (wave.Error, EOFError, ValueError) as exc:
-            raise MediaError(f"the WAV audio could not be decoded ({exc})", param="data") from None
-        return n if rate == self.sampling_rate else int(round(n * self.sampling_rate / rate))
+        n, rate = wav_length(b64decode(data, "audio data"))
+        return resampled_length(n, rate, self.sampling_rate)
 
     def waveform(self, data: str, fmt: str) -> np.ndarray:
         """A base64 WAV -> float32 mono samples at the extractor's rate."""
@@ -192,7 +185,7 @@ def pcm_samples(raw: bytes, width: int, channels: int) -> np.ndarray:
 def resample(x: np.ndarray, rate: int, target: int) -> np.ndarray:
     """Band-limited resampling by the FFT (the spectrum cut or zero-padded to the new length)."""
     n = x.shape[0]
-    m = int(round(n * target / rate))
+    m = resampled_length(n, rate, target)
     if m <= 0 or n == 0:
         return np.zeros(0, dtype=np.float32)
     spectrum = np.fft.rfft(x.astype(np.float64))

@@ -13,13 +13,12 @@ text is laid out from the image headers before any image is decoded.
 from __future__ import annotations
 
 import io
-import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from ..media import MediaError, image_bytes
+from ..media import MediaError, gemma4_image_size, gemma4_image_tokens, image_bytes
 from .gemma3_image import to_rgb
 
 BICUBIC = 3      # PIL.Image.Resampling.BICUBIC, the processor's default
@@ -60,30 +59,15 @@ class Gemma4ImageProcessing:
         return self.max_soft_tokens * self.pooling_kernel_size ** 2
 
     def target_size(self, width: int, height: int) -> tuple[int, int]:
-        """(height, width) the image is resized to (the processor's
-        get_aspect_ratio_preserving_size)."""
-        p, k = self.patch_size, self.pooling_kernel_size
-        target_px = self.max_patches * p * p
-        factor = math.sqrt(target_px / (height * width))
-        side = k * p
-        th = int(math.floor(factor * height / side)) * side
-        tw = int(math.floor(factor * width / side)) * side
-        longest = (self.max_patches // k ** 2) * side
-        if th == 0 and tw == 0:
-            raise MediaError("the image is too small to read")
-        if th == 0:
-            th, tw = side, min(int(math.floor(width / height)) * side, longest)
-        elif tw == 0:
-            th, tw = min(int(math.floor(height / width)) * side, longest), side
-        if th * tw > target_px or th == 0 or tw == 0:
-            raise MediaError(f"an image of {width}x{height} pixels cannot be read "
-                             "(its aspect ratio is too extreme)")
-        return th, tw
+        """(height, width) the image is resized to (media.gemma4_image_size, shared with
+        the API's token count)."""
+        return gemma4_image_size(width, height, self.patch_size, self.max_soft_tokens,
+                                 self.pooling_kernel_size)
 
     def tokens(self, width: int, height: int) -> int:
         """Soft tokens of an image of this size."""
-        th, tw = self.target_size(width, height)
-        return (th // self.patch_size) * (tw // self.patch_size) // self.pooling_kernel_size ** 2
+        return gemma4_image_tokens(width, height, self.patch_size, self.max_soft_tokens,
+                                   self.pooling_kernel_size)
 
     def pixels(self, url: str, max_pixels: int) -> torch.Tensor:
         """A ``data:image/...`` URL -> ``[rows, columns, patch_size**2 * 3]`` float32 patches
