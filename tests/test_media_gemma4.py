@@ -222,3 +222,31 @@ def test_video_is_not_read_by_gemma4_here(tiny_gemma4_vision_engine):
     result = tiny_gemma4_vision_engine.score_batch([request])[0]
     assert isinstance(result, InvalidRequestError), result
     assert (result.code, result.status) == ("media_not_supported", 400)
+
+
+def test_a_causal_checkpoint_keeps_image_tokens_causal(tmp_path, tiny_tokenizer_dir):
+    """use_bidirectional_attention unset (the smaller Gemma 4s): an image's tokens stay causal
+    on every layer, as transformers masks them; the scores match it, and differ from the
+    same weights read bidirectionally."""
+    from transformers import Gemma4ForConditionalGeneration
+
+    from spinf_worker.engine import Engine
+
+    from .conftest import write_tiny_gemma4_vision
+
+    path = write_tiny_gemma4_vision(tmp_path / "causal", tiny_tokenizer_dir, bidirectional=None)
+    engine = Engine.load(str(path), device="cpu")
+    assert engine.model.media_attention == "none"
+    oracle = Gemma4ForConditionalGeneration.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager").eval()
+    url = image_url(7, (45, 30))
+    ours = option_logprobs(engine.score(media_request(url)))
+    theirs = oracle_scores(oracle, engine, [url],
+                           f"Product photo:{TINY_GEMMA4_IMAGE_TOKENS[0]} A red kettle.", QUERIES)
+    assert max(abs(ours[k] - theirs[k]) for k in ours) <= 1e-4
+    engine.model.cfg.bidirectional_images = True     # the same weights, read both ways
+    try:
+        both_ways = option_logprobs(engine.score(media_request(url)))
+    finally:
+        engine.model.cfg.bidirectional_images = False
+    assert max(abs(both_ways[k] - theirs[k]) for k in ours) > 1e-3
