@@ -250,3 +250,32 @@ def test_a_causal_checkpoint_keeps_image_tokens_causal(tmp_path, tiny_tokenizer_
     finally:
         engine.model.cfg.bidirectional_images = False
     assert max(abs(both_ways[k] - theirs[k]) for k in ours) > 1e-3
+
+
+def test_the_released_shapes_load_every_tower_weight_by_name():
+    """transformers' default Gemma 4 vision and audio configs (the released towers' shapes,
+    clipped linears and standardisation on): every vision/audio tower and embedder weight of
+    Gemma4ForConditionalGeneration has a parameter of the same name and shape here, and every
+    parameter here has its weight (built on the meta device: nothing allocated)."""
+    import transformers
+
+    from spinf_worker.models.loader import text_config
+    from spinf_worker.models.registry import GEMMA4_VISION, family_for
+
+    cfg = transformers.Gemma4Config(
+        vision_config=transformers.Gemma4VisionConfig(use_clipped_linears=True,
+                                                      standardize=True),
+        audio_config=transformers.Gemma4AudioConfig())
+    with torch.device("meta"):
+        hf = transformers.Gemma4ForConditionalGeneration(cfg)
+    towers = ("vision_tower", "embed_vision", "audio_tower", "embed_audio")
+    theirs = {k[len("model."):]: tuple(v.shape) for k, v in hf.state_dict().items()
+              if k.startswith(tuple(f"model.{t}" for t in towers))}
+    config = text_config(cfg.to_dict())
+    family = family_for(config)
+    assert family is GEMMA4_VISION
+    with torch.device("meta"):
+        model = family.build(family.config(config))
+    ours = {k: tuple(v.shape) for k, v in model.state_dict().items() if k.startswith(towers)}
+    assert ours == theirs
+    assert model.MEDIA == ("image", "audio")
