@@ -198,6 +198,8 @@ def test_other_rates_and_stereo_are_resampled_to_the_extractors_rate(tiny_gemma4
         b"\x00\xfa\x00\x00\x04\x00\x20\x00data\x00\x00\x00\x00").decode(), "format": "wav"}},
      "invalid_media"),
     (audio_part(wav_b64(np.zeros(150, dtype="<i2"))), "invalid_media"),      # < 1 token
+    (audio_part(base64.b64encode(base64.b64decode(wav_b64(tone(1, 0.5)))[:9001]).decode()),
+     "invalid_media"),                                       # data cut short of its header
     (audio_part(wav_b64(np.zeros(1, dtype="<i2"))), "invalid_media"),
 ])
 def test_audio_the_server_cannot_decode_is_a_400(tiny_gemma4_vision_engine, part, code):

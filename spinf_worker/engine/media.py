@@ -161,8 +161,11 @@ class MediaLayout:
         for image in images:
             try:
                 if image.kind == "audio":
-                    out.append(self.audio.features(self.audio.waveform(image.url,
-                                                                       image.format)))
+                    samples = self.audio.waveform(image.url, image.format)
+                    if self.audio.tokens(samples.shape[0]) != self.audio_tokens(image):
+                        raise InvalidRequestError("the WAV data is shorter than its header "
+                                                  "says", code="invalid_media")
+                    out.append(self.audio.features(samples))
                     continue
                 out.append(self.processing.pixels(image.url, max_pixels))
             except InvalidRequestError as err:

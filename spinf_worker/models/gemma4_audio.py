@@ -163,7 +163,9 @@ class AudioProcessing:
 
 
 def pcm_samples(raw: bytes, width: int, channels: int) -> np.ndarray:
-    """Interleaved PCM frames -> float32 mono in [-1, 1] (channels averaged)."""
+    """Interleaved PCM frames -> float32 mono in [-1, 1] (channels averaged); a truncated
+    last frame is dropped."""
+    raw = raw[:len(raw) - len(raw) % (width * channels)] if width * channels else raw
     if width == 1:
         x = (np.frombuffer(raw, dtype=np.uint8).astype(np.float32) - 128.0) / 128.0
     elif width == 2:
