@@ -110,8 +110,12 @@ def load(model: str) -> ServedTokens | None:
     mode = auto_presentation(model, chat)
     log.info("model tokenizer loaded", model=model, path=str(directory), mode=mode,
              context=context)
+    # a Gemma 4's processor settings (its image token counts follow each image's size)
+    processor = _read_json(directory / "processor_config.json")
+    processor["image_processor"] = (processor.get("image_processor")
+                                    or _read_json(directory / "preprocessor_config.json"))
     return ServedTokens(encode, mode, context if isinstance(context, int) else None,
-                        ImageText.from_config(raw_config, tokenizer.id_to_token))
+                        ImageText.from_config(raw_config, tokenizer.id_to_token, processor))
 
 
 class TokenizerCache:

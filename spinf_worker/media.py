@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import base64
 import binascii
+import io
+import math
 import re
 import struct
+import wave
 from dataclasses import dataclass
 
 from .errors import InvalidRequestError
@@ -59,9 +62,13 @@ class ImageText:
         return cls(boi, f"\n\n{boi}{soft * tokens}{eoi}\n\n")
 
     @classmethod
-    def from_config(cls, config: dict, id_to_token) -> ImageText | None:
-        """From a checkpoint's config.json (a Gemma 3 with a vision tower) and its
-        tokenizer's ``id_to_token``; None for a model that reads no images."""
+    def from_config(cls, config: dict, id_to_token, processor: dict | None = None
+                    ) -> ImageText | SizedMediaText | None:
+        """From a checkpoint's config.json (a Gemma 3 or Gemma 4 with a vision tower), its
+        tokenizer's ``id_to_token`` and (Gemma 4) its processor config (preprocessor_config
+        or processor_config.json); None for a model that reads no images."""
+        if config.get("model_type") == "gemma4" and config.get("vision_config"):
+            return _gemma4_text(config, id_to_token, processor or {})
         if config.get("model_type") != "gemma3" or not config.get("vision_config"):
             return None
         ids = [config.get(f"{k}_token_id", config.get(f"{k}_token_index", default))
@@ -71,8 +78,141 @@ class ImageText:
             return None
         return cls.gemma3(*texts, int(config.get("mm_tokens_per_image", 256)))
 
-    def expand(self, text: str) -> str:
+    audio_marker = None   # Gemma 3 reads no audio
+
+    def expand(self, text: str, messages=()) -> str:
         return text.replace(self.marker, self.sequence)
+
+
+def gemma4_image_size(width: int, height: int, patch: int, max_soft_tokens: int,
+                      pooling: int) -> tuple[int, int]:
+    """(height, width) Gemma 4's image processor resizes an image to: the largest that keeps
+    the aspect ratio, fits ``max_soft_tokens * pooling**2`` patches and has both sides a
+    multiple of ``pooling * patch`` (transformers' get_aspect_ratio_preserving_size)."""
+    max_patches = max_soft_tokens * pooling ** 2
+    target_px = max_patches * patch * patch
+    factor = math.sqrt(target_px / (height * width))
+    side = pooling * patch
+    th = int(math.floor(factor * height / side)) * side
+    tw = int(math.floor(factor * width / side)) * side
+    longest = (max_patches // pooling ** 2) * side
+    if th == 0 and tw == 0:
+        raise MediaError("the image is too small to read")
+    if th == 0:
+        th, tw = side, min(int(math.floor(width / height)) * side, longest)
+    elif tw == 0:
+        th, tw = min(int(math.floor(height / width)) * side, longest), side
+    if th * tw > target_px or th == 0 or tw == 0:
+        raise MediaError(f"an image of {width}x{height} pixels cannot be read "
+                         "(its aspect ratio is too extreme)")
+    return th, tw
+
+
+def gemma4_image_tokens(width: int, height: int, patch: int, max_soft_tokens: int,
+                        pooling: int) -> int:
+    """Soft tokens of an image of this size under Gemma 4's processor."""
+    th, tw = gemma4_image_size(width, height, patch, max_soft_tokens, pooling)
+    return (th // patch) * (tw // patch) // pooling ** 2
+
+
+# Gemma 4's audio feature extractor: at most 30 s at 16 kHz are read
+GEMMA4_MAX_AUDIO_SAMPLES = 480_000
+
+
+def gemma4_audio_tokens(samples: int, frame_length: int = 320, hop_length: int = 160,
+                        max_tokens: int = 750) -> int:
+    """Audio soft tokens of ``samples`` samples at the extractor's rate (transformers'
+    Gemma4Processor count: mel frames, then two stride-2 convolutions, capped)."""
+    samples = min(samples, GEMMA4_MAX_AUDIO_SAMPLES)
+    frames = (samples + frame_length // 2 - (frame_length + 1)) // hop_length + 1
+    if frames <= 0:
+        return 0
+    for _ in range(2):
+        frames = (frames + 2 - 3) // 2 + 1
+    return min(frames, max_tokens)
+
+
+def wav_length(data: bytes) -> tuple[int, int]:
+    """(sample frames, rate) of a PCM WAV file, from its header (the standard library's
+    ``wave``); MediaError when it is not one."""
+    try:
+        with wave.open(io.BytesIO(data)) as w:
+            return w.getnframes(), w.getframerate()
+    except (wave.Error, EOFError, ValueError) as exc:
+        raise MediaError(f"the WAV audio could not be decoded ({exc})") from None
+
+
+def resampled_length(samples: int, rate: int, target: int) -> int:
+    return samples if rate == target else int(round(samples * target / rate))
+
+
+@dataclass(frozen=True)
+class SizedMediaText:
+    """How Gemma 4 reads media in its text: an image part is presented as ``marker`` and
+    becomes ``open`` + ``soft`` * N + ``close``, N from the image's size (its header); an
+    audio part is presented as ``audio_marker`` and becomes ``audio_open`` + ``audio_soft``
+    * N + ``audio_close``, N from its WAV header's length."""
+
+    marker: str
+    open: str
+    soft: str
+    close: str
+    patch: int = 16
+    max_soft_tokens: int = 280
+    pooling: int = 3
+    audio_marker: str | None = None
+    audio_open: str = ""
+    audio_soft: str = ""
+    audio_close: str = ""
+    sampling_rate: int = 16_000
+    max_audio_tokens: int = 750
+
+    def image_tokens(self, width: int, height: int) -> int:
+        return gemma4_image_tokens(width, height, self.patch, self.max_soft_tokens,
+                                   self.pooling)
+
+    def audio_tokens(self, data: bytes) -> int:
+        samples, rate = wav_length(data)
+        return gemma4_audio_tokens(resampled_length(samples, rate, self.sampling_rate),
+                                   frame_length=int(round(self.sampling_rate * 0.02)),
+                                   hop_length=int(round(self.sampling_rate * 0.01)),
+                                   max_tokens=self.max_audio_tokens)
+
+    def expand(self, text: str, messages=()) -> str:
+        """The presented text with each part's sequence; parts the header does not size (a
+        remote image, audio in a format not decoded) count as their markers alone."""
+        from .protocol import ImageUrlPart, InputAudioPart, VideoPart
+
+        images, audio = [], []
+        for message in messages:
+            for _, part in message.media_parts():
+                if isinstance(part, ImageUrlPart):
+                    images.append(part.image_url._info)
+                elif isinstance(part, VideoPart):
+                    images += [f.image_url._info for f in part.video.frames]
+                elif isinstance(part, InputAudioPart):
+                    try:
+                        audio.append(self.audio_tokens(b64decode(part.input_audio.data,
+                                                                 "audio data"))
+                                     if part.input_audio.format == "wav" else 0)
+                    except MediaError:
+                        audio.append(0)
+        if self.audio_marker is not None and text.count(self.audio_marker) == len(audio):
+            pieces = text.split(self.audio_marker)
+            text = pieces[0] + "".join(
+                f"{self.audio_open}{self.audio_soft * n}{self.audio_close}{piece}"
+                for n, piece in zip(audio, pieces[1:], strict=True))
+        if text.count(self.marker) == len(images):
+            pieces = text.split(self.marker)
+            out = [pieces[0]]
+            for info, piece in zip(images, pieces[1:], strict=True):
+                try:
+                    n = 0 if info is None else self.image_tokens(info.width, info.height)
+                except MediaError:
+                    n = 0
+                out.append(f"{self.open}{self.soft * n}{self.close}{piece}")
+            text = "".join(out)
+        return text
 
 
 def b64decode(text: str, what: str) -> bytes:
@@ -191,3 +331,29 @@ def audio_seconds(data: bytes, fmt: str) -> float | None:
             return min(size, len(data) - at - 8) / byte_rate
         at += 8 + size + (size & 1)
     raise MediaError("the WAV file has no readable fmt and data chunks")
+
+
+def _gemma4_text(config: dict, id_to_token, processor: dict) -> SizedMediaText | None:
+    image = processor.get("image_processor", processor) or {}
+    vision = config["vision_config"]
+    texts = [id_to_token(config.get(f"{k}_token_id", default))
+             for k, default in (("boi", 255999), ("image", 258880), ("eoi", 258882))]
+    if None in texts:
+        return None
+    audio = {}
+    if config.get("audio_config"):
+        ids = [config.get(f"{k}_token_id", config.get(f"{k}_token_index", default))
+               for k, default in (("boa", 256000), ("audio", 258881), ("eoa", 258883))]
+        atexts = [id_to_token(i) for i in ids]
+        if None not in atexts:
+            extractor = processor.get("feature_extractor") or {}
+            audio = dict(audio_marker=atexts[0], audio_open=atexts[0], audio_soft=atexts[1],
+                         audio_close=atexts[2],
+                         sampling_rate=int(extractor.get("sampling_rate", 16_000)),
+                         max_audio_tokens=int(processor.get("audio_seq_length", 750)))
+    return SizedMediaText(texts[0], texts[0], texts[1], texts[2],
+                          patch=int(image.get("patch_size", vision.get("patch_size", 16))),
+                          max_soft_tokens=int(image.get("max_soft_tokens", 280)),
+                          pooling=int(image.get("pooling_kernel_size",
+                                                vision.get("pooling_kernel_size", 3))),
+                          **audio)

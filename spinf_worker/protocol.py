@@ -208,11 +208,12 @@ class Message(BaseModel):
     role: Literal["system", "developer", "user", "assistant"] = "user"
     content: Content
 
-    def text(self, *, param: str = "messages", image: str | None = None) -> str:
+    def text(self, *, param: str = "messages", image: str | None = None,
+             audio: str | None = None) -> str:
         """The message as plain text: string content, or its text parts joined with "";
         ``image``: the text each image is read as, an image part's or a video frame's (a
         video: each frame as ``mm:ss`` + " " + the image, frames joined by a space); None:
-        media are left out.
+        media are left out. ``audio``: the text an audio part is read as (None: left out).
 
         ``param`` names this message in the error (the caller knows its index)."""
         if isinstance(self.content, str):
@@ -225,6 +226,8 @@ class Message(BaseModel):
                 out.append(image)
             elif image is not None and isinstance(part, VideoPart):
                 out.append(" ".join(f"{frame_time(f.t)} {image}" for f in part.video.frames))
+            elif audio is not None and isinstance(part, InputAudioPart):
+                out.append(audio)
         return "".join(out)
 
     def media_parts(self) -> list[tuple[int, MediaPart]]:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from .errors import ContextLengthError, InvalidRequestError, RequestTooLargeError
-from .media import MEDIA_PARTS, ImageText
+from .media import MEDIA_PARTS, ImageText, SizedMediaText
 from .pack_refs import resolve as resolve_pack
 from .packs import Pack
 from .protocol import (
@@ -128,12 +128,13 @@ def check_pack_ids(doc: Document, runs: list[PackRun], index: int) -> None:
 
 
 def wrapped_messages(doc: Document, runs: list[PackRun], index: int,
-                     image: str | None = None) -> list[dict]:
+                     image: str | None = None, audio: str | None = None) -> list[dict]:
     """The input's messages as ``[{"role", "content": str}]``, wrapped in its packs'
-    context (one context per call); ``image``: the text an image part is presented as
-    (None: the text alone, as the content token limit counts it)."""
+    context (one context per call); ``image`` / ``audio``: the text an image / audio part is
+    presented as (None: the text alone, as the content token limit counts it)."""
     messages = [{"role": m.role,
-                 "content": m.text(param=f"inputs.{index}.messages.{k}", image=image)}
+                 "content": m.text(param=f"inputs.{index}.messages.{k}", image=image,
+                                   audio=audio)}
                 for k, m in enumerate(doc.messages)]
     wraps = set()
     for run in runs:
@@ -349,7 +350,7 @@ class ServedTokens:
     encode: Encode
     mode: str
     context: int | None = None
-    image: ImageText | None = None
+    image: ImageText | SizedMediaText | None = None
 
 
 def check_request(request: ScoreRequest, packs: dict, *, tokens: ServedTokens | None,
@@ -385,7 +386,8 @@ def check_request(request: ScoreRequest, packs: dict, *, tokens: ServedTokens | 
         image = getattr(tokens, "image", None)
         if image is not None and media_kinds(doc.messages):
             full = image.expand("\n\n".join(
-                m["content"] for m in wrapped_messages(doc, runs, i, image.marker)))
+                m["content"] for m in wrapped_messages(doc, runs, i, image.marker,
+                                                        image.audio_marker)), doc.messages)
         laid_out.append((doc, where, queries, grids, messages, full))
     if tokens is None or tokens.mode != "raw":
         return

@@ -271,3 +271,104 @@ def tiny_vision_oracle(tiny_vision_dir):
 
     return Gemma3ForConditionalGeneration.from_pretrained(
         tiny_vision_dir, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+# The tiny multimodal Gemma 4: the tiny tokenizer plus Gemma 4's image and audio tokens, a small
+# vision encoder (clipped linears, standardised features, a 2-D RoPE) and embedder, a small
+# audio conformer (default feature extractor) and embedder, bidirectional
+# attention among an image's tokens on the sliding layers ("vision"), and the processor's
+# smallest soft-token budget (70) at patch size 4.
+TINY_GEMMA4_IMAGE_TOKENS = ["<|image>", "<image|>", "<|image|>"]
+TINY_GEMMA4_AUDIO_TOKENS = ["<|audio>", "<audio|>", "<|audio|>"]
+TINY_GEMMA4_PATCH = 4
+
+
+def write_tiny_gemma4_vision(path: Path, tokenizer_dir: Path, *, seed: int = 0,
+                             bidirectional: str | None = "vision") -> Path:
+    from tokenizers import AddedToken, Tokenizer
+    from transformers import (
+        Gemma4AudioConfig,
+        Gemma4Config,
+        Gemma4ForConditionalGeneration,
+        Gemma4TextConfig,
+        Gemma4VisionConfig,
+    )
+    from transformers.models.gemma4.image_processing_pil_gemma4 import (
+        Gemma4ImageProcessorPil,
+    )
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    base = tokenizer.get_vocab_size()
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                  for t in TINY_GEMMA4_IMAGE_TOKENS + TINY_GEMMA4_AUDIO_TOKENS])
+    boi, eoi, image = (tokenizer.token_to_id(t) for t in TINY_GEMMA4_IMAGE_TOKENS)
+    boa, eoa, audio = (tokenizer.token_to_id(t) for t in TINY_GEMMA4_AUDIO_TOKENS)
+    assert (boi, eoi, image, boa, eoa, audio) == tuple(range(base, base + 6))
+    torch.manual_seed(seed)
+    text = Gemma4TextConfig(
+        vocab_size=base + 6, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=16,
+        sliding_window=8, max_position_embeddings=4096, hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=base + 6, final_logit_softcapping=30.0,
+        use_bidirectional_attention=bidirectional,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                     "sliding_attention"],
+        bos_token_id=TINY_BOS, eos_token_id=TINY_EOS, pad_token_id=TINY_PAD)
+    vision = Gemma4VisionConfig(hidden_size=24, intermediate_size=48, num_hidden_layers=2,
+                                num_attention_heads=2, num_key_value_heads=1, head_dim=12,
+                                patch_size=TINY_GEMMA4_PATCH, pooling_kernel_size=3,
+                                position_embedding_size=256, use_clipped_linears=True,
+                                standardize=True)
+    sound = Gemma4AudioConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                              subsampling_conv_channels=[128, 4], conv_kernel_size=5,
+                              output_proj_dims=24, use_clipped_linears=True)
+    cfg = Gemma4Config(text_config=text, vision_config=vision, audio_config=sound,
+                       image_token_id=image, boi_token_id=boi, eoi_token_id=eoi,
+                       audio_token_id=audio, boa_token_id=boa, eoa_token_index=eoa,
+                       bos_token_id=TINY_BOS, eos_token_id=TINY_EOS, pad_token_id=TINY_PAD)
+    model = Gemma4ForConditionalGeneration(cfg)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in [*model.named_parameters(), *model.named_buffers()]:
+            if not p.is_floating_point() or "rotary" in name or "embed_scale" in name:
+                continue
+            if name.endswith(("input_min", "output_min")):
+                p.fill_(-1.5 - torch.rand((), generator=gen).item())
+            elif name.endswith(("input_max", "output_max")):
+                p.fill_(1.5 + torch.rand((), generator=gen).item())
+            elif "per_dim_scale" in name:
+                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+            elif "norm" in name or "layer_scalar" in name or "std_scale" in name:
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
+            elif "_scale" in name or "inv_freq" in name:
+                continue
+            else:
+                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+    model.save_pretrained(path)
+    Gemma4ImageProcessorPil(patch_size=TINY_GEMMA4_PATCH, max_soft_tokens=70,
+                            pooling_kernel_size=3).save_pretrained(path)
+    tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_bytes(
+        (tokenizer_dir / "tokenizer_config.json").read_bytes())
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma4_vision_dir(tmp_path_factory, tiny_tokenizer_dir) -> Path:
+    return write_tiny_gemma4_vision(tmp_path_factory.mktemp("tiny-gemma4-vision"),
+                                    tiny_tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma4_vision_engine(tiny_gemma4_vision_dir):
+    from spinf_worker.engine import Engine
+
+    return Engine.load(str(tiny_gemma4_vision_dir), device="cpu")
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma4_vision_oracle(tiny_gemma4_vision_dir):
+    from transformers import Gemma4ForConditionalGeneration
+
+    return Gemma4ForConditionalGeneration.from_pretrained(
+        tiny_gemma4_vision_dir, dtype=torch.float32, attn_implementation="eager").eval()

@@ -41,7 +41,11 @@ class ImageRows:
 
     start: int
     end: int
-    pixels: torch.Tensor         # [3, H, W] preprocessed
+    pixels: object               # [3, H, W] preprocessed (Gemma 4: [rows, columns, patch];
+    #                              audio: its (log-mel features, frame mask))
+    frame: bool = False          # a video's frame
+    kind: str = "image"          # "image" (a video frame too) or "audio"
+    seconds: float = 0.0         # audio: the seconds read
 
 
 @dataclass

@@ -10,6 +10,15 @@ read once. floor_p is unchanged: the same questions over empty content, without 
 A video's frames are images in order, each after its ``mm:ss`` timestamp (the layout of
 Gemma's video prompt; Gemma 3 has no video tokens of its own).
 
+Gemma 4 lays an image out as ``<boi>`` + N soft tokens + ``<eoi>``, N following from the
+image's size (its header's, read when the request is parsed: nothing is decoded before the
+token limits); its soft tokens see each other both ways only on the sliding-window layers of
+models with ``use_bidirectional_attention = "vision"`` (the model's ``media_attention``).
+
+Audio (a Gemma 4 with an audio tower) is laid out the same way: an ``input_audio`` part is
+presented as ``<boa>`` and becomes ``<boa>`` + N audio soft tokens + ``<eoa>``, N from the
+WAV header's length (models/gemma4_audio.py); its tokens stay causal.
+
 Only the CPU engine reads images for now: the CUDA attention has no bidirectional image
 blocks, so there a media part is ``media_not_supported``.
 """
@@ -23,8 +32,22 @@ import torch
 
 from ..errors import InvalidRequestError
 from ..media import ImageText
-from ..protocol import ImageUrlPart, Message, VideoPart
+from ..protocol import ImageUrlPart, InputAudioPart, Message, VideoPart
 from .layout import FlatDoc, ImageRows
+
+
+@dataclass(frozen=True)
+class MediaImage:
+    """An image of a content (an image part's, or a video frame), or an audio part: where it
+    is, its header."""
+
+    url: str                      # audio: its base64 data
+    param: str
+    frame: bool                   # a video's frame
+    width: int = 0                # from the header (0: unknown, a remote URL not inlined)
+    height: int = 0
+    kind: str = "image"           # "image" or "audio"
+    format: str = ""              # audio: its container format
 
 
 @dataclass(frozen=True)
@@ -33,10 +56,23 @@ class MediaLayout:
 
     kinds: tuple[str, ...]        # the media kinds the model reads: ("image", "video")
     marker: str                   # how an image part is presented: "<start_of_image>"
-    sequence: str                 # what each marker becomes before tokenising
+    sequence: str                 # what each marker becomes before tokenising (fixed count)
     image_id: int                 # the soft token's id
-    tokens: int                   # soft tokens per image
-    processing: object            # models.gemma3_image.ImageProcessing
+    tokens: int                   # soft tokens per image (0: per image, from its size)
+    processing: object            # models.gemma3_image / gemma4_image processing
+    # a layout whose token count follows the image's size: each marker becomes
+    # open + soft * N + close
+    open: str = ""
+    soft: str = ""
+    close: str = ""
+    # a model that reads audio: how an audio part is presented, and its token sequence
+    # (audio_open + audio_soft * N + audio_close, N from the audio's length)
+    audio_marker: str | None = None
+    audio_open: str = ""
+    audio_soft: str = ""
+    audio_close: str = ""
+    audio_id: int = -1
+    audio: object = None          # models.gemma4_audio.AudioProcessing
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, tokenizer, device: torch.device
@@ -49,53 +85,140 @@ class MediaLayout:
             cfg.boi_token_id, cfg.eoi_token_id, cfg.image_token_id))
         if None in (boi, eoi, image):
             raise ValueError("the tokenizer lacks the model's image tokens")
+        if not hasattr(cfg, "mm_tokens_per_image"):     # Gemma 4: N from the image's size
+            audio = {}
+            if getattr(cfg, "audio", None) is not None:
+                boa, eoa, soft = (tokenizer.id_to_token(i) for i in (
+                    cfg.boa_token_id, cfg.eoa_token_id, cfg.audio_token_id))
+                if None in (boa, eoa, soft):
+                    raise ValueError("the tokenizer lacks the model's audio tokens")
+                audio = dict(audio_marker=boa, audio_open=boa, audio_soft=soft,
+                             audio_close=eoa, audio_id=cfg.audio_token_id,
+                             audio=cfg.audio_processing)
+            return cls(tuple(kinds), boi, "", cfg.image_token_id, 0, cfg.image,
+                       open=boi, soft=image, close=eoi, **audio)
         text = ImageText.gemma3(boi, eoi, image, cfg.mm_tokens_per_image)
         return cls(tuple(kinds), text.marker, text.sequence, cfg.image_token_id,
                    cfg.mm_tokens_per_image, cfg.image)
 
-    def images(self, messages: list[Message], where: str
-               ) -> tuple[list[tuple[str, str]], int]:
-        """(url, param) of every image of the content in order (an image part's, a video's
-        frames), and how many of them are video frames. Nothing is decoded yet."""
+    def images(self, messages: list[Message], where: str) -> tuple[list[MediaImage], int]:
+        """Every image of the content in order (an image part's, a video's frames), and how
+        many of them are video frames. Nothing is decoded yet."""
         out, frames = [], 0
+
+        def one(image_url, param: str, frame: bool) -> MediaImage:
+            info = image_url._info
+            return MediaImage(image_url.url, param, frame, *(
+                (info.width, info.height) if info is not None else (0, 0)))
+
         for m, message in enumerate(messages):
             for k, part in message.media_parts():
                 at = f"{where}.{m}.content.{k}"
-                if isinstance(part, ImageUrlPart):
-                    out.append((part.image_url.url, f"{at}.image_url.url"))
+                if isinstance(part, InputAudioPart):
+                    out.append(MediaImage(part.input_audio.data, f"{at}.input_audio.data",
+                                          False, kind="audio",
+                                          format=part.input_audio.format))
+                elif isinstance(part, ImageUrlPart):
+                    out.append(one(part.image_url, f"{at}.image_url.url", False))
                 elif isinstance(part, VideoPart):
-                    out += [(f.image_url.url, f"{at}.video.frames.{j}.image_url.url")
+                    out += [one(f.image_url, f"{at}.video.frames.{j}.image_url.url", True)
                             for j, f in enumerate(part.video.frames)]
                     frames += len(part.video.frames)
         return out, frames
 
-    def pixels(self, images: list[tuple[str, str]], max_pixels: int) -> list[torch.Tensor]:
-        """The images decoded and preprocessed; ``invalid_media`` naming the one that is
-        not readable."""
+    def image_tokens(self, image: MediaImage) -> int:
+        """Soft tokens of one image (or audio part) in this model's layout."""
+        if image.kind == "audio":
+            return self.audio_tokens(image)
+        if self.tokens:
+            return self.tokens
+        if not image.width:
+            raise InvalidRequestError("send the image as a data URL", param=image.param,
+                                      code="invalid_media")
+        try:
+            return self.processing.tokens(image.width, image.height)
+        except InvalidRequestError as err:
+            err.param = image.param
+            raise
+
+    def audio_tokens(self, part: MediaImage) -> int:
+        """Soft tokens of an audio part: from its WAV header's length at the extractor's
+        rate (``media_not_supported`` for the formats not decoded here)."""
+        try:
+            tokens = self.audio.tokens(self.audio.header_samples(part.url, part.format))
+            if not tokens:
+                raise InvalidRequestError("the audio is too short to read (under 40 ms)",
+                                          code="invalid_media")
+            return tokens
+        except InvalidRequestError as err:
+            err.param = part.param
+            raise
+
+    def pixels(self, images: list[MediaImage], max_pixels: int) -> list[object]:
+        """The images decoded and preprocessed (an audio part: decoded to its features);
+        ``invalid_media`` naming the one that is not readable."""
         out = []
-        for url, param in images:
+        for image in images:
             try:
-                out.append(self.processing.pixels(url, max_pixels))
+                if image.kind == "audio":
+                    samples = self.audio.waveform(image.url, image.format)
+                    if self.audio.tokens(samples.shape[0]) != self.audio_tokens(image):
+                        raise InvalidRequestError("the WAV data is shorter than its header "
+                                                  "says", code="invalid_media")
+                    out.append(self.audio.features(samples))
+                    continue
+                out.append(self.processing.pixels(image.url, max_pixels))
             except InvalidRequestError as err:
-                err.param = param
+                err.param = image.param
                 raise
         return out
 
-    def expand(self, text: str, images: int, where: str) -> str:
-        """The presented text with each image marker expanded to the model's sequence."""
-        if text.count(self.marker) != images:
+    def expand(self, text: str, images: list[MediaImage], where: str) -> str:
+        """The presented text with each image (and audio) marker expanded to the model's
+        sequence."""
+        audio = [i for i in images if i.kind == "audio"]
+        images = [i for i in images if i.kind != "audio"]
+        if self.audio_marker is not None:
+            if text.count(self.audio_marker) != len(audio):
+                raise InvalidRequestError(
+                    f"the content's text holds the model's audio marker {self.audio_marker!r}",
+                    param=where, code="unsupported_content")
+            pieces = text.split(self.audio_marker)
+            out = [pieces[0]]
+            for part, piece in zip(audio, pieces[1:], strict=True):
+                out += [self.audio_open, self.audio_soft * self.audio_tokens(part),
+                        self.audio_close, piece]
+            text = "".join(out)
+        if text.count(self.marker) != len(images):
             raise InvalidRequestError(
                 f"the content's text holds the model's image marker {self.marker!r}",
                 param=where, code="unsupported_content")
-        return text.replace(self.marker, self.sequence)
+        if self.tokens:
+            text = text.replace(self.marker, self.sequence)
+        else:
+            pieces = text.split(self.marker)
+            out = [pieces[0]]
+            for image, piece in zip(images, pieces[1:], strict=True):
+                out += [self.open, self.soft * self.image_tokens(image), self.close, piece]
+            text = "".join(out)
+        return text
 
-    def place(self, flat: FlatDoc, pixels: list[torch.Tensor], where: str) -> None:
-        """Give a laid-out document its images: the rows of each image's soft tokens."""
+    def place(self, flat: FlatDoc, images: list[MediaImage], pixels: list[object],
+              where: str) -> None:
+        """Give a laid-out document its media: the rows of each image's (and audio part's)
+        soft tokens, in the order they stand."""
         ids = flat.input_ids[:flat.root].numpy()
-        soft = ids == self.image_id
-        starts = np.flatnonzero(soft & ~np.concatenate([[False], soft[:-1]]))
-        if len(starts) != len(pixels) or int(soft.sum()) != len(pixels) * self.tokens:
-            raise InvalidRequestError("the content's text holds the model's image tokens",
-                                      param=where, code="unsupported_content")
-        flat.media = [ImageRows(int(s), int(s) + self.tokens, p)
-                      for s, p in zip(starts, pixels, strict=True)]
+        rows = []
+        for kind, soft_id in (("image", self.image_id), ("audio", self.audio_id)):
+            mine = [(i, p) for i, p in zip(images, pixels, strict=True) if i.kind == kind]
+            soft = ids == soft_id
+            starts = np.flatnonzero(soft & ~np.concatenate([[False], soft[:-1]]))
+            ends = np.flatnonzero(soft & ~np.concatenate([soft[1:], [False]])) + 1
+            counts = [self.image_tokens(image) for image, _ in mine]
+            if len(starts) != len(mine) or list(ends - starts) != counts:
+                raise InvalidRequestError(f"the content's text holds the model's {kind} tokens",
+                                          param=where, code="unsupported_content")
+            rows += [ImageRows(int(s), int(s) + n, p, image.frame, kind,
+                               p[2] if kind == "audio" else 0.0)
+                     for s, n, (image, p) in zip(starts, counts, mine, strict=True)]
+        flat.media = sorted(rows, key=lambda r: r.start)

@@ -39,7 +39,7 @@ from ..templates import Combination
 from ..tiles import padded_rows
 from .floors import floor_key
 from .layout import Branch, BranchBlock, FlatDoc
-from .media import MediaLayout
+from .media import MediaImage, MediaLayout
 from .presentation import Presenter
 from .slots import search_beams, slot_settings
 
@@ -79,7 +79,7 @@ class Prepared:
     flat: FlatDoc | None = None      # set once the content is tokenised
     # per image (an image part's, a video frame's) its url and where it is in the request;
     # decoded when the document is laid out (engine/media.py)
-    images: list[tuple[str, str]] = field(default_factory=list)
+    images: list[MediaImage] = field(default_factory=list)
     max_pixels: int = DEFAULT_LIMITS.max_image_pixels
     text_only: str | None = None     # with images: the content presented without them
     video_frames: int = 0            # how many of the images are a video's frames (usage)
@@ -154,7 +154,8 @@ class Preparer:
                                       doc.param)
             elif doc.images:      # decoded last: nothing is decoded for a refused request
                 try:
-                    self.media.place(doc.flat, self.media.pixels(doc.images, doc.max_pixels),
+                    self.media.place(doc.flat, doc.images,
+                                     self.media.pixels(doc.images, doc.max_pixels),
                                      doc.param)
                 except SpinfError as err:
                     out[i] = err
@@ -206,8 +207,9 @@ class Preparer:
         prepared.max_pixels = limits.max_image_pixels
         prepared.text_only = prepared.text
         prepared.text = media.expand(
-            self.presenter.present(wrapped_messages(doc, runs, index, image=media.marker)),
-            len(prepared.images), messages)
+            self.presenter.present(wrapped_messages(doc, runs, index, image=media.marker,
+                                                    audio=media.audio_marker)),
+            prepared.images, messages)
 
     def branches(self, queries: list[Query], grids: list[list[Combination]],
                  case_insensitive: bool = False) -> list[Branch]:

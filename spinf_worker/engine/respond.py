@@ -30,7 +30,8 @@ def build_response(p: PreparedRequest, scores: list[DocScores], floors: dict[tup
     generation = {"slots": 0, "sequences": 0, "max_tokens": 0}
     content_tokens = query_tokens = floor_tokens = decoded = rows = padded = 0
     # media: per image its soft tokens and the two markers around them
-    media = {"images": 0, "image_tokens": 0, "video_frames": 0, "video_tokens": 0}
+    media = {"images": 0, "image_tokens": 0, "video_frames": 0, "video_tokens": 0,
+             "audio_seconds": 0, "audio_tokens": 0}
     for doc, doc_scores in zip(p.docs, scores, strict=True):
         queries = _query_results(doc, doc_scores, floors, warnings)
         result = {"input_id": doc.input_id, "queries": queries[:doc.n_own]}
@@ -50,13 +51,14 @@ def build_response(p: PreparedRequest, scores: list[DocScores], floors: dict[tup
         results.append(result)
         qs = doc.query_set
         content_tokens += doc.flat.root - 1
-        if doc.flat.media:
-            frames = doc.video_frames
-            per_image = doc.flat.media[0].end - doc.flat.media[0].start + 2
-            media["images"] += len(doc.flat.media) - frames
-            media["image_tokens"] += (len(doc.flat.media) - frames) * per_image
-            media["video_frames"] += frames
-            media["video_tokens"] += frames * per_image
+        for image in doc.flat.media:
+            if image.kind == "audio":
+                media["audio_tokens"] += image.end - image.start + 2
+                media["audio_seconds"] += image.seconds
+                continue
+            kind = "video" if image.frame else "image"
+            media["video_frames" if image.frame else "images"] += 1
+            media[f"{kind}_tokens"] += image.end - image.start + 2
         query_tokens += qs.query_tokens
         floor_tokens += qs.floor_tokens
         rows += doc.flat.tokens
@@ -78,7 +80,8 @@ def build_response(p: PreparedRequest, scores: list[DocScores], floors: dict[tup
                 extraction[q.kind] += len(grid)
         decoded += _decoded_tokens(doc, doc_scores)
     prompt_tokens = content_tokens + query_tokens + floor_tokens
-    text_tokens = content_tokens - media["image_tokens"] - media["video_tokens"]
+    text_tokens = (content_tokens - media["image_tokens"] - media["video_tokens"]
+                   - media["audio_tokens"])
     usage = {
         "prompt_tokens": prompt_tokens, "completion_tokens": decoded,
         "total_tokens": prompt_tokens + decoded,
@@ -86,10 +89,10 @@ def build_response(p: PreparedRequest, scores: list[DocScores], floors: dict[tup
                                   "text_tokens": text_tokens,
                                   "image_tokens": media["image_tokens"],
                                   "video_tokens": media["video_tokens"],
+                                  "audio_tokens": media["audio_tokens"],
                                   "query_tokens": query_tokens, "floor_tokens": floor_tokens},
         "inputs": len(p.docs),
-        "content": {"tokens": content_tokens, "text_tokens": text_tokens, **media,
-                    "audio_seconds": 0, "audio_tokens": 0},
+        "content": {"tokens": content_tokens, "text_tokens": text_tokens, **media},
         "scoring": {**counts, "query_tokens": query_tokens, "floor_tokens": floor_tokens},
         "processed_tokens": rows + decoded,
         "billed_tokens": 0,

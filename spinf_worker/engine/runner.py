@@ -139,9 +139,10 @@ class ModelRunner:
             ids = torch.cat([d.input_ids for d in docs])
             pos = torch.cat([d.positions for d in docs])
             window = self.model.cfg.sliding_window
-            plan = AttentionPlan([doc_span(d, s, window, self.device)
+            both_ways = getattr(self.model, "media_attention", "all")
+            plan = AttentionPlan([doc_span(d, s, window, self.device, both_ways)
                                   for d, s in zip(docs, starts, strict=True)])
-            plan.media = [(s + image.start, image.pixels)
+            plan.media = [(s + image.start, image.pixels, image.kind)
                           for d, s in zip(docs, starts, strict=True) for image in d.media]
         if keep:
             plan.keep_rows = self._upload(torch.cat(keep))
@@ -204,18 +205,26 @@ class ModelRunner:
         return out
 
 
-def doc_span(doc: FlatDoc, start: int, window: int, dev: torch.device) -> DocSpan:
-    """CPU attention metadata of one document placed at ``start``."""
+def doc_span(doc: FlatDoc, start: int, window: int, dev: torch.device,
+             media_attention: str = "all") -> DocSpan:
+    """CPU attention metadata of one document placed at ``start``. ``media_attention``: the
+    layers on which one image's soft tokens see each other both ways ("all": Gemma 3,
+    "sliding": the sliding-window layers only, "none": the text stays causal; Gemma 4)."""
     span = DocSpan(start, doc.root, doc.tokens)
     windowed = doc.max_position >= window
     root_pos = torch.arange(doc.root)
     seen = root_pos[:, None] >= root_pos[None, :]
-    if doc.media:   # an image's soft tokens see each other both ways (transformers' rule)
+    if doc.media and media_attention != "none":
+        # an image's soft tokens see each other both ways (transformers' rule)
         image = torch.full((doc.root,), -1)
         for k, rows in enumerate(doc.media):
-            image[rows.start:rows.end] = k
+            if rows.kind == "image":    # audio tokens stay causal
+                image[rows.start:rows.end] = k
         seen = seen | ((image[:, None] == image[None, :]) & (image[:, None] >= 0))
-        span.root_mask = seen.to(dev)
+        if media_attention == "all":
+            span.root_mask = seen.to(dev)
+        elif not windowed:    # the sliding layers read root_mask when no window cuts
+            span.root_window = seen.to(dev)
     if windowed:
         span.root_window = (seen & (root_pos[:, None] - root_pos[None, :] < window)).to(dev)
     for bucket in doc.block.path_buckets:

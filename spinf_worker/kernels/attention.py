@@ -64,8 +64,9 @@ class AttentionPlan:
     keep_rows: torch.Tensor | None = None
     kept: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
     rows: int | None = None      # CUDA: the pass's real rows; the rest pads it to a bucket
-    # images of the pass: (pass row of its first soft token, its pixels), read by the model
-    media: list[tuple[int, torch.Tensor]] | None = None
+    # media of the pass: (pass row of its first soft token, its pixels or audio features,
+    # "image" or "audio"), read by the model
+    media: list[tuple[int, object, str]] | None = None
 
     def attend(self, q, k, v, *, layer: int, sliding: bool, scale: float) -> torch.Tensor:
         if self.keep_rows is not None:

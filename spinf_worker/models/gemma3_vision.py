@@ -204,7 +204,7 @@ class Gemma3VisionModel(Gemma3Model):
         if cfg.image_token_id >= cfg.vocab_size:    # a placeholder past the vocabulary
             input_ids = input_ids.masked_fill(input_ids == cfg.image_token_id, 0)
         x = self._embed(input_ids)
-        for row, pixels in getattr(plan, "media", None) or ():
+        for row, pixels, *_ in getattr(plan, "media", None) or ():
             x[row:row + cfg.mm_tokens_per_image] = self.image_features(pixels.to(x.device))
         return x
 

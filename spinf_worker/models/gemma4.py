@@ -11,7 +11,8 @@ last earlier layer of their type; with ``attention_k_eq_v`` the global layers' v
 KV sharing is done here, not in the attention plan: during a forward the source layers keep
 their RoPE'd K/V and the sharing layers hand those to ``plan.attend`` under their own layer
 index, so kept K/V for decoding (keyed by layer) work unchanged. Mixture-of-experts variants
-and bidirectional attention are refused at load.
+and all-bidirectional attention are refused at load (bidirectional attention among an image's
+tokens is models/gemma4_vision.py's).
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ class Gemma4Config:
         layer_types[-1] = "full_attention"   # transformers forces it too
         k_eq_v = bool(cfg.get("attention_k_eq_v", False))
         # Global layers' shapes: config.json written by transformers spells them per layer
-        # (per_layer_config); the original configs give global_head_dim and friends.
+        # (per_layer_config, empty when the global layers' shapes are the others'); the
+        # original configs give global_head_dim and friends.
         per_layer = {str(k): v for k, v in (cfg.get("per_layer_config") or {}).items()}
         global_kv = cfg.get("num_global_key_value_heads") if k_eq_v else None
         global_shape = {"head_dim": cfg.get("global_head_dim", 512)}
@@ -78,7 +80,7 @@ class Gemma4Config:
             global_shape["num_key_value_heads"] = global_kv
         head_dims, kv_heads = [], []
         for i, kind in enumerate(layer_types):
-            own = per_layer.get(str(i)) if per_layer else (
+            own = per_layer.get(str(i)) if "per_layer_config" in cfg else (
                 global_shape if kind == "full_attention" else {})
             head_dims.append((own or {}).get("head_dim") or cfg.get("head_dim", 256))
             kv_heads.append((own or {}).get("num_key_value_heads") or cfg["num_key_value_heads"])
@@ -230,12 +232,21 @@ class Gemma4Model(PackedLM):
         proj = self.per_layer_projection_norm(proj.view(t, cfg.num_layers, ple))
         return (proj + ident) * torch.tensor(2.0 ** -0.5, dtype=x.dtype)
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        return x * torch.tensor(math.sqrt(self.cfg.hidden_size), dtype=x.dtype)
+
+    def _embed_inputs(self, input_ids: torch.Tensor, plan) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first layer's input and the ids the per-layer inputs look up (a multimodal
+        stack puts its media features in their rows and reads them as the pad token,
+        models/gemma4_vision.py)."""
+        return self._embed(input_ids), input_ids
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 plan: AttentionPlan) -> torch.Tensor:
         cfg = self.cfg
-        x = self.embed_tokens(input_ids)
-        x = x * torch.tensor(math.sqrt(cfg.hidden_size), dtype=x.dtype)
-        per_layer = self._per_layer_inputs(input_ids, x) if cfg.hidden_size_per_layer_input else None
+        x, ple_ids = self._embed_inputs(input_ids, plan)
+        per_layer = self._per_layer_inputs(ple_ids, x) if cfg.hidden_size_per_layer_input else None
         ropes: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
         shared_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for i, layer in enumerate(self.layers):

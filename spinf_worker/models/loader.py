@@ -195,6 +195,11 @@ def load_hf_dir(path: Path, *, name: str, cache_dir: Path | None = None,
         processor = (_read_json(path / "preprocessor_config.json")
                      or _read_json(path / "processor_config.json"))
         config["preprocessor_config"] = processor.get("image_processor", processor) or None
+        # a Gemma 4's audio feature extractor (and token cap) live in processor_config.json
+        full = _read_json(path / "processor_config.json")
+        config["audio_preprocessor_config"] = full.get("feature_extractor")
+        if full.get("audio_seq_length"):
+            config["audio_seq_length"] = full["audio_seq_length"]
     weights = None
     if dummy:
         weights_digest = _dummy_digest(config)
@@ -226,13 +231,23 @@ def text_config(raw: dict) -> dict:
     Multimodal wrappers keep it under "text_config". transformers 5 writes rope bases only
     under rope_parameters, older configs only as plain keys: provide both spellings. A
     Gemma 3 wrapper's vision tower comes along: ``vision_config``, ``mm_tokens_per_image``
-    and the image token ids (models/gemma3_vision.py).
+    and the image token ids (models/gemma3_vision.py); a Gemma 4 wrapper's ``vision_config``
+    and image token ids likewise (models/gemma4_vision.py).
     """
     config = dict(raw.get("text_config") or raw)
     if "text_config" in raw:
         for key in ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings"):
             if key in raw and key not in config:
                 config[key] = raw[key]
+    if raw.get("model_type") == "gemma4" and raw.get("vision_config"):
+        config["vision_config"] = raw["vision_config"]
+        for kind, default in (("image", 258880), ("boi", 255999), ("eoi", 258882)):
+            config[f"{kind}_token_id"] = raw.get(f"{kind}_token_id", default)
+        if raw.get("audio_config"):
+            config["audio_config"] = raw["audio_config"]
+            for kind, default in (("audio", 258881), ("boa", 256000), ("eoa", 258883)):
+                config[f"{kind}_token_id"] = raw.get(f"{kind}_token_id",
+                                                     raw.get(f"{kind}_token_index", default))
     if config.get("model_type") not in ("gemma3", "gemma3_text"):
         return config
     config["model_type"] = "gemma3_text"
@@ -282,17 +297,21 @@ _VISION_RENAMES = [
     ("vision_tower.vision_model.", "vision_tower."),
     ("model.vision_tower.", "vision_tower."),
     ("model.multi_modal_projector.", "multi_modal_projector."),
+    ("model.embed_vision.", "embed_vision."),      # Gemma 4's multimodal embedders
+    ("model.audio_tower.", "audio_tower."),        # and its audio tower
+    ("model.embed_audio.", "embed_audio."),
 ]
 
 
 def text_weights(weights: dict[str, torch.Tensor], *, tied: bool,
                  vision: bool = False) -> dict[str, torch.Tensor]:
     """Text-model weights under Gemma3ForCausalLM names, in float32; ``vision``: the vision
-    tower's and projector's too, under ``vision_tower.`` and ``multi_modal_projector.``."""
+    tower's and projector's too, under ``vision_tower.`` and ``multi_modal_projector.`` (Gemma
+    4's embedder under ``embed_vision.``)."""
     out = {}
     for name, tensor in weights.items():
         if any(part in name for part in _NOT_TEXT):
-            if vision and ("vision_tower" in name or "multi_modal_projector" in name):
+            if vision and any(part in name for part in _NOT_TEXT):
                 for old, new in _VISION_RENAMES:
                     if name.startswith(old):
                         name = new + name[len(old):]

@@ -40,6 +40,8 @@ GEMMA3 = Family("Gemma 3", "gemma3", "Gemma3Config", "Gemma3Model")
 GEMMA3_VISION = Family("Gemma 3 multimodal", "gemma3_vision", "Gemma3VisionConfig",
                        "Gemma3VisionModel")
 GEMMA4 = Family("Gemma 4", "gemma4", "Gemma4Config", "Gemma4Model")
+GEMMA4_VISION = Family("Gemma 4 multimodal", "gemma4_vision", "Gemma4VisionConfig",
+                       "Gemma4VisionModel")
 LLAMA = Family("Llama", "llama", "LlamaConfig", "LlamaModel")
 QWEN3 = Family("Qwen3", "qwen3", "Qwen3Config", "Qwen3Model")
 
@@ -60,10 +62,12 @@ ARCHITECTURES = {
 def family_for(config: dict) -> Family:
     """The family of an HF config dict (the wrapper's or the text model's); a Gemma 3 with
     a vision tower (``vision_config``, the loader's text_config keeps it) is the multimodal
-    stack."""
+    stack (the same for a Gemma 4)."""
     text = config.get("text_config") or {}
     if config.get("vision_config") and config.get("model_type") in ("gemma3", "gemma3_text"):
         return GEMMA3_VISION
+    if config.get("vision_config") and config.get("model_type") in ("gemma4", "gemma4_text"):
+        return GEMMA4_VISION
     for model_type in (text.get("model_type"), config.get("model_type")):
         if model_type in MODEL_TYPES:
             return MODEL_TYPES[model_type]

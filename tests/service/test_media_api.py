@@ -78,6 +78,44 @@ def test_an_image_scores_end_to_end_on_the_multimodal_model(tiny_vision_engine, 
         assert body["results"][0]["queries"][0]["id"] == "red"
 
 
+def test_image_and_audio_score_end_to_end_on_gemma4(tiny_gemma4_vision_engine, settings):
+    """Gemma 4 with its audio tower: an image and a WAV part score through the service with
+    the engine's bits, the OpenAI SDK's input_audio part too; video is refused before
+    queueing; GET /v1/models lists image and audio."""
+    from ..test_media_gemma4_audio import audio_part, tone, wav_b64
+
+    engine = tiny_gemma4_vision_engine
+    request = media_request(image_url(22))
+    request["messages"][0]["content"].append(audio_part(wav_b64(tone(23, 0.6))))
+    expected = option_logprobs(engine.score(request))
+    with LiveServer(settings) as server, InProcessWorker(engine, settings):
+        client = httpx.Client(base_url=server.v1, timeout=WAIT_S)
+        reply = client.post("/score", json=request)
+        assert reply.status_code == 200, reply.text
+        got = {(q["id"], o["text"]): o["logprob"] for q in reply.json()["results"][0]["queries"]
+               for c in q["combinations"] for o in c["options"]}
+        assert got == expected
+        assert reply.json()["usage"]["content"]["audio_tokens"] > 0
+        model = client.get("/models").json()["models"][0]
+        assert model["media"] == ["audio", "image"]
+        video = {"type": "video", "video": {"frames": [{"t": 0, "image_url": {
+            "url": image_url(1)}}]}}
+        queued = entries_added(settings)
+        assert_error(client.post("/score", json=request_with(video)), 400,
+                     "media_not_supported", "messages")
+        assert entries_added(settings) == queued
+
+        from openai import OpenAI
+
+        sdk = OpenAI(base_url=server.v1, api_key="unused", timeout=WAIT_S, max_retries=0)
+        completion = sdk.chat.completions.create(
+            model=engine.model_name, messages=request["messages"],
+            extra_body={"scoring": request["scoring"]})
+        body = completion.model_dump()
+        assert {(q["id"], o["text"]): o["logprob"] for q in body["results"][0]["queries"]
+                for c in q["combinations"] for o in c["options"]} == expected
+
+
 def test_remote_image_urls_only_where_fetched_and_never_to_private_addresses(settings):
     remote = {"type": "image_url", "image_url": {"url": "https://127.0.0.1:9/cat.png"}}
     with LiveServer(settings) as server:
