@@ -80,6 +80,32 @@ class ChatCompletionRequest(ScoreRequest):
     stream: Literal[False] = False
 
 
+class CompletionBody(BaseModel):
+    """The body of /v1/completions: OpenAI's legacy completions request. Only greedy decoding
+    of up to 16 tokens (``max_tokens`` 0 scores the prompt only); the other OpenAI fields are
+    taken at their neutral values only, any other field is a 400 naming it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=20)
+    max_tokens: int = Field(16, ge=0, le=16)
+    stop: str | list[str] | None = None
+    n: Literal[1] = 1
+    best_of: Literal[1] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    user: str | None = None
+    stream: Literal[False] = False
+    presence_penalty: Literal[0] | None = None
+    frequency_penalty: Literal[0] | None = None
+    logit_bias: dict | None = None
+    suffix: str | None = None
+
+
 # ---- models ------------------------------------------------------------------------------
 
 ModelStatus = Literal["available", "loading", "error"]
@@ -292,7 +318,8 @@ class Drain(BaseModel):
 # Bodies the routes read themselves (so every problem gets our error with its exact param);
 # create_app adds their schemas to /openapi.json.
 DOCUMENTED_BODIES: tuple[type[BaseModel], ...] = (ScoreRequest, JobRequest,
-                                                  ChatCompletionRequest, BatchCreate)
+                                                  ChatCompletionRequest, CompletionBody,
+                                                  BatchCreate)
 
 
 def json_body(model: type[BaseModel]) -> dict:

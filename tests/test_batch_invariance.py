@@ -1,10 +1,11 @@
 """A document's logprobs are bit-identical scored alone or packed with 20 others at
-different offsets (CPU)."""
+different offsets (CPU); so are a completions prompt's token logprobs."""
 
 from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -161,3 +162,52 @@ def test_batches_started_before_the_last_one_finished_keep_their_bits(tiny_engin
         tiny_engine.floors = cache
     # float equality is bit equality: logprobs, p, floor_p, residuals
     assert [r.results for r in together] == alone + alone[:1]
+
+
+def completion_figures(response) -> list:
+    """Every float of a completions response: token logprobs and top-N, per choice."""
+    return [(c.text, c.logprobs.tokens, c.logprobs.token_logprobs, c.logprobs.top_logprobs)
+            for c in response.choices]
+
+
+def test_completion_logprobs_alone_vs_packed(tiny_engine):
+    """A completions prompt's token logprobs and top-N (and its greedy tokens) are
+    bit-identical alone or packed with other prompts and scoring documents, at several
+    offsets of one pass; the readouts' raw fp32 arrays too."""
+    from spinf_worker.completions import CompletionRequest
+    from spinf_worker.engine.completion import prompt_doc
+
+    rng = random.Random(7)
+    request = CompletionRequest.parse({"prompt": NEWS, "echo": True, "logprobs": 5,
+                                       "max_tokens": 2})
+    alone = tiny_engine.complete(request)
+    old = tiny_engine.settings.max_pass_tokens
+    tiny_engine.settings.max_pass_tokens = 1 << 20      # every document in one pass
+    try:
+        for position in (0, 3, 10):
+            others = [CompletionRequest.parse({
+                "prompt": [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 80)))
+                           for _ in range(rng.randint(1, 3))],
+                "echo": rng.random() < 0.5, "logprobs": rng.choice([None, 0, 3, 20]),
+                "max_tokens": rng.randint(0, 3)}) if k % 2 else other_request(rng)
+                for k in range(10)]
+            batch = others[:position] + [request] + others[position:]
+            packed = tiny_engine.score_batch(batch)[position]
+            # float32 -> float equality is bit equality
+            assert completion_figures(packed) == completion_figures(alone), position
+    finally:
+        tiny_engine.settings.max_pass_tokens = old
+
+    vocab = list(tiny_engine.presenter.encode(NEWS))
+    ids = [2, *vocab]
+    target = prompt_doc(ids, 0, 5, 0)
+    raw = tiny_engine.runner.run([target])[0].echo
+    for before in (1, 4):
+        others = [prompt_doc([2, *rng.sample(vocab, rng.randint(1, 60))], 0, 3, 0)
+                  if k % 2 else DocTree([2, *rng.sample(vocab, 40)],
+                                        [Branch([vocab[0]], [[vocab[1]], [vocab[2]]])]
+                                        ).flatten(0)
+                  for k in range(8)]
+        packed = tiny_engine.runner.run(others[:before] + [target] + others[before:])[before]
+        assert all(np.array_equal(a, b, equal_nan=True)
+                   for a, b in zip(raw, packed.echo, strict=True))

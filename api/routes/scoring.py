@@ -175,6 +175,14 @@ async def answer(services, caller: Caller, score_request: ScoreRequest,
     timeout = 0.0 if respond_async else sync_timeout(services, x_sync_timeout)
     job_id, result = await submit_and_wait(services, caller, score_request,
                                            idempotency_key=idempotency_key, timeout=timeout)
+    return await reply(services, job_id, result, respond_async=respond_async, timeout=timeout,
+                       shape=shape, request_id=request_id)
+
+
+async def reply(services, job_id: str, result: JobResult | None, *, respond_async: bool,
+                timeout: float, shape, request_id: str | None) -> JSONResponse:
+    """A queued job's answer: its result in ``shape`` (200), its error, the job (202) when
+    the caller prefers to poll, or 503 when it was not ready in time."""
     if result is None:
         if respond_async:
             job = await services.producer.get_job(job_id)

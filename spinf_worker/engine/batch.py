@@ -13,8 +13,10 @@ import time
 from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING
 
+from ..completions import CompletionRequest, CompletionResponse
 from ..errors import SpinfError
 from ..protocol import ScoreRequest, ScoreResponse
+from .completion import PreparedCompletion
 from .layout import DocTree
 from .respond import build_response
 from .runner import DocScores
@@ -29,28 +31,56 @@ PREPARE_CHUNK = 8       # requests whose contents are tokenised together (in par
 
 
 class ScoringBatch:
-    def __init__(self, engine: Engine, requests: Sequence[dict | ScoreRequest]):
+    def __init__(self, engine: Engine,
+                 requests: Sequence[dict | ScoreRequest | CompletionRequest]):
         self.engine, self.requests = engine, requests
         self.started = time.perf_counter()
-        self.results: list[ScoreResponse | SpinfError | None] = [None] * len(requests)
+        self.results: list[ScoreResponse | CompletionResponse | SpinfError | None] = (
+            [None] * len(requests))
         self.scheduler = PassScheduler(engine.runner, engine.settings.max_pass_tokens,
                                        engine._decode_slots)
         self.floors: dict[tuple, DocScores] = {}   # this batch's floor values, cached or scored
         self.queued: set[tuple] = set()
         self.waiting: dict[int, PreparedRequest] = {}   # until every score of it is in
         self.scored: dict[int, dict[int, DocScores]] = {}
+        self.completions: dict[int, PreparedCompletion] = {}   # until every prompt is done
+        self.prompts_left: dict[int, int] = {}
+
+    def _prepared(self):
+        """Each request laid out, in order: scoring requests a chunk at a time (their
+        contents tokenised together), completions one by one."""
+        engine, chunk = self.engine, []
+        for request in self.requests:
+            if isinstance(request, CompletionRequest):
+                if chunk:
+                    yield from engine.preparer.prepare_batch(chunk)
+                    chunk = []
+                try:
+                    yield PreparedCompletion(engine, request)
+                except SpinfError as err:
+                    yield err
+                continue
+            chunk.append(request)
+            if len(chunk) == PREPARE_CHUNK:
+                yield from engine.preparer.prepare_batch(chunk)
+                chunk = []
+        if chunk:
+            yield from engine.preparer.prepare_batch(chunk)
 
     def start(self) -> ScoringBatch:
         """Prepare and launch everything; returns with the last pass still on the device.
         Missing floor values ride in the same passes as the documents."""
         engine, scheduler = self.engine, self.scheduler
         floor_root = engine.presenter.floor_root_ids()
-        requests = self.requests
-        prepared = (p for lo in range(0, len(requests), PREPARE_CHUNK)
-                    for p in engine.preparer.prepare_batch(requests[lo:lo + PREPARE_CHUNK]))
-        for i, p in enumerate(prepared):
+        for i, p in enumerate(self._prepared()):
             if isinstance(p, SpinfError):
                 self.results[i] = p
+                continue
+            if isinstance(p, PreparedCompletion):
+                self.completions[i] = p
+                self.prompts_left[i] = len(p.runs)
+                for k, flat in enumerate(p.docs()):
+                    self._settle(scheduler.add(("prompt", (i, k)), flat))
                 continue
             self.waiting[i] = p
             for k, doc in enumerate(p.docs):
@@ -70,10 +100,25 @@ class ScoringBatch:
             self._settle(done)
         return self
 
-    def finish(self) -> list[ScoreResponse | SpinfError]:
-        """Wait for the last pass and answer every request."""
+    def finish(self) -> list[ScoreResponse | CompletionResponse | SpinfError]:
+        """Wait for the last pass and answer every request. Completions decoding more than
+        one token add a document per step: their passes run here until every one is done."""
         self._settle(self.scheduler.collect())
+        while self.scheduler.waiting:
+            for done in self.scheduler.flush():
+                self._settle(done)
         return self.results
+
+    def _prompt_done(self, i: int, k: int, doc_scores: DocScores) -> None:
+        """A completion prompt's pass is in: queue its next step, or answer the request
+        once its last prompt is done."""
+        completion = self.completions[i]
+        if (flat := completion.take(k, doc_scores)) is not None:
+            self.scheduler.hold(("prompt", (i, k)), flat)
+            return
+        self.prompts_left[i] -= 1
+        if not self.prompts_left[i]:
+            self.results[i] = self.completions.pop(i).response()
 
     def _ready(self, i: int) -> bool:
         p = self.waiting[i]
@@ -84,7 +129,9 @@ class ScoringBatch:
         """Store what finished; answer each request whose scores and floors are in."""
         engine = self.engine
         for (kind, key), doc_scores in done:
-            if kind == "floor":
+            if kind == "prompt":
+                self._prompt_done(*key, doc_scores)
+            elif kind == "floor":
                 self.floors[key] = doc_scores
                 engine.floors.put(key, doc_scores)
             else:

@@ -17,12 +17,14 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from .. import __version__
+from ..completions import CompletionRequest, CompletionResponse
 from ..errors import SpinfError
 from ..models.build import build_model
 from ..models.loader import Checkpoint, load_checkpoint
 from ..packs import official_packs
 from ..protocol import DEFAULT_LIMITS, ScoreRequest, ScoreResponse
 from .batch import ScoringBatch
+from .completion import PreparedCompletion
 from .decode import SlotDecoder, SlotJob
 from .floors import FloorCache
 from .media import MediaLayout
@@ -161,20 +163,33 @@ class Engine:
             raise result
         return result
 
-    def rows(self, request: dict | ScoreRequest) -> int:
+    def complete(self, request: dict | CompletionRequest) -> CompletionResponse:
+        """A completions request (completions.py) alone: its prompts' token logprobs and
+        greedy tokens."""
+        if not isinstance(request, CompletionRequest):
+            request = CompletionRequest.parse(request)
+        result = self.score_batch([request])[0]
+        if isinstance(result, SpinfError):
+            raise result
+        return result
+
+    def rows(self, request: dict | ScoreRequest | CompletionRequest) -> int:
         """Rows the request's document takes in a pass (the real layout: content plus the
-        query set's prefix tree, padded to the tile); the queue packs passes by this. Raises
-        what scoring would."""
+        query set's prefix tree, padded to the tile; a completion: its prompts' first
+        passes); the queue packs passes by this. Raises what scoring would."""
+        if isinstance(request, CompletionRequest):
+            return PreparedCompletion.rows(self, request)
         return self.preparer.rows(request)
 
-    def score_batch(self, requests: Sequence[dict | ScoreRequest]
-                    ) -> list[ScoreResponse | SpinfError]:
+    def score_batch(self, requests: Sequence[dict | ScoreRequest | CompletionRequest]
+                    ) -> list[ScoreResponse | CompletionResponse | SpinfError]:
         """Score many requests packed together; a bad request yields its error in place.
         Every input of every request is one document; passes start while later requests are
         still being laid out (engine/scheduler.py)."""
         return self.start_batch(requests).finish()
 
-    def start_batch(self, requests: Sequence[dict | ScoreRequest]) -> ScoringBatch:
+    def start_batch(self, requests: Sequence[dict | ScoreRequest | CompletionRequest]
+                    ) -> ScoringBatch:
         """``score_batch`` up to its last pass: returns once that pass is queued on the
         device; ``.finish()`` reads it back and answers. Starting the next batch before
         finishing this one keeps the device busy between batches (engine/batch.py)."""

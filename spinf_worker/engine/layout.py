@@ -49,6 +49,15 @@ class ImageRows:
 
 
 @dataclass
+class EchoReadout:
+    """A completion prompt's readouts (engine/completion.py): at each readout row the logprob
+    of the token that follows it and the ``top`` most likely tokens."""
+
+    top: int                     # >= 1 (the first is the greedy token)
+    next_ids: np.ndarray         # [readouts] the token after each readout row; -1: none yet
+
+
+@dataclass
 class FlatDoc:
     """A DocTree flattened into padded rows, ready to be placed in a pass."""
 
@@ -65,6 +74,7 @@ class FlatDoc:
     # extraction branches: branch -> (readout index, context rows (root + branch), settings)
     extract: dict[int, tuple[int, list[int], dict]] = field(default_factory=dict)
     media: list[ImageRows] = field(default_factory=list)   # images in the root, in order
+    echo: EchoReadout | None = None   # a completion prompt: its readouts' tokens and top-N
 
     @property
     def length(self) -> int:

@@ -36,6 +36,9 @@ class DocScores:
     branch_start: np.ndarray        # [branches + 1]: branch b's options are [start[b], start[b+1])
     residual: np.ndarray            # [branches] float64: 1 - sum(exp(logprob))
     found: dict = field(default_factory=dict)   # extraction branch -> decode.Found answers
+    # a completion prompt (FlatDoc.echo): per readout the next token's logprob [R] (NaN where
+    # none), the top-N logprobs [R, N] and their token ids [R, N]
+    echo: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
     def branch(self, b: int) -> np.ndarray:
         return self.option_logprobs[self.branch_start[b]:self.branch_start[b + 1]]
@@ -77,6 +80,9 @@ class PendingPass:
     first: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     kept: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
     keep_base: dict[int, int] = field(default_factory=dict)
+    # completion prompts: doc index -> (next-token logprobs, top-N logprobs, top-N ids)
+    echo: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict)
 
 
 class ModelRunner:
@@ -159,10 +165,13 @@ class ModelRunner:
         indexing, no host sync."""
         rows, readout, token, base = [], [], [], 0
         first_at: dict[int, tuple[int, int]] = {}   # readout index -> (doc, branch)
+        echo_at: list[tuple[int, int, int]] = []     # (doc, first readout index, readouts)
         for i, (doc, start) in enumerate(zip(docs, starts, strict=True)):
             rows.append(start + doc.readout_rows)
             for b, (r, *_) in doc.extract.items():
                 first_at[base + r] = (i, b)
+            if doc.echo is not None:
+                echo_at.append((i, base, len(doc.echo.next_ids)))
             readout.append(doc.block.term_readout + base)
             token.append(doc.block.term_token)
             base += doc.readout_rows.shape[0]
@@ -177,14 +186,38 @@ class ModelRunner:
         rows_d, readout_d, token_d = index_d.split([base, n_terms, n_terms])
         values = torch.empty(readout_t.shape[0], dtype=torch.float32, device=self.device)
         first = {}
+        echo = {}
+        for i, _, count in echo_at:
+            top = docs[i].echo.top
+            next_ids = self._upload(torch.from_numpy(docs[i].echo.next_ids))
+            echo[i] = (next_ids, torch.empty(count, dtype=torch.float32, device=self.device),
+                       torch.empty(count, top, dtype=torch.float32, device=self.device),
+                       torch.empty(count, top, dtype=torch.int64, device=self.device))
         for c, lo in enumerate(range(0, base, READOUT_CHUNK)):
             a, b = bounds[c], bounds[c + 1]
-            logprobs = self.model.readout_logprobs(hidden[rows_d[lo:lo + READOUT_CHUNK]])
+            hi = lo + READOUT_CHUNK
+            logprobs = self.model.readout_logprobs(hidden[rows_d[lo:hi]])
             values[a:b] = logprobs[readout_d[a:b] - lo, token_d[a:b]]
             for r, key in first_at.items():
-                if lo <= r < lo + READOUT_CHUNK:
+                if lo <= r < hi:
                     first[key] = logprobs[r - lo].clone()
-        return PendingPass(docs, values, order, first)
+            for i, at, count in echo_at:
+                # the rows of this document's readouts inside this chunk: each row's
+                # figures are read from its own fp32 log-softmax row alone
+                a_row, z_row = max(lo, at), min(hi, at + count)
+                if a_row >= z_row:
+                    continue
+                next_ids, token_lp, top_lp, top_ids = echo[i]
+                part = logprobs[a_row - lo:z_row - lo]
+                ids = next_ids[a_row - at:z_row - at]
+                picked = part.gather(1, ids.clamp(min=0)[:, None])[:, 0]
+                token_lp[a_row - at:z_row - at] = torch.where(
+                    ids >= 0, picked, torch.full_like(picked, float("nan")))
+                best = part.topk(top_lp.shape[1], dim=1)
+                top_lp[a_row - at:z_row - at] = best.values
+                top_ids[a_row - at:z_row - at] = best.indices
+        return PendingPass(docs, values, order, first,
+                           echo={i: parts[1:] for i, parts in echo.items()})
 
     def finish(self, pending: PendingPass) -> list[DocScores]:
         """Wait for the pass and turn its summands into per-option logprobs."""
@@ -202,6 +235,8 @@ class ModelRunner:
             mass = np.zeros(block.n_branches, dtype=np.float64)
             np.add.at(mass, block.option_branch, np.exp(lp.astype(np.float64)))
             out.append(DocScores(lp, block.option_start, 1.0 - mass))
+        for i, parts in pending.echo.items():
+            out[i].echo = tuple(part.cpu().numpy() for part in parts)
         return out
 
 

@@ -35,6 +35,11 @@ class PassScheduler:
             return []
         return [done for batch in self._launch(keep_last=True) for done in batch]
 
+    def hold(self, tag: Hashable, doc: FlatDoc) -> None:
+        """Queue a document without launching anything (the next ``flush`` runs it)."""
+        self.waiting.append((tag, doc))
+        self.waiting_rows += doc.length
+
     def flush(self) -> Iterator[list[tuple[Hashable, DocScores]]]:
         """Run everything still waiting; yields the documents not returned before, pass by
         pass, so the caller answers one pass's documents while the device runs the next."""

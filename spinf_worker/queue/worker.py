@@ -24,6 +24,7 @@ import structlog
 from redis.asyncio import Redis
 from redis.exceptions import RedisError, ResponseError
 
+from ..completions import CompletionRequest, CompletionResponse
 from ..errors import SpinfError
 from ..protocol import ScoreRequest, ScoreResponse
 from ..tiles import ROW_TILE
@@ -56,7 +57,7 @@ class Entry:
     fields: dict[str, str]
     arrived: float = field(default_factory=time.monotonic)
     deliveries: int = 1
-    request: ScoreRequest | None = None
+    request: ScoreRequest | CompletionRequest | None = None
     error: SpinfError | None = None   # the request's own fault: a final answer, not retried
     failure: str | None = None        # could not even be read: retried, then dead-lettered
     rows: int = 0                     # rows in a pass (Engine.rows)
@@ -330,7 +331,11 @@ class Worker:
             # key of the block ScoreRequest.parse has validated already (bulk jobs repeat it)
             key = jsonio.dumps(scoring) if exact and isinstance(scoring, dict) else None
             try:
-                entry.request = ScoreRequest.parse(body, scoring_json=key)
+                if isinstance(body, dict) and "completion" in body:
+                    # POST /v1/completions: the request the API validated (completions.py)
+                    entry.request = CompletionRequest.model_validate(body["completion"])
+                else:
+                    entry.request = ScoreRequest.parse(body, scoring_json=key)
                 # the engine's own layout (prefix tree included); it keeps the content's
                 # token ids for the pass that scores the entry
                 entry.rows = self.engine.rows(entry.request)
@@ -483,7 +488,9 @@ class Worker:
             await pass_.marking
             answered = []
             for entry, outcome in zip(live, outcomes, strict=True):
-                if isinstance(outcome, ScoreResponse):
+                if isinstance(outcome, CompletionResponse):
+                    answered.append((entry, JobResult.ok(outcome.model_dump()), "succeeded"))
+                elif isinstance(outcome, ScoreResponse):
                     queued_ms = queue_wait_ms(entry.id, pass_.started_ms)
                     timing = outcome.timing
                     timing.queue_ms = queued_ms

@@ -1,0 +1,215 @@
+"""Completion prompts in the packed pass (POST /v1/completions).
+
+A prompt is a document whose root is its tokens (a string prompt: BOS + its tokens, as the
+model's own tokenizer adds them; a prompt of ids: those ids as sent) and which has no
+branches. Its readouts are root rows: with ``echo`` and ``logprobs``, every row (row j's
+fp32 log-softmax gives the logprob of token j + 1 and the top-N at j + 1), else only the last
+row (the next token). Nothing in a row's readout depends on the other documents of the pass,
+so a prompt's figures are bit-identical alone or packed with others.
+
+Greedy decoding reads the prompt and the tokens decoded so far again for each new token (one
+more document per step, its last row read out): a generated token's logprob is exactly the
+one the same text would get as an echoed prompt. That costs a read of the prompt per token,
+so ``max_tokens`` is small (completions.MAX_COMPLETION_TOKENS).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..completions import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionUsage,
+)
+from ..errors import ContextLengthError, InvalidRequestError, ModelNotFoundError
+from ..ids import new_ulid
+from ..model_names import served_names
+from ..tiles import READOUT_TILE, padded_rows
+from .layout import BranchBlock, EchoReadout, FlatDoc
+from .runner import DocScores
+
+_NO_BRANCHES = BranchBlock.build([])
+
+
+def prompt_doc(ids: list[int], first: int, top: int, pad_id: int) -> FlatDoc:
+    """The FlatDoc of ``ids`` read out at rows ``first..len(ids) - 1``."""
+    flat = _NO_BRANCHES.place(ids, pad_id)
+    rows = np.arange(first, len(ids), dtype=np.int64)
+    pad = -len(rows) % READOUT_TILE
+    flat.readout_rows = torch.from_numpy(np.concatenate([rows, np.zeros(pad, np.int64)]))
+    flat.echo = EchoReadout(top, np.asarray([*ids[first + 1:], -1], dtype=np.int64))
+    return flat
+
+
+@dataclass
+class PromptRun:
+    """One prompt on its way: its tokens, the readouts taken so far, the greedy tokens."""
+
+    ids: list[int]
+    text: str                        # the prompt's text as echoed
+    offsets: list[int]               # each prompt token's character offset in ``text``
+    first: int                       # the first row read out in the prompt's own pass
+    token_lp: list[float | None] = field(default_factory=list)   # per prompt token (echo)
+    top: list[tuple[np.ndarray, np.ndarray] | None] = field(default_factory=list)
+    generated: list[int] = field(default_factory=list)
+    gen_lp: list[float] = field(default_factory=list)
+    gen_top: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
+    finish: str | None = None        # set once decoding ended
+    cut: int | None = None           # the completion's text ends here (a stop string)
+    eos: bool = False                # the last generated token is EOS (not in the text)
+
+
+class PreparedCompletion:
+    """A completions request laid out: one PromptRun per prompt."""
+
+    def __init__(self, engine, request: CompletionRequest):
+        self.engine, self.request = engine, request
+        model = request.model
+        if model is not None and model not in served_names(engine.model_name):
+            raise ModelNotFoundError(
+                f"model {model!r} is not served here; served: {engine.model_name}",
+                param="model")
+        self.model = model or engine.model_name
+        self.top = max(request.logprobs or 0, 1)
+        tok = engine.checkpoint.tokenizer
+        vocab = int(engine.config.vocab_size)
+        context = int(engine.config.max_position_embeddings)
+        self.runs: list[PromptRun] = []
+        for k, prompt in enumerate(request.prompts):
+            param = "prompt" if len(request.prompts) == 1 else f"prompt[{k}]"
+            if isinstance(prompt, str):
+                encoding = tok.encode(prompt, add_special_tokens=False)
+                ids = [engine.checkpoint.bos_token_id, *encoding.ids]
+                offsets = [0, *(start for start, _ in encoding.offsets)]
+                text = prompt
+            else:
+                ids = list(prompt)
+                if bad := [t for t in ids if t >= vocab]:
+                    raise InvalidRequestError(
+                        f"token id {bad[0]} is outside the model's vocabulary (0-{vocab - 1})",
+                        param=param)
+                pieces = [self.piece(t) for t in ids]
+                offsets = np.cumsum([0, *map(len, pieces[:-1])]).tolist()
+                text = "".join(pieces)
+            if len(ids) + request.max_tokens > context:
+                raise ContextLengthError(
+                    f"the prompt is {len(ids)} tokens and {request.max_tokens} more are asked "
+                    f"for; the model's context is {context} tokens", param=param)
+            echo_scores = request.echo and request.logprobs is not None
+            self.runs.append(PromptRun(ids, text, offsets, 0 if echo_scores else len(ids) - 1))
+
+    def piece(self, token: int) -> str:
+        """A token as text on its own (special tokens by their names)."""
+        return self.engine.checkpoint.tokenizer.decode([token], skip_special_tokens=False)
+
+    @staticmethod
+    def rows(engine, request: CompletionRequest) -> int:
+        """Rows the request's first passes take (the queue packs by it)."""
+        prepared = PreparedCompletion(engine, request)
+        return sum(padded_rows(len(run.ids)) for run in prepared.runs)
+
+    def docs(self) -> list[FlatDoc | None]:
+        """Each prompt's first document (None for a prompt with nothing to read)."""
+        return [self.next_doc(run) for run in self.runs]
+
+    def next_doc(self, run: PromptRun) -> FlatDoc | None:
+        """The next document of ``run``: the prompt first, then prompt + decoded tokens."""
+        if run.finish is not None:
+            return None
+        if not run.top:
+            return prompt_doc(run.ids, run.first, self.top, self.engine.pad_id)
+        ids = run.ids + run.generated
+        return prompt_doc(ids, len(ids) - 1, self.top, self.engine.pad_id)
+
+    def take(self, k: int, scores: DocScores) -> FlatDoc | None:
+        """Store a pass's readouts of prompt ``k``; its next document, if decoding goes on."""
+        run = self.runs[k]
+        token_lp, top_lp, top_ids = scores.echo
+        if not run.top:   # the prompt's own pass
+            run.top = [None] * (run.first + 1)
+            run.token_lp = [None] * (run.first + 1)
+            for j in range(len(token_lp) - 1):   # row j predicts token j + 1
+                run.token_lp.append(float(token_lp[j]))
+                run.top.append((top_lp[j], top_ids[j]))
+        if self.request.max_tokens == 0:
+            run.finish = "length"
+            return None
+        token = int(top_ids[-1][0])
+        run.generated.append(token)
+        run.gen_lp.append(float(top_lp[-1][0]))
+        run.gen_top.append((top_lp[-1], top_ids[-1]))
+        if token == self.engine.checkpoint.eos_token_id:
+            # EOS ends the text (it is not part of it) but keeps its logprob: evaluation
+            # tools read the echoed prompt's logprobs up to the one generated token
+            run.eos, run.finish = True, "stop"
+            return None
+        text = "".join(self.piece(t) for t in run.generated)
+        cuts = [at for s in self.request.stop if (at := text.find(s)) >= 0]
+        if cuts:
+            run.cut, run.finish = min(cuts), "stop"
+        elif len(run.generated) >= self.request.max_tokens:
+            run.finish = "length"
+        return self.next_doc(run)
+
+    # ---- the response ------------------------------------------------------------------
+
+    def _top(self, top: tuple[np.ndarray, np.ndarray] | None) -> dict[str, float] | None:
+        if top is None:
+            return None
+        values, ids = top
+        out: dict[str, float] = {}
+        for value, token in zip(values[:self.request.logprobs].tolist(),
+                                ids[:self.request.logprobs].tolist(), strict=True):
+            out.setdefault(self.piece(token), value)
+        return out
+
+    def response(self) -> CompletionResponse:
+        request = self.request
+        choices = []
+        for index, run in enumerate(self.runs):
+            pieces = [self.piece(t) for t in run.generated]
+            completion = "".join(pieces[:-1] if run.eos else pieces)
+            n_gen = len(run.generated)
+            if run.cut is not None:
+                completion = completion[:run.cut]
+                # the tokens that begin before the cut
+                starts = np.cumsum([0, *map(len, pieces[:-1])]).tolist()
+                n_gen = sum(1 for s in starts if s < run.cut)
+            base = len(run.text) if request.echo else 0
+            logprobs = None
+            if request.logprobs is not None:
+                tokens, lps, tops, offsets = [], [], [], []
+                if request.echo:
+                    tokens = [self.piece(t) for t in run.ids]
+                    lps = list(run.token_lp)
+                    tops = [self._top(t) for t in run.top]
+                    offsets = list(run.offsets)
+                at = base
+                for g, (piece, lp, top) in enumerate(zip(pieces[:n_gen], run.gen_lp[:n_gen],
+                                                         run.gen_top[:n_gen], strict=True)):
+                    tokens.append(piece)
+                    lps.append(lp)
+                    tops.append(self._top(top))
+                    offsets.append(at)
+                    if not (run.eos and g == len(pieces) - 1):   # EOS takes no text
+                        at += len(piece)
+                logprobs = CompletionLogprobs(tokens=tokens, token_logprobs=lps,
+                                              top_logprobs=tops, text_offset=offsets)
+            choices.append(CompletionChoice(
+                text=(run.text if request.echo else "") + completion, index=index,
+                logprobs=logprobs, finish_reason=run.finish or "length"))
+        prompt_tokens = sum(len(run.ids) for run in self.runs)
+        completion_tokens = sum(len(run.generated) for run in self.runs)
+        return CompletionResponse(
+            id=f"cmpl-{new_ulid()}", created=int(time.time()), model=self.model,
+            system_fingerprint=self.engine.fingerprint, choices=choices,
+            usage=CompletionUsage(prompt_tokens=prompt_tokens,
+                                  completion_tokens=completion_tokens,
+                                  total_tokens=prompt_tokens + completion_tokens))
