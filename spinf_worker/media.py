@@ -180,17 +180,16 @@ class SizedMediaText:
 
     def expand(self, text: str, messages=()) -> str:
         """The presented text with each part's sequence; parts the header does not size (a
-        remote image, audio in a format not decoded) count as their markers alone."""
-        from .protocol import ImageUrlPart, InputAudioPart, VideoPart
-
+        remote image, audio in a format not decoded) count as their markers alone. The
+        parts are told apart by their ``type`` (protocol.py imports this module)."""
         images, audio = [], []
         for message in messages:
             for _, part in message.media_parts():
-                if isinstance(part, ImageUrlPart):
+                if part.type == "image_url":
                     images.append(part.image_url._info)
-                elif isinstance(part, VideoPart):
+                elif part.type == "video":
                     images += [f.image_url._info for f in part.video.frames]
-                elif isinstance(part, InputAudioPart):
+                elif part.type == "input_audio":
                     try:
                         audio.append(self.audio_tokens(b64decode(part.input_audio.data,
                                                                  "audio data"))
