@@ -44,19 +44,7 @@ class ImageProcessing:
 
     def pixels(self, url: str, max_pixels: int) -> torch.Tensor:
         """A ``data:image/...`` URL -> ``[3, height, width]`` float32, normalised."""
-        from PIL import Image
-
-        Image.MAX_IMAGE_PIXELS = max_pixels
-        try:
-            with Image.open(io.BytesIO(image_bytes(url))) as image:
-                image.seek(0)            # an animation's first frame
-                image.load()
-                rgb = to_rgb(image)
-        except MediaError:
-            raise
-        except Exception as exc:          # Pillow raises many types for bad data
-            raise MediaError(f"the image could not be decoded ({type(exc).__name__})",
-                             param="url") from None
+        rgb = decode_rgb(url, max_pixels)
         if rgb.size != (self.width, self.height):
             rgb = rgb.resize((self.width, self.height), resample=self.resample)
         x = np.asarray(rgb).transpose(2, 0, 1)                      # [3, H, W] uint8
@@ -65,6 +53,24 @@ class ImageProcessing:
         std = np.asarray(self.std, dtype=np.float32)
         x = ((x.T - mean) / std).T
         return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+
+
+def decode_rgb(url: str, max_pixels: int):
+    """A ``data:image/...`` URL -> its (first) frame as an RGB Pillow image; ``MediaError``
+    when it cannot be decoded."""
+    from PIL import Image
+
+    Image.MAX_IMAGE_PIXELS = max_pixels
+    try:
+        with Image.open(io.BytesIO(image_bytes(url))) as image:
+            image.seek(0)            # an animation's first frame
+            image.load()
+            return to_rgb(image)
+    except MediaError:
+        raise
+    except Exception as exc:          # Pillow raises many types for bad data
+        raise MediaError(f"the image could not be decoded ({type(exc).__name__})",
+                         param="url") from None
 
 
 def to_rgb(image):

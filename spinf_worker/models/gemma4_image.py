@@ -12,14 +12,13 @@ text is laid out from the image headers before any image is decoded.
 
 from __future__ import annotations
 
-import io
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from ..media import MediaError, gemma4_image_size, gemma4_image_tokens, image_bytes
-from .gemma3_image import to_rgb
+from ..media import gemma4_image_size, gemma4_image_tokens
+from .gemma3_image import decode_rgb
 
 BICUBIC = 3      # PIL.Image.Resampling.BICUBIC, the processor's default
 SOFT_TOKEN_BUDGETS = (70, 140, 280, 560, 1120)   # the processor's allowed max_soft_tokens
@@ -72,19 +71,7 @@ class Gemma4ImageProcessing:
     def pixels(self, url: str, max_pixels: int) -> torch.Tensor:
         """A ``data:image/...`` URL -> ``[rows, columns, patch_size**2 * 3]`` float32 patches
         in [0, 1] (the grid's shape is the patches' first two dimensions)."""
-        from PIL import Image
-
-        Image.MAX_IMAGE_PIXELS = max_pixels
-        try:
-            with Image.open(io.BytesIO(image_bytes(url))) as image:
-                image.seek(0)            # an animation's first frame
-                image.load()
-                rgb = to_rgb(image)
-        except MediaError:
-            raise
-        except Exception as exc:          # Pillow raises many types for bad data
-            raise MediaError(f"the image could not be decoded ({type(exc).__name__})",
-                             param="url") from None
+        rgb = decode_rgb(url, max_pixels)
         th, tw = self.target_size(*rgb.size)
         if rgb.size != (tw, th):
             rgb = rgb.resize((tw, th), resample=self.resample)
