@@ -151,8 +151,9 @@ def test_floor_is_the_questions_without_the_media(tiny_vision_engine):
     assert all(f is not None for f in floors[0])
 
 
-def other_requests(rng, count: int) -> list[dict]:
-    """Text-only and image documents of random lengths, other questions."""
+def other_requests(rng, count: int, max_side: int = 70) -> list[dict]:
+    """Text-only and image documents of random lengths (images up to ``max_side`` pixels a
+    side), other questions."""
     from .test_batch_invariance import other_request
 
     out = []
@@ -163,7 +164,8 @@ def other_requests(rng, count: int) -> list[dict]:
             words = request.pop("text")
             request["messages"] = [{"role": "user", "content": [
                 {"type": "text", "text": words[:rng.randint(0, 200)]},
-                image_part(image_url(100 + k, (rng.randint(8, 70), rng.randint(8, 70)))),
+                image_part(image_url(100 + k, (rng.randint(8, max_side),
+                                               rng.randint(8, max_side)))),
                 {"type": "text", "text": words[:rng.randint(0, 50)]}]}]
         out.append(request)
     return out

@@ -13,7 +13,13 @@ import pytest
 import torch
 
 from .conftest import TINY_BOS, TINY_GEMMA4_IMAGE_TOKENS
-from .test_media_gemma3 import QUERIES, media_request, option_logprobs, scores_and_residuals
+from .test_media_gemma3 import (
+    QUERIES,
+    media_request,
+    option_logprobs,
+    other_requests,
+    scores_and_residuals,
+)
 from .test_media_requests import image_part, image_url
 
 
@@ -153,24 +159,6 @@ def test_usage_counts_each_images_tokens(tiny_gemma4_vision_engine):
     assert usage.content["text_tokens"] == usage.content["tokens"] - expected
 
 
-def other_requests(rng, count: int) -> list[dict]:
-    """Text-only and image documents of random lengths and image sizes, other questions."""
-    from .test_batch_invariance import other_request
-
-    out = []
-    for k in range(count):
-        request = other_request(rng)
-        request["scoring"]["case_insensitive"] = False
-        if k % 2:
-            words = request.pop("text")
-            request["messages"] = [{"role": "user", "content": [
-                {"type": "text", "text": words[:rng.randint(0, 200)]},
-                image_part(image_url(100 + k, (rng.randint(8, 90), rng.randint(8, 90)))),
-                {"type": "text", "text": words[:rng.randint(0, 50)]}]}]
-        out.append(request)
-    return out
-
-
 @pytest.mark.parametrize("target", ["image", "text"])
 def test_bit_identical_alone_and_packed_among_text_and_image_documents(
         tiny_gemma4_vision_engine, target):
@@ -187,7 +175,7 @@ def test_bit_identical_alone_and_packed_among_text_and_image_documents(
     engine.settings.max_pass_tokens = 1 << 20       # every document in one pass
     try:
         for position in (0, 4, 9):
-            others = other_requests(rng, 9)
+            others = other_requests(rng, 9, max_side=90)
             batch = others[:position] + [request] + others[position:]
             packed = engine.score_batch(batch)
             assert not any(isinstance(r, Exception) for r in packed), packed

@@ -41,8 +41,3 @@ def load_engine(args: argparse.Namespace) -> Engine:
                            load_format=args.load_format or "auto")
     except (ValueError, RuntimeError) as err:   # unknown device string, scheme off its device
         raise ToolError(f"cannot load the model: {str(err).splitlines()[0]}") from None
-
-
-def device_class(engine: Engine) -> str:
-    """What the fingerprint calls the device (Engine.device_class)."""
-    return engine.device_class

@@ -13,7 +13,7 @@ import resource
 import sys
 import time
 
-from . import device_class, load_engine, news_job
+from . import load_engine, news_job
 
 
 def _synchronize(engine) -> None:
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     requests = news_job.build_requests(docs, questions, args.case_insensitive)
     report = {
         "model": engine.model_name, "scheme": engine.scheme, "device": str(engine.device),
-        "device_class": device_class(engine), "fingerprint": engine.fingerprint,
+        "device_class": engine.device_class, "fingerprint": engine.fingerprint,
         "threads": torch.get_num_threads(), "torch": torch.__version__,
         "docs": len(docs), "doc_tokens": args.doc_tokens,
         "questions_per_doc": len(questions["queries"]),

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import ToolError, device_class, gzjson, load_engine
+from . import ToolError, gzjson, load_engine
 
 if TYPE_CHECKING:
     from ..engine import Engine
@@ -116,7 +116,7 @@ def score_fixture(engine: Engine, fixture: Fixture, passes: int) -> Run:
 def reference_name(engine: Engine) -> str:
     """The conventional file name of the engine's reference: ``<model>.<device>-<scheme>``,
     e.g. gemma-3-270m.cpu-authenticamd-avx2-fp32.json.gz, gemma-3-270m.h200-bf16.json.gz."""
-    device = device_class(engine).lower().removeprefix("nvidia ")
+    device = engine.device_class.lower().removeprefix("nvidia ")
     slug = "".join(ch if ch.isalnum() else "-" for ch in device).strip("-")
     return f"{engine.model_name.rsplit('/', 1)[-1]}.{slug}-{engine.scheme}.json.gz"
 
@@ -129,7 +129,7 @@ def engine_identity(engine: Engine) -> dict:
     from ..engine.engine import KERNEL_VERSION
 
     return {"model": engine.model_name, "scheme": engine.scheme,
-            "device_class": device_class(engine), "fingerprint": engine.fingerprint,
+            "device_class": engine.device_class, "fingerprint": engine.fingerprint,
             "weights_digest": engine.checkpoint.weights_digest, "engine_version": __version__,
             "kernel_version": KERNEL_VERSION, "threads": torch.get_num_threads(),
             "torch": torch.__version__}
