@@ -912,6 +912,17 @@ class ScoreResponse(_Optional):
     # what the queue's statistics read (rows a pass holds); not part of the reply
     _rows: int = PrivateAttr(default=0)
     _padded_rows: int = PrivateAttr(default=0)
+    # the data the engine validated this reply from, less its timing (engine/respond.py)
+    _plain: dict | None = PrivateAttr(default=None)
+
+    def plain(self) -> dict[str, Any]:
+        """``model_dump()``, without dumping the model where the engine kept the data it was
+        built from (a worker stores thousands of replies a second): that data with the
+        timing as it is now (the worker sets the queue's share). Any other field changed
+        after the engine built the reply is not seen."""
+        if self._plain is None:
+            return self.model_dump()
+        return {**self._plain, "timing": self.timing.model_dump()}
 
 
 class ErrorBody(BaseModel):

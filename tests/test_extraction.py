@@ -4,6 +4,7 @@ bounds, and whole requests on the default model."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -281,3 +282,11 @@ def test_another_seed_writes_other_text(default_engine, generated):
     answers = combination(default_engine.score(other), "0", "sampled").answers
     assert [a.text for a in answers] != [a.text for a in
                                          combination(generated[0], "0", "sampled").answers]
+
+
+def test_the_plain_reply_is_the_models_dump(extracted, generated):
+    """Answers of every kind (values, currencies, p_negative, calibration, generated text)
+    are stored as dumping the model writes them (ScoreResponse.plain)."""
+    for response in (extracted, *generated):
+        assert json.dumps(response.plain(), sort_keys=True) == \
+               json.dumps(response.model_dump(), sort_keys=True)

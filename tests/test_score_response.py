@@ -4,6 +4,7 @@ model and endpoint echoed, floors on or off per call and per query, combinations
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -145,3 +146,29 @@ def test_timing_is_whole_milliseconds(tiny_engine):
     timing = score(tiny_engine).timing
     assert all(isinstance(v, int) and v >= 0 for v in timing.model_dump().values())
     assert timing.score_ms <= timing.wall_ms
+
+
+def same_json(a, b) -> bool:
+    """Equal as JSON, types included (0 and 0.0 are written differently)."""
+    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+
+
+def test_the_plain_reply_is_the_models_dump(tiny_engine):
+    """What workers store (ScoreResponse.plain: the data the engine built the reply from) is
+    what dumping the model gives, over every part of a reply: floors on and off, spellings,
+    grids, extraction slots, packs, warnings, the endpoint, and the timing set afterwards."""
+    extraction = {"id": "month", "template": '\n\nQ: Which month?\nA: "{*}"', "max_tokens": 4}
+    request = {"inputs": [{"id": "a", "messages": [{"content": NEWS}]},
+                          {"id": "b", "messages": [{"content": "Short."}],
+                           "queries": [extraction, QUERIES[1] | {"id": "tone2", "empty_floor": False}]}],
+               "scoring": {"queries": QUERIES, "case_insensitive": True},
+               "endpoint": "triage"}
+    packs = {"text": NEWS, "scoring": {"queries": QUERIES[:1],
+                                       "packs": [{"id": "spinf/moderation"}]}}
+    for body in (request, packs, {"messages": [{"role": "user", "content": NEWS}],
+                                  "scoring": {"queries": QUERIES}}):
+        response = tiny_engine.score(body)
+        assert same_json(response.plain(), response.model_dump())
+        response.timing.queue_ms, response.timing.wall_ms = 7, 9
+        assert same_json(response.plain(), response.model_dump())
+        assert response.plain()["timing"]["queue_ms"] == 7

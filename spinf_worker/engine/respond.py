@@ -104,12 +104,18 @@ def build_response(p: PreparedRequest, scores: list[DocScores], floors: dict[tup
     if p.packs:
         usage["packs"] = {"count": len(p.packs)}
     elapsed_ms = int(round((time.perf_counter() - started) * 1000))
-    response = ScoreResponse.model_validate({
-        "id": "scr_" + new_ulid(), "created": int(time.time()),
-        "model": p.request.model or model, "endpoint": p.request.endpoint,
-        "system_fingerprint": fingerprint, "results": results, "warnings": warnings,
-        "usage": usage, "timing": {"wall_ms": elapsed_ms, "score_ms": elapsed_ms}})
+    # in the shape model_dump gives (defaults written, unset optional fields left out):
+    # ScoreResponse.plain() hands it to the queue as it is, instead of dumping the model
+    data = {"id": "scr_" + new_ulid(), "object": "score", "created": int(time.time()),
+            "model": p.request.model or model}
+    if p.request.endpoint is not None:
+        data["endpoint"] = p.request.endpoint
+    data.update(system_fingerprint=fingerprint, results=results, warnings=warnings,
+                usage=usage)
+    response = ScoreResponse.model_validate(
+        {**data, "timing": {"wall_ms": elapsed_ms, "score_ms": elapsed_ms}})
     response._rows, response._padded_rows = rows, padded
+    response._plain = data
     return response
 
 

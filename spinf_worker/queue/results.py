@@ -56,7 +56,7 @@ class JobResult(BaseModel):
 
     @classmethod
     def ok(cls, response: ScoreResponse | dict) -> JobResult:
-        body = response.model_dump() if isinstance(response, ScoreResponse) else response
+        body = response.plain() if isinstance(response, ScoreResponse) else response
         return cls(status_code=200, body=body)
 
     @classmethod
