@@ -239,6 +239,13 @@ async def post_score(client: httpx.AsyncClient, body: dict) -> tuple[dict, float
 
 
 async def run_batch(client: httpx.AsyncClient, requests: list[dict], tag: str) -> tuple[float, list]:
+    seconds, batch = await submit_batch(client, requests, tag)
+    return seconds, await batch_output(client, batch, requests, tag)
+
+
+async def submit_batch(client: httpx.AsyncClient, requests: list[dict], tag: str
+                       ) -> tuple[float, dict]:
+    """The requests as one batch, waited for until it completes: (seconds, the batch)."""
     content = "".join(json.dumps({"custom_id": f"{tag}-{i}", "method": "POST",
                                   "url": "/v1/score", "body": b}) + "\n"
                       for i, b in enumerate(requests)).encode()
@@ -257,11 +264,17 @@ async def run_batch(client: httpx.AsyncClient, requests: list[dict], tag: str) -
     seconds = time.perf_counter() - t0
     if batch["status"] != "completed":
         raise RuntimeError(f"batch ended {batch['status']}: {batch}")
+    return seconds, batch
+
+
+async def batch_output(client: httpx.AsyncClient, batch: dict, requests: list[dict], tag: str
+                       ) -> list:
+    """Each request's reply body, in order, from the completed batch's output file."""
     out = await client.get(f"/v1/files/{batch['output_file_id']}/content")
     rows = {row["custom_id"]: row for row in map(json.loads, out.text.splitlines())}
     if len(rows) != len(requests):
         raise RuntimeError(f"batch output has {len(rows)} lines, not {len(requests)}")
-    return seconds, [rows[f"{tag}-{i}"]["response"]["body"] for i in range(len(requests))]
+    return [rows[f"{tag}-{i}"]["response"]["body"] for i in range(len(requests))]
 
 
 def _client_process(url: str, items: list[tuple[int, dict]], concurrency: int,
@@ -311,8 +324,10 @@ def run_concurrent(url: str, requests: list[dict], clients: int, procs: int
 
 async def run_interactive(client: httpx.AsyncClient, requests: list[dict], trickle_s: float
                           ) -> dict:
-    """A bulk batch of every document, and meanwhile one single request every trickle_s."""
-    batch = asyncio.create_task(run_batch(client, requests, "bulk2"))
+    """A bulk batch of every document, and meanwhile one single request every trickle_s. The
+    batch's output is read only after the last single is answered: reading and parsing it
+    in this client's one event loop would delay the singles' replies by seconds."""
+    batch = asyncio.create_task(submit_batch(client, requests, "bulk2"))
     latencies, singles, sent, k = [], [], [], 0
     t0 = time.perf_counter()
     while not batch.done():
