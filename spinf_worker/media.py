@@ -5,7 +5,8 @@ Images come as ``data:image/<png|jpeg|jpg|webp|gif>;base64,<data>`` URLs (or, wh
 server allows it, ``https://`` URLs that the API fetches and inlines, api/media_fetch.py).
 A part's format is read from its first bytes and its size from its header, so an image too
 large (``max_image_pixels``) or not an image at all is an ``invalid_media`` 400 at once.
-Audio comes as base64 in a container ``format``; a WAV file's length is read from its header.
+Audio comes as base64 in a container ``format``; a WAV file's length is read from its header,
+the other formats' when decoded (audio_decode.py).
 """
 
 from __future__ import annotations
@@ -143,7 +144,9 @@ def wav_length(data: bytes) -> tuple[int, int]:
 
 
 def resampled_length(samples: int, rate: int, target: int) -> int:
-    return samples if rate == target else int(round(samples * target / rate))
+    """Samples after resampling: ceil(samples * target / rate), the length transformers'
+    load_audio pads or cuts its resampled audio to."""
+    return samples if rate == target else -(-samples * target // rate)
 
 
 @dataclass(frozen=True)
@@ -171,16 +174,17 @@ class SizedMediaText:
         return gemma4_image_tokens(width, height, self.patch, self.max_soft_tokens,
                                    self.pooling)
 
-    def audio_tokens(self, data: bytes) -> int:
-        samples, rate = wav_length(data)
+    def audio_tokens(self, length: tuple[int, int]) -> int:
+        """Soft tokens of an audio part of (sample frames, rate)."""
+        samples, rate = length
         return gemma4_audio_tokens(resampled_length(samples, rate, self.sampling_rate),
                                    frame_length=int(round(self.sampling_rate * 0.02)),
                                    hop_length=int(round(self.sampling_rate * 0.01)),
                                    max_tokens=self.max_audio_tokens)
 
     def expand(self, text: str, messages=()) -> str:
-        """The presented text with each part's sequence; parts the header does not size (a
-        remote image, audio in a format not decoded) count as their markers alone. The
+        """The presented text with each part's sequence; parts not sized (a remote image, an
+        audio part not measured: protocol.measure_audio) count as their markers alone. The
         parts are told apart by their ``type`` (protocol.py imports this module)."""
         images, audio = [], []
         for message in messages:
@@ -190,12 +194,8 @@ class SizedMediaText:
                 elif part.type == "video":
                     images += [f.image_url._info for f in part.video.frames]
                 elif part.type == "input_audio":
-                    try:
-                        audio.append(self.audio_tokens(b64decode(part.input_audio.data,
-                                                                 "audio data"))
-                                     if part.input_audio.format == "wav" else 0)
-                    except MediaError:
-                        audio.append(0)
+                    length = part.input_audio._length
+                    audio.append(0 if length is None else self.audio_tokens(length))
         if self.audio_marker is not None and text.count(self.audio_marker) == len(audio):
             pieces = text.split(self.audio_marker)
             text = pieces[0] + "".join(

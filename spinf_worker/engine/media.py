@@ -16,8 +16,9 @@ token limits); its soft tokens see each other both ways only on the sliding-wind
 models with ``use_bidirectional_attention = "vision"`` (the model's ``media_attention``).
 
 Audio (a Gemma 4 with an audio tower) is laid out the same way: an ``input_audio`` part is
-presented as ``<boa>`` and becomes ``<boa>`` + N audio soft tokens + ``<eoa>``, N from the
-WAV header's length (models/gemma4_audio.py); its tokens stay causal.
+presented as ``<boa>`` and becomes ``<boa>`` + N audio soft tokens + ``<eoa>``, N from its
+length (a WAV's header; mp3, flac, ogg, m4a and webm decoded: audio_decode.py); its tokens
+stay causal.
 
 Only the CPU engine reads images for now: the CUDA attention has no bidirectional image
 blocks, so there a media part is ``media_not_supported``.
@@ -48,6 +49,7 @@ class MediaImage:
     height: int = 0
     kind: str = "image"           # "image" or "audio"
     format: str = ""              # audio: its container format
+    max_seconds: float = 600      # audio: the call's max_audio_seconds (decoding stops there)
 
 
 @dataclass(frozen=True)
@@ -101,7 +103,8 @@ class MediaLayout:
         return cls(tuple(kinds), text.marker, text.sequence, cfg.image_token_id,
                    cfg.mm_tokens_per_image, cfg.image)
 
-    def images(self, messages: list[Message], where: str) -> tuple[list[MediaImage], int]:
+    def images(self, messages: list[Message], where: str, max_seconds: float = 600
+               ) -> tuple[list[MediaImage], int]:
         """Every image of the content in order (an image part's, a video's frames), and how
         many of them are video frames. Nothing is decoded yet."""
         out, frames = [], 0
@@ -117,7 +120,8 @@ class MediaLayout:
                 if isinstance(part, InputAudioPart):
                     out.append(MediaImage(part.input_audio.data, f"{at}.input_audio.data",
                                           False, kind="audio",
-                                          format=part.input_audio.format))
+                                          format=part.input_audio.format,
+                                          max_seconds=max_seconds))
                 elif isinstance(part, ImageUrlPart):
                     out.append(one(part.image_url, f"{at}.image_url.url", False))
                 elif isinstance(part, VideoPart):
@@ -142,10 +146,11 @@ class MediaLayout:
             raise
 
     def audio_tokens(self, part: MediaImage) -> int:
-        """Soft tokens of an audio part: from its WAV header's length at the extractor's
-        rate (``media_not_supported`` for the formats not decoded here)."""
+        """Soft tokens of an audio part: from its length at the extractor's rate (a WAV's
+        header, another format decoded; invalid_media past the call's seconds)."""
         try:
-            tokens = self.audio.tokens(self.audio.header_samples(part.url, part.format))
+            tokens = self.audio.tokens(self.audio.header_samples(part.url, part.format,
+                                                                 part.max_seconds))
             if not tokens:
                 raise InvalidRequestError("the audio is too short to read (under 40 ms)",
                                           code="invalid_media")
@@ -161,7 +166,7 @@ class MediaLayout:
         for image in images:
             try:
                 if image.kind == "audio":
-                    samples = self.audio.waveform(image.url, image.format)
+                    samples = self.audio.waveform(image.url, image.format, image.max_seconds)
                     if self.audio.tokens(samples.shape[0]) != self.audio_tokens(image):
                         raise InvalidRequestError("the WAV data is shorter than its header "
                                                   "says", code="invalid_media")
