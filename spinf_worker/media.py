@@ -169,6 +169,9 @@ class SizedMediaText:
     audio_close: str = ""
     sampling_rate: int = 16_000
     max_audio_tokens: int = 750
+    # video frames under a token of their own (None: frames are read as images)
+    video_soft: str | None = None
+    video_max_soft_tokens: int = 70
 
     def image_tokens(self, width: int, height: int) -> int:
         return gemma4_image_tokens(width, height, self.patch, self.max_soft_tokens,
@@ -186,13 +189,13 @@ class SizedMediaText:
         """The presented text with each part's sequence; parts not sized (a remote image, an
         audio part not measured: protocol.measure_audio) count as their markers alone. The
         parts are told apart by their ``type`` (protocol.py imports this module)."""
-        images, audio = [], []
+        images, audio = [], []      # images: (header, a video frame)
         for message in messages:
             for _, part in message.media_parts():
                 if part.type == "image_url":
-                    images.append(part.image_url._info)
+                    images.append((part.image_url._info, False))
                 elif part.type == "video":
-                    images += [f.image_url._info for f in part.video.frames]
+                    images += [(f.image_url._info, True) for f in part.video.frames]
                 elif part.type == "input_audio":
                     length = part.input_audio._length
                     audio.append(0 if length is None else self.audio_tokens(length))
@@ -204,12 +207,17 @@ class SizedMediaText:
         if text.count(self.marker) == len(images):
             pieces = text.split(self.marker)
             out = [pieces[0]]
-            for info, piece in zip(images, pieces[1:], strict=True):
+            for (info, frame), piece in zip(images, pieces[1:], strict=True):
+                video = frame and self.video_soft is not None
                 try:
-                    n = 0 if info is None else self.image_tokens(info.width, info.height)
+                    n = 0 if info is None else gemma4_image_tokens(
+                        info.width, info.height, self.patch,
+                        self.video_max_soft_tokens if video else self.max_soft_tokens,
+                        self.pooling)
                 except MediaError:
                     n = 0
-                out.append(f"{self.open}{self.soft * n}{self.close}{piece}")
+                soft = self.video_soft if video else self.soft
+                out.append(f"{self.open}{soft * n}{self.close}{piece}")
             text = "".join(out)
         return text
 
@@ -350,6 +358,11 @@ def _gemma4_text(config: dict, id_to_token, processor: dict) -> SizedMediaText |
                          audio_close=atexts[2],
                          sampling_rate=int(extractor.get("sampling_rate", 16_000)),
                          max_audio_tokens=int(processor.get("audio_seq_length", 750)))
+    video = id_to_token(config.get("video_token_id", 258884))
+    if video is not None:
+        frames = processor.get("video_processor") or {}
+        audio.update(video_soft=video,
+                     video_max_soft_tokens=int(frames.get("max_soft_tokens", 70)))
     return SizedMediaText(texts[0], texts[0], texts[1], texts[2],
                           patch=int(image.get("patch_size", vision.get("patch_size", 16))),
                           max_soft_tokens=int(image.get("max_soft_tokens", 280)),

@@ -20,6 +20,11 @@ presented as ``<boa>`` and becomes ``<boa>`` + N audio soft tokens + ``<eoa>``, 
 length (a WAV's header; mp3, flac, ogg, m4a and webm decoded: audio_decode.py); its tokens
 stay causal.
 
+Gemma 4 reads a video as its processor lays it out: each frame ``mm:ss`` + " " + ``<boi>`` + N
+video soft tokens + ``<eoi>``, frames joined by a space, N from the frame's size under the
+video processor's budget (models/gemma4_video.py); a frame's tokens see each other as an
+image's do.
+
 Only the CPU engine reads images for now: the CUDA attention has no bidirectional image
 blocks, so there a media part is ``media_not_supported``.
 """
@@ -75,6 +80,11 @@ class MediaLayout:
     audio_close: str = ""
     audio_id: int = -1
     audio: object = None          # models.gemma4_audio.AudioProcessing
+    # a model with video tokens of its own (Gemma 4): each frame open + video_soft * N +
+    # close, N from the video processor's budget
+    video_soft: str = ""
+    video_id: int = -1
+    video: object = None          # models.gemma4_video.Gemma4VideoProcessing
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, tokenizer, device: torch.device
@@ -97,6 +107,10 @@ class MediaLayout:
                 audio = dict(audio_marker=boa, audio_open=boa, audio_soft=soft,
                              audio_close=eoa, audio_id=cfg.audio_token_id,
                              audio=cfg.audio_processing)
+            video = tokenizer.id_to_token(cfg.video_token_id)
+            if video is not None and cfg.video is not None:    # its tokenizer has <|video|>
+                kinds = (*kinds, "video")
+                audio.update(video_soft=video, video_id=cfg.video_token_id, video=cfg.video)
             return cls(tuple(kinds), boi, "", cfg.image_token_id, 0, cfg.image,
                        open=boi, soft=image, close=eoi, **audio)
         text = ImageText.gemma3(boi, eoi, image, cfg.mm_tokens_per_image)
@@ -136,11 +150,12 @@ class MediaLayout:
             return self.audio_tokens(image)
         if self.tokens:
             return self.tokens
+        processing = self.video if image.frame and self.video is not None else self.processing
         if not image.width:
             raise InvalidRequestError("send the image as a data URL", param=image.param,
                                       code="invalid_media")
         try:
-            return self.processing.tokens(image.width, image.height)
+            return processing.tokens(image.width, image.height)
         except InvalidRequestError as err:
             err.param = image.param
             raise
@@ -172,7 +187,9 @@ class MediaLayout:
                                                   "says", code="invalid_media")
                     out.append(self.audio.features(samples))
                     continue
-                out.append(self.processing.pixels(image.url, max_pixels))
+                processing = (self.video if image.frame and self.video is not None
+                              else self.processing)
+                out.append(processing.pixels(image.url, max_pixels))
             except InvalidRequestError as err:
                 err.param = image.param
                 raise
@@ -204,7 +221,8 @@ class MediaLayout:
             pieces = text.split(self.marker)
             out = [pieces[0]]
             for image, piece in zip(images, pieces[1:], strict=True):
-                out += [self.open, self.soft * self.image_tokens(image), self.close, piece]
+                soft = self.video_soft if image.frame and self.video is not None else self.soft
+                out += [self.open, soft * self.image_tokens(image), self.close, piece]
             text = "".join(out)
         return text
 
@@ -214,8 +232,12 @@ class MediaLayout:
         soft tokens, in the order they stand."""
         ids = flat.input_ids[:flat.root].numpy()
         rows = []
-        for kind, soft_id in (("image", self.image_id), ("audio", self.audio_id)):
-            mine = [(i, p) for i, p in zip(images, pixels, strict=True) if i.kind == kind]
+        own_video = self.video is not None      # frames under the video token (Gemma 4)
+        for kind, soft_id in (("image", self.image_id), ("video", self.video_id),
+                              ("audio", self.audio_id)):
+            mine = [(i, p) for i, p in zip(images, pixels, strict=True)
+                    if (i.kind == "audio") == (kind == "audio")
+                    and (kind == "audio" or (own_video and i.frame) == (kind == "video"))]
             soft = ids == soft_id
             starts = np.flatnonzero(soft & ~np.concatenate([[False], soft[:-1]]))
             ends = np.flatnonzero(soft & ~np.concatenate([soft[1:], [False]])) + 1
@@ -223,7 +245,8 @@ class MediaLayout:
             if len(starts) != len(mine) or list(ends - starts) != counts:
                 raise InvalidRequestError(f"the content's text holds the model's {kind} tokens",
                                           param=where, code="unsupported_content")
-            rows += [ImageRows(int(s), int(s) + n, p, image.frame, kind,
+            rows += [ImageRows(int(s), int(s) + n, p, image.frame,
+                               "audio" if kind == "audio" else "image",
                                p[2] if kind == "audio" else 0.0)
                      for s, n, (image, p) in zip(starts, counts, mine, strict=True)]
         flat.media = sorted(rows, key=lambda r: r.start)
