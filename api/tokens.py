@@ -114,6 +114,8 @@ def load(model: str) -> ServedTokens | None:
     processor = _read_json(directory / "processor_config.json")
     processor["image_processor"] = (processor.get("image_processor")
                                     or _read_json(directory / "preprocessor_config.json"))
+    processor["video_processor"] = (processor.get("video_processor")
+                                    or _read_json(directory / "video_preprocessor_config.json"))
     return ServedTokens(encode, mode, context if isinstance(context, int) else None,
                         ImageText.from_config(raw_config, tokenizer.id_to_token, processor))
 

@@ -64,9 +64,9 @@ def _read_lines(path: str) -> Iterator[str]:
 
 EXTRA_MODULES = {   # the extra that installs each module a command imports (pyproject.toml)
     "api": ("fastapi", "orjson", "uvicorn", "redis", "httpx", "pydantic_settings", "prometheus_client",
-            "structlog", "platformdirs"),
+            "structlog", "platformdirs", "av"),
     "server": ("torch", "numpy", "tokenizers", "safetensors", "gguf", "huggingface_hub",
-               "jinja2", "tqdm", "yaml", "feedparser", "trafilatura"),
+               "jinja2", "tqdm", "yaml", "feedparser", "trafilatura", "soxr"),
     "calibrate": ("sklearn", "matplotlib"),
 }
 COMMAND_EXTRAS = {"serve": ("server",), "worker": ("server",), "ingest": ("server",),

@@ -5,7 +5,8 @@ Images come as ``data:image/<png|jpeg|jpg|webp|gif>;base64,<data>`` URLs (or, wh
 server allows it, ``https://`` URLs that the API fetches and inlines, api/media_fetch.py).
 A part's format is read from its first bytes and its size from its header, so an image too
 large (``max_image_pixels``) or not an image at all is an ``invalid_media`` 400 at once.
-Audio comes as base64 in a container ``format``; a WAV file's length is read from its header.
+Audio comes as base64 in a container ``format``; a WAV file's length is read from its header,
+the other formats' when decoded (audio_decode.py).
 """
 
 from __future__ import annotations
@@ -143,7 +144,9 @@ def wav_length(data: bytes) -> tuple[int, int]:
 
 
 def resampled_length(samples: int, rate: int, target: int) -> int:
-    return samples if rate == target else int(round(samples * target / rate))
+    """Samples after resampling: ceil(samples * target / rate), the length transformers'
+    load_audio pads or cuts its resampled audio to."""
+    return samples if rate == target else -(-samples * target // rate)
 
 
 @dataclass(frozen=True)
@@ -166,36 +169,36 @@ class SizedMediaText:
     audio_close: str = ""
     sampling_rate: int = 16_000
     max_audio_tokens: int = 750
+    # video frames under a token of their own (None: frames are read as images)
+    video_soft: str | None = None
+    video_max_soft_tokens: int = 70
 
     def image_tokens(self, width: int, height: int) -> int:
         return gemma4_image_tokens(width, height, self.patch, self.max_soft_tokens,
                                    self.pooling)
 
-    def audio_tokens(self, data: bytes) -> int:
-        samples, rate = wav_length(data)
+    def audio_tokens(self, length: tuple[int, int]) -> int:
+        """Soft tokens of an audio part of (sample frames, rate)."""
+        samples, rate = length
         return gemma4_audio_tokens(resampled_length(samples, rate, self.sampling_rate),
                                    frame_length=int(round(self.sampling_rate * 0.02)),
                                    hop_length=int(round(self.sampling_rate * 0.01)),
                                    max_tokens=self.max_audio_tokens)
 
     def expand(self, text: str, messages=()) -> str:
-        """The presented text with each part's sequence; parts the header does not size (a
-        remote image, audio in a format not decoded) count as their markers alone. The
+        """The presented text with each part's sequence; parts not sized (a remote image, an
+        audio part not measured: protocol.measure_audio) count as their markers alone. The
         parts are told apart by their ``type`` (protocol.py imports this module)."""
-        images, audio = [], []
+        images, audio = [], []      # images: (header, a video frame)
         for message in messages:
             for _, part in message.media_parts():
                 if part.type == "image_url":
-                    images.append(part.image_url._info)
+                    images.append((part.image_url._info, False))
                 elif part.type == "video":
-                    images += [f.image_url._info for f in part.video.frames]
+                    images += [(f.image_url._info, True) for f in part.video.frames]
                 elif part.type == "input_audio":
-                    try:
-                        audio.append(self.audio_tokens(b64decode(part.input_audio.data,
-                                                                 "audio data"))
-                                     if part.input_audio.format == "wav" else 0)
-                    except MediaError:
-                        audio.append(0)
+                    length = part.input_audio._length
+                    audio.append(0 if length is None else self.audio_tokens(length))
         if self.audio_marker is not None and text.count(self.audio_marker) == len(audio):
             pieces = text.split(self.audio_marker)
             text = pieces[0] + "".join(
@@ -204,12 +207,17 @@ class SizedMediaText:
         if text.count(self.marker) == len(images):
             pieces = text.split(self.marker)
             out = [pieces[0]]
-            for info, piece in zip(images, pieces[1:], strict=True):
+            for (info, frame), piece in zip(images, pieces[1:], strict=True):
+                video = frame and self.video_soft is not None
                 try:
-                    n = 0 if info is None else self.image_tokens(info.width, info.height)
+                    n = 0 if info is None else gemma4_image_tokens(
+                        info.width, info.height, self.patch,
+                        self.video_max_soft_tokens if video else self.max_soft_tokens,
+                        self.pooling)
                 except MediaError:
                     n = 0
-                out.append(f"{self.open}{self.soft * n}{self.close}{piece}")
+                soft = self.video_soft if video else self.soft
+                out.append(f"{self.open}{soft * n}{self.close}{piece}")
             text = "".join(out)
         return text
 
@@ -350,6 +358,11 @@ def _gemma4_text(config: dict, id_to_token, processor: dict) -> SizedMediaText |
                          audio_close=atexts[2],
                          sampling_rate=int(extractor.get("sampling_rate", 16_000)),
                          max_audio_tokens=int(processor.get("audio_seq_length", 750)))
+    video = id_to_token(config.get("video_token_id", 258884))
+    if video is not None:
+        frames = processor.get("video_processor") or {}
+        audio.update(video_soft=video,
+                     video_max_soft_tokens=int(frames.get("max_soft_tokens", 70)))
     return SizedMediaText(texts[0], texts[0], texts[1], texts[2],
                           patch=int(image.get("patch_size", vision.get("patch_size", 16))),
                           max_soft_tokens=int(image.get("max_soft_tokens", 280)),

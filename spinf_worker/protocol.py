@@ -110,6 +110,8 @@ class InputAudio(BaseModel):
     format: Literal["wav", "mp3", "flac", "ogg", "m4a", "webm"]
 
     _seconds: float | None = PrivateAttr(default=None)   # None: unknown until decoded
+    # (sample frames, rate), once measured (measure_audio)
+    _length: tuple[int, int] | None = PrivateAttr(default=None)
 
     @model_validator(mode="after")
     def _check(self) -> InputAudio:
@@ -585,6 +587,29 @@ def check_media(messages: list[Message], limits: Limits, where: str) -> None:
                                    f"{info.pixels:,} pixels; at most "
                                    f"{limits.max_image_pixels:,}", param=param,
                                    code="invalid_media")
+
+
+def measure_audio(messages: list[Message], limits: Limits, where: str) -> None:
+    """Each audio part's length (a WAV's from its header, the other formats' by decoding
+    them: audio_decode.py, run it off the event loop) within the call's max_audio_seconds;
+    ``invalid_media`` naming a part that cannot be decoded or is longer."""
+    from spinf_worker.audio_decode import audio_length
+
+    limit = limits.max_audio_seconds
+    for m, message in enumerate(messages):
+        for k, part in message.media_parts():
+            if not isinstance(part, InputAudioPart) or part.input_audio._length is not None:
+                continue
+            audio = part.input_audio
+            try:
+                samples, rate = audio_length(audio.data, audio.format, limit)
+                if samples > limit * rate:
+                    raise media.MediaError(f"the audio is {samples / rate:,.1f} s; at most "
+                                           f"{limit:,} s")
+            except media.MediaError as error:
+                error.param = f"{where}.{m}.content.{k}.input_audio.data"
+                raise
+            audio._length, audio._seconds = (samples, rate), samples / rate
 
 
 @dataclass(frozen=True)

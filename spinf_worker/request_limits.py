@@ -25,6 +25,7 @@ from .protocol import (
     Message,
     Query,
     ScoreRequest,
+    measure_audio,
     media_kinds,
 )
 from .templates import SCORED, Combination
@@ -381,6 +382,9 @@ def check_request(request: ScoreRequest, packs: dict, *, tokens: ServedTokens | 
         grids = [q.combinations_list() for q in queries]
         if encode is not None:
             check_query_tokens(queries, grids, limits, params, encode, bound=utf8_bound)
+        # audio lengths (decoded where the header does not tell): limit and token counts
+        measure_audio(doc.messages, limits, "messages" if where == "messages"
+                      else f"{where}.messages")
         messages = wrapped_messages(doc, runs, i)
         full = None      # with media: the content as the model reads it, images included
         image = getattr(tokens, "image", None)

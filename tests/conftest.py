@@ -281,10 +281,11 @@ def tiny_vision_oracle(tiny_vision_dir):
 TINY_GEMMA4_IMAGE_TOKENS = ["<|image>", "<image|>", "<|image|>"]
 TINY_GEMMA4_AUDIO_TOKENS = ["<|audio>", "<audio|>", "<|audio|>"]
 TINY_GEMMA4_PATCH = 4
+TINY_GEMMA4_VIDEO_TOKEN = "<|video|>"
 
 
 def write_tiny_gemma4_vision(path: Path, tokenizer_dir: Path, *, seed: int = 0,
-                             bidirectional: str | None = "vision") -> Path:
+                             bidirectional: str | None = "vision", video: bool = False) -> Path:
     from tokenizers import AddedToken, Tokenizer
     from transformers import (
         Gemma4AudioConfig,
@@ -304,12 +305,16 @@ def write_tiny_gemma4_vision(path: Path, tokenizer_dir: Path, *, seed: int = 0,
     boi, eoi, image = (tokenizer.token_to_id(t) for t in TINY_GEMMA4_IMAGE_TOKENS)
     boa, eoa, audio = (tokenizer.token_to_id(t) for t in TINY_GEMMA4_AUDIO_TOKENS)
     assert (boi, eoi, image, boa, eoa, audio) == tuple(range(base, base + 6))
+    if video:     # a <|video|> token and a video processor at the tower's patch size
+        tokenizer.add_special_tokens([AddedToken(TINY_GEMMA4_VIDEO_TOKEN, special=True,
+                                                 normalized=False)])
+    vocab = tokenizer.get_vocab_size()
     torch.manual_seed(seed)
     text = Gemma4TextConfig(
-        vocab_size=base + 6, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=16,
         sliding_window=8, max_position_embeddings=4096, hidden_size_per_layer_input=8,
-        vocab_size_per_layer_input=base + 6, final_logit_softcapping=30.0,
+        vocab_size_per_layer_input=vocab, final_logit_softcapping=30.0,
         use_bidirectional_attention=bidirectional,
         layer_types=["sliding_attention", "sliding_attention", "full_attention",
                      "sliding_attention"],
@@ -325,6 +330,7 @@ def write_tiny_gemma4_vision(path: Path, tokenizer_dir: Path, *, seed: int = 0,
     cfg = Gemma4Config(text_config=text, vision_config=vision, audio_config=sound,
                        image_token_id=image, boi_token_id=boi, eoi_token_id=eoi,
                        audio_token_id=audio, boa_token_id=boa, eoa_token_index=eoa,
+                       **({"video_token_id": base + 6} if video else {}),
                        bos_token_id=TINY_BOS, eos_token_id=TINY_EOS, pad_token_id=TINY_PAD)
     model = Gemma4ForConditionalGeneration(cfg)
     gen = torch.Generator().manual_seed(seed)
@@ -347,10 +353,35 @@ def write_tiny_gemma4_vision(path: Path, tokenizer_dir: Path, *, seed: int = 0,
     model.save_pretrained(path)
     Gemma4ImageProcessorPil(patch_size=TINY_GEMMA4_PATCH, max_soft_tokens=70,
                             pooling_kernel_size=3).save_pretrained(path)
+    if video:    # transformers' Gemma4VideoProcessor needs torchvision: its config by hand
+        (path / "video_preprocessor_config.json").write_text(json.dumps({
+            "video_processor_type": "Gemma4VideoProcessor", "patch_size": TINY_GEMMA4_PATCH,
+            "max_soft_tokens": 70, "pooling_kernel_size": 3}))
     tokenizer.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_bytes(
         (tokenizer_dir / "tokenizer_config.json").read_bytes())
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma4_video_dir(tmp_path_factory, tiny_tokenizer_dir) -> Path:
+    return write_tiny_gemma4_vision(tmp_path_factory.mktemp("tiny-gemma4-video"),
+                                    tiny_tokenizer_dir, seed=3, video=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma4_video_engine(tiny_gemma4_video_dir):
+    from spinf_worker.engine import Engine
+
+    return Engine.load(str(tiny_gemma4_video_dir), device="cpu")
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma4_video_oracle(tiny_gemma4_video_dir):
+    from transformers import Gemma4ForConditionalGeneration
+
+    return Gemma4ForConditionalGeneration.from_pretrained(
+        tiny_gemma4_video_dir, dtype=torch.float32, attn_implementation="eager").eval()
 
 
 @pytest.fixture(scope="session")

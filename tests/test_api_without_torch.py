@@ -166,3 +166,24 @@ def test_api_serves_without_server_packages(api_server):
     assert report["torch"] is False
     assert report["loaded"] == []
     assert report["tried"] == [], f"the API tier tried to import {report['tried']}"
+
+
+def test_the_apis_audio_checks_decode_without_server_packages():
+    """An mp3 part's length (its token count and max_audio_seconds) is decoded by PyAV in
+    the API's own checks, with no numpy, soxr or torch."""
+    import base64
+
+    from .test_media_audio_formats import encode, tones
+
+    data = base64.b64encode(encode(tones(16_000, 0.5), 16_000, "mp3")).decode()
+    body = {"messages": [{"content": [{"type": "input_audio",
+                                       "input_audio": {"data": data, "format": "mp3"}}]}],
+            "scoring": {"queries": [{"id": "a", "template": "Q {?}", "options": ["yes", "no"]}]}}
+    code = ("from spinf_worker.protocol import ScoreRequest\n"
+            "from spinf_worker.request_limits import check_request\n"
+            f"request = ScoreRequest.parse({body!r})\n"
+            "check_request(request, {}, tokens=None)\n"
+            "print(request.documents()[0].messages[0].content[0].input_audio._length)\n")
+    done = without_extras.run(code)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "(8000, 16000)"

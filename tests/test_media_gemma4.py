@@ -195,9 +195,10 @@ def test_floor_is_the_questions_without_the_media(tiny_gemma4_vision_engine):
     assert all(f is not None for f in floors[0])
 
 
-def test_video_is_not_read_by_gemma4_here(tiny_gemma4_vision_engine):
-    """Gemma 4's processor reads frames as video tokens of their own (resized by
-    torchvision): not reproduced, so a video part is media_not_supported, never a 500."""
+def test_video_is_not_read_by_gemma4_without_a_video_token(tiny_gemma4_vision_engine):
+    """Gemma 4 reads frames as video tokens of their own (tests/test_media_gemma4_video.py):
+    a checkpoint whose tokenizer has no ``<|video|>`` token reads no video, so a video part
+    is media_not_supported, never a 500."""
     import spinf_client
 
     from spinf_worker.errors import InvalidRequestError

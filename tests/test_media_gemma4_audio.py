@@ -192,7 +192,7 @@ def test_other_rates_and_stereo_are_resampled_to_the_extractors_rate(tiny_gemma4
 @pytest.mark.parametrize(("part", "code"), [
     ({"type": "input_audio", "input_audio": {"data": base64.b64encode(b"ID3" + bytes(64))
                                              .decode(), "format": "mp3"}},
-     "media_not_supported"),
+     "invalid_media"),                                       # no mp3 frame in it
     ({"type": "input_audio", "input_audio": {"data": base64.b64encode(
         b"RIFF\x24\x00\x00\x00WAVEfmt \x10\x00\x00\x00\x03\x00\x01\x00\x80\x3e\x00\x00"
         b"\x00\xfa\x00\x00\x04\x00\x20\x00data\x00\x00\x00\x00").decode(), "format": "wav"}},

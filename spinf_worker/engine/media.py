@@ -16,8 +16,14 @@ token limits); its soft tokens see each other both ways only on the sliding-wind
 models with ``use_bidirectional_attention = "vision"`` (the model's ``media_attention``).
 
 Audio (a Gemma 4 with an audio tower) is laid out the same way: an ``input_audio`` part is
-presented as ``<boa>`` and becomes ``<boa>`` + N audio soft tokens + ``<eoa>``, N from the
-WAV header's length (models/gemma4_audio.py); its tokens stay causal.
+presented as ``<boa>`` and becomes ``<boa>`` + N audio soft tokens + ``<eoa>``, N from its
+length (a WAV's header; mp3, flac, ogg, m4a and webm decoded: audio_decode.py); its tokens
+stay causal.
+
+Gemma 4 reads a video as its processor lays it out: each frame ``mm:ss`` + " " + ``<boi>`` + N
+video soft tokens + ``<eoi>``, frames joined by a space, N from the frame's size under the
+video processor's budget (models/gemma4_video.py); a frame's tokens see each other as an
+image's do.
 
 Only the CPU engine reads images for now: the CUDA attention has no bidirectional image
 blocks, so there a media part is ``media_not_supported``.
@@ -48,6 +54,7 @@ class MediaImage:
     height: int = 0
     kind: str = "image"           # "image" or "audio"
     format: str = ""              # audio: its container format
+    max_seconds: float = 600      # audio: the call's max_audio_seconds (decoding stops there)
 
 
 @dataclass(frozen=True)
@@ -73,6 +80,11 @@ class MediaLayout:
     audio_close: str = ""
     audio_id: int = -1
     audio: object = None          # models.gemma4_audio.AudioProcessing
+    # a model with video tokens of its own (Gemma 4): each frame open + video_soft * N +
+    # close, N from the video processor's budget
+    video_soft: str = ""
+    video_id: int = -1
+    video: object = None          # models.gemma4_video.Gemma4VideoProcessing
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, tokenizer, device: torch.device
@@ -95,13 +107,18 @@ class MediaLayout:
                 audio = dict(audio_marker=boa, audio_open=boa, audio_soft=soft,
                              audio_close=eoa, audio_id=cfg.audio_token_id,
                              audio=cfg.audio_processing)
+            video = tokenizer.id_to_token(cfg.video_token_id)
+            if video is not None and cfg.video is not None:    # its tokenizer has <|video|>
+                kinds = (*kinds, "video")
+                audio.update(video_soft=video, video_id=cfg.video_token_id, video=cfg.video)
             return cls(tuple(kinds), boi, "", cfg.image_token_id, 0, cfg.image,
                        open=boi, soft=image, close=eoi, **audio)
         text = ImageText.gemma3(boi, eoi, image, cfg.mm_tokens_per_image)
         return cls(tuple(kinds), text.marker, text.sequence, cfg.image_token_id,
                    cfg.mm_tokens_per_image, cfg.image)
 
-    def images(self, messages: list[Message], where: str) -> tuple[list[MediaImage], int]:
+    def images(self, messages: list[Message], where: str, max_seconds: float = 600
+               ) -> tuple[list[MediaImage], int]:
         """Every image of the content in order (an image part's, a video's frames), and how
         many of them are video frames. Nothing is decoded yet."""
         out, frames = [], 0
@@ -117,7 +134,8 @@ class MediaLayout:
                 if isinstance(part, InputAudioPart):
                     out.append(MediaImage(part.input_audio.data, f"{at}.input_audio.data",
                                           False, kind="audio",
-                                          format=part.input_audio.format))
+                                          format=part.input_audio.format,
+                                          max_seconds=max_seconds))
                 elif isinstance(part, ImageUrlPart):
                     out.append(one(part.image_url, f"{at}.image_url.url", False))
                 elif isinstance(part, VideoPart):
@@ -132,20 +150,22 @@ class MediaLayout:
             return self.audio_tokens(image)
         if self.tokens:
             return self.tokens
+        processing = self.video if image.frame and self.video is not None else self.processing
         if not image.width:
             raise InvalidRequestError("send the image as a data URL", param=image.param,
                                       code="invalid_media")
         try:
-            return self.processing.tokens(image.width, image.height)
+            return processing.tokens(image.width, image.height)
         except InvalidRequestError as err:
             err.param = image.param
             raise
 
     def audio_tokens(self, part: MediaImage) -> int:
-        """Soft tokens of an audio part: from its WAV header's length at the extractor's
-        rate (``media_not_supported`` for the formats not decoded here)."""
+        """Soft tokens of an audio part: from its length at the extractor's rate (a WAV's
+        header, another format decoded; invalid_media past the call's seconds)."""
         try:
-            tokens = self.audio.tokens(self.audio.header_samples(part.url, part.format))
+            tokens = self.audio.tokens(self.audio.header_samples(part.url, part.format,
+                                                                 part.max_seconds))
             if not tokens:
                 raise InvalidRequestError("the audio is too short to read (under 40 ms)",
                                           code="invalid_media")
@@ -161,13 +181,15 @@ class MediaLayout:
         for image in images:
             try:
                 if image.kind == "audio":
-                    samples = self.audio.waveform(image.url, image.format)
+                    samples = self.audio.waveform(image.url, image.format, image.max_seconds)
                     if self.audio.tokens(samples.shape[0]) != self.audio_tokens(image):
                         raise InvalidRequestError("the WAV data is shorter than its header "
                                                   "says", code="invalid_media")
                     out.append(self.audio.features(samples))
                     continue
-                out.append(self.processing.pixels(image.url, max_pixels))
+                processing = (self.video if image.frame and self.video is not None
+                              else self.processing)
+                out.append(processing.pixels(image.url, max_pixels))
             except InvalidRequestError as err:
                 err.param = image.param
                 raise
@@ -199,7 +221,8 @@ class MediaLayout:
             pieces = text.split(self.marker)
             out = [pieces[0]]
             for image, piece in zip(images, pieces[1:], strict=True):
-                out += [self.open, self.soft * self.image_tokens(image), self.close, piece]
+                soft = self.video_soft if image.frame and self.video is not None else self.soft
+                out += [self.open, soft * self.image_tokens(image), self.close, piece]
             text = "".join(out)
         return text
 
@@ -209,8 +232,12 @@ class MediaLayout:
         soft tokens, in the order they stand."""
         ids = flat.input_ids[:flat.root].numpy()
         rows = []
-        for kind, soft_id in (("image", self.image_id), ("audio", self.audio_id)):
-            mine = [(i, p) for i, p in zip(images, pixels, strict=True) if i.kind == kind]
+        own_video = self.video is not None      # frames under the video token (Gemma 4)
+        for kind, soft_id in (("image", self.image_id), ("video", self.video_id),
+                              ("audio", self.audio_id)):
+            mine = [(i, p) for i, p in zip(images, pixels, strict=True)
+                    if (i.kind == "audio") == (kind == "audio")
+                    and (kind == "audio" or (own_video and i.frame) == (kind == "video"))]
             soft = ids == soft_id
             starts = np.flatnonzero(soft & ~np.concatenate([[False], soft[:-1]]))
             ends = np.flatnonzero(soft & ~np.concatenate([soft[1:], [False]])) + 1
@@ -218,7 +245,8 @@ class MediaLayout:
             if len(starts) != len(mine) or list(ends - starts) != counts:
                 raise InvalidRequestError(f"the content's text holds the model's {kind} tokens",
                                           param=where, code="unsupported_content")
-            rows += [ImageRows(int(s), int(s) + n, p, image.frame, kind,
+            rows += [ImageRows(int(s), int(s) + n, p, image.frame,
+                               "audio" if kind == "audio" else "image",
                                p[2] if kind == "audio" else 0.0)
                      for s, n, (image, p) in zip(starts, counts, mine, strict=True)]
         flat.media = sorted(rows, key=lambda r: r.start)

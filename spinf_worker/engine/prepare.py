@@ -203,7 +203,8 @@ class Preparer:
         is (engine/media.py); the images are decoded when it is laid out."""
         media, where = self.media, prepared.param
         messages = where if where == "messages" else f"{where}.messages"
-        prepared.images, prepared.video_frames = media.images(doc.messages, messages)
+        prepared.images, prepared.video_frames = media.images(doc.messages, messages,
+                                                              limits.max_audio_seconds)
         prepared.max_pixels = limits.max_image_pixels
         prepared.text_only = prepared.text
         prepared.text = media.expand(

@@ -3,8 +3,9 @@ as transformers' Gemma4AudioFeatureExtractor computes them (numpy), and the audi
 (a Universal Speech Model conformer) as a module.
 
 Audio arrives as a WAV file (decoded with the standard library's ``wave``: 8/16/24/32-bit PCM,
-channels averaged), resampled to the extractor's rate (16 kHz) by band-limited FFT
-resampling when it has another, and cut at the extractor's 30 seconds. The extractor pads the
+channels averaged) or as mp3, flac, ogg, m4a or webm (decoded by PyAV: audio_decode.py),
+resampled to the extractor's rate (16 kHz) as transformers' load_audio resamples (soxr) when it
+has another, and cut at the extractor's 30 seconds. The extractor pads the
 samples to a multiple of 128, frames them (20 ms windows every 10 ms, half a window of
 silence before), takes a periodic Hann window, an FFT, an HTK mel filter bank and a log with
 a floor; frames past the audio are zero. The encoder reads one audio at a time: two stride-2
@@ -28,13 +29,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..audio_decode import audio_length, decode_mono, resample
 from ..media import (
     GEMMA4_MAX_AUDIO_SAMPLES,
     MediaError,
     b64decode,
     gemma4_audio_tokens,
     resampled_length,
-    wav_length,
 )
 from .gemma3_vision import _tile_rows
 from .gemma4 import _unit_rms
@@ -89,19 +90,17 @@ class AudioProcessing:
         return gemma4_audio_tokens(samples, self.frame_length, self.hop_length,
                                    self.max_tokens)
 
-    def header_samples(self, data: str, fmt: str) -> int:
-        """Samples at the extractor's rate, from a base64 WAV's header (nothing decoded)."""
-        if fmt != "wav":
-            raise MediaError(f"{fmt} audio is not decoded here: send WAV (PCM)",
-                             param="data", code="media_not_supported")
-        n, rate = wav_length(b64decode(data, "audio data"))
+    def header_samples(self, data: str, fmt: str, max_seconds: float = 600) -> int:
+        """Samples at the extractor's rate of a base64 audio part: a WAV's from its header,
+        another format's by decoding it (audio_decode.audio_length, cached)."""
+        n, rate = audio_length(data, fmt, max_seconds)
         return resampled_length(n, rate, self.sampling_rate)
 
-    def waveform(self, data: str, fmt: str) -> np.ndarray:
-        """A base64 WAV -> float32 mono samples at the extractor's rate."""
+    def waveform(self, data: str, fmt: str, max_seconds: float = 600) -> np.ndarray:
+        """A base64 audio part -> float32 mono samples at the extractor's rate."""
         if fmt != "wav":
-            raise MediaError(f"{fmt} audio is not decoded here: send WAV (PCM)",
-                             param="data", code="media_not_supported")
+            samples, rate = decode_mono(data, fmt, max_seconds)
+            return resample(samples, rate, self.sampling_rate)
         try:
             with wave.open(io.BytesIO(b64decode(data, "audio data"))) as w:
                 width, channels, rate = w.getsampwidth(), w.getnchannels(), w.getframerate()
@@ -182,17 +181,6 @@ def pcm_samples(raw: bytes, width: int, channels: int) -> np.ndarray:
     if channels > 1:
         x = x[:x.shape[0] - x.shape[0] % channels].reshape(-1, channels).mean(axis=1)
     return x.astype(np.float32)
-
-
-def resample(x: np.ndarray, rate: int, target: int) -> np.ndarray:
-    """Band-limited resampling by the FFT (the spectrum cut or zero-padded to the new length)."""
-    n = x.shape[0]
-    m = resampled_length(n, rate, target)
-    if m <= 0 or n == 0:
-        return np.zeros(0, dtype=np.float32)
-    spectrum = np.fft.rfft(x.astype(np.float64))
-    out = np.fft.irfft(spectrum, n=m) * (m / n)
-    return out.astype(np.float32)
 
 
 @dataclass

@@ -32,6 +32,7 @@ from .gemma3_vision import _tile_rows
 from .gemma4 import Gemma4Config, Gemma4Model, _unit_rms
 from .gemma4_audio import AudioEmbedder, AudioProcessing, Gemma4AudioTower, Gemma4AudioTowerConfig
 from .gemma4_image import Gemma4ImageProcessing
+from .gemma4_video import Gemma4VideoProcessing
 from .layers import Linear, RMSNorm
 
 
@@ -91,6 +92,9 @@ class Gemma4VisionConfig(Gemma4Config):
     boa_token_id: int = 256000
     eoa_token_id: int = 258883
     audio_processing: AudioProcessing | None = None
+    # video frames: images with the video soft token and the video processor's budget
+    video_token_id: int = 258884
+    video: Gemma4VideoProcessing | None = None
 
     @classmethod
     def from_hf(cls, cfg: dict) -> Gemma4VisionConfig:
@@ -118,12 +122,15 @@ class Gemma4VisionConfig(Gemma4Config):
             if audio["audio_processing"].feature_size != tower.subsampling_conv_channels[0]:
                 raise ValueError("the audio features' bins differ from the audio tower's "
                                  "first convolution's channels")
+        video = Gemma4VideoProcessing.from_hf(cfg.get("video_preprocessor_config"),
+                                              vision.patch_size, vision.pooling_kernel_size)
         return cls(**{f.name: getattr(text, f.name) for f in fields(Gemma4Config)},
                    vision=vision, image_token_id=int(cfg["image_token_id"]),
                    boi_token_id=int(cfg["boi_token_id"]), eoi_token_id=int(cfg["eoi_token_id"]),
                    pad_token_id=int(cfg.get("pad_token_id") or 0),
                    bidirectional_images=mode == "vision",
-                   image=image, **audio)
+                   image=image, video_token_id=int(cfg.get("video_token_id", 258884)),
+                   video=video, **audio)
 
 
 class ClippableLinear(nn.Module):
@@ -314,7 +321,7 @@ class Gemma4VisionModel(Gemma4Model):
 
     def _embed_inputs(self, input_ids: torch.Tensor, plan) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
-        soft = input_ids == cfg.image_token_id
+        soft = (input_ids == cfg.image_token_id) | (input_ids == cfg.video_token_id)
         if cfg.audio is not None:
             soft |= input_ids == cfg.audio_token_id
         ids = input_ids.masked_fill(soft, cfg.pad_token_id)

@@ -40,7 +40,7 @@ CONVERTER_VERSION = 1
 _HUB_PATTERNS = [
     "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
     "special_tokens_map.json", "chat_template.json", "chat_template.jinja",
-    "preprocessor_config.json", "processor_config.json",
+    "preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",
     "*.safetensors", "model.safetensors.index.json",
 ]
 
@@ -198,6 +198,10 @@ def load_hf_dir(path: Path, *, name: str, cache_dir: Path | None = None,
         # a Gemma 4's audio feature extractor (and token cap) live in processor_config.json
         full = _read_json(path / "processor_config.json")
         config["audio_preprocessor_config"] = full.get("feature_extractor")
+        # a Gemma 4's video processor: processor_config.json, or its own file
+        config["video_preprocessor_config"] = (
+            full.get("video_processor") or _read_json(path / "video_preprocessor_config.json")
+            or None)
         if full.get("audio_seq_length"):
             config["audio_seq_length"] = full["audio_seq_length"]
     weights = None
@@ -241,7 +245,8 @@ def text_config(raw: dict) -> dict:
                 config[key] = raw[key]
     if raw.get("model_type") == "gemma4" and raw.get("vision_config"):
         config["vision_config"] = raw["vision_config"]
-        for kind, default in (("image", 258880), ("boi", 255999), ("eoi", 258882)):
+        for kind, default in (("image", 258880), ("boi", 255999), ("eoi", 258882),
+                              ("video", 258884)):
             config[f"{kind}_token_id"] = raw.get(f"{kind}_token_id", default)
         if raw.get("audio_config"):
             config["audio_config"] = raw["audio_config"]

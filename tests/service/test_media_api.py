@@ -36,6 +36,27 @@ def test_bad_media_parts_are_400_at_the_api_before_anything_is_queued(settings):
         assert entries_added(settings) == 1
 
 
+def test_audio_no_decoder_reads_is_400_at_the_api_before_anything_is_queued(settings):
+    """mp3 / flac / ogg / m4a / webm parts are decoded at the API (PyAV, off the event loop):
+    data no decoder reads, a format other than the one declared and a part over the call's
+    seconds are invalid_media in the envelope, on every route, with nothing queued; a good
+    flac part is queued."""
+    from ..test_media_audio_formats import b64, bad_parts, encode, part, tones
+
+    with LiveServer(settings) as server:    # no worker: a queued job would only wait
+        client = httpx.Client(base_url=server.v1, timeout=WAIT_S)
+        for bad, limits in bad_parts():
+            body = request_with(bad, limits=limits)
+            for path in ("/score", "/jobs", "/chat/completions"):
+                assert_error(client.post(path, json=body), 400, "invalid_media",
+                             "messages.0.content.1.input_audio.data")
+        assert entries_added(settings) == 0
+        flac = part(b64(encode(tones(16_000, 0.5), 16_000, "flac")), "flac")
+        ok = client.post("/score", json=request_with(flac), headers={"Prefer": "respond-async"})
+        assert ok.status_code == 202, ok.text
+        assert entries_added(settings) == 1
+
+
 def test_a_text_model_answers_media_not_supported_at_the_api(tiny_engine, settings):
     with LiveServer(settings) as server, InProcessWorker(tiny_engine, settings):
         client = httpx.Client(base_url=server.v1, timeout=WAIT_S)
