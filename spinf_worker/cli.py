@@ -315,8 +315,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
               "API processes run `spinf-serve api --workers N` and `spinf-serve worker` on one "
               "Redis (--workers / SPINF_API_WORKERS)", file=sys.stderr)
         return 2
+    if args.devices is not None and args.device is not None:
+        print("spinf-serve serve: --device and --devices both given; name one", file=sys.stderr)
+        return 2
     serve(settings, host=args.host, port=args.port, model=args.model_arg or args.model,
-          device=args.device, state_dir=args.state_dir)
+          device=args.device, state_dir=args.state_dir, devices=args.devices,
+          log_args=["--log-level", args.log_level, "--log-format", args.log_format])
     return 0
 
 
@@ -340,9 +344,31 @@ def cmd_worker(args: argparse.Namespace) -> int:
     _start_logging(args)
     settings = _service_settings(args)
     _needs(settings, secret=args.callbacks)
+    if args.devices is not None:
+        if args.device is not None:
+            print("spinf-serve worker: --device and --devices both given; name one",
+                  file=sys.stderr)
+            return 2
+        pool = _worker_pool(args, settings, args.devices, base_name=args.name)
+        asyncio.run(run_tiers(settings, Tiers(dispatcher=args.callbacks,
+                                              jobs={"workers": pool.run})))
+        return 0
     worker = WorkerSpec(model=args.model, device=args.device, name=args.name)
     asyncio.run(run_tiers(settings, Tiers(worker=worker, dispatcher=args.callbacks)))
     return 0
+
+
+def _worker_pool(args: argparse.Namespace, settings, devices: str, base_name: str | None):
+    """One worker process per device of ``devices`` (worker_pool.py)."""
+    from .serve import ServiceError
+    from .worker_pool import DevicesError, WorkerPool, parse_devices
+
+    try:
+        resolved = parse_devices(devices)
+    except DevicesError as err:
+        raise ServiceError(str(err)) from None
+    return WorkerPool(settings, resolved, model=args.model, base_name=base_name,
+                      log_args=["--log-level", args.log_level, "--log-format", args.log_format])
 
 
 def cmd_dispatcher(args: argparse.Namespace) -> int:
@@ -510,6 +536,10 @@ def build_parser() -> argparse.ArgumentParser:
     _model_options(serve)
     # refused with a pointer to `api --workers` (cmd_serve) rather than argparse's usage text
     serve.add_argument("--workers", type=_positive_int, default=None, help=argparse.SUPPRESS)
+    serve.add_argument("--devices", default=None, metavar="all|0,1,...",
+                       help="one worker process per device (as `worker --devices`); default: "
+                            "every GPU when more than one is visible, else the worker runs in "
+                            "this process")
     serve.add_argument("--state-dir", default=None, type=Path,
                        help="private Redis data and the webhook secret (default: the user data "
                             "dir, e.g. ~/.local/share/spinf-serve)")
@@ -532,6 +562,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "finishes its own pending entries (default: host-pid-random)")
     worker.add_argument("--callbacks", action="store_true",
                         help="also run a callback dispatcher in this process")
+    worker.add_argument("--devices", default=None, metavar="all|0,1,...",
+                        help="one worker process per device, supervised (a crashed one is "
+                             "started again): all (every visible GPU), GPU indexes, or names "
+                             "(cuda:1, cpu; cpu may repeat); --name is their names' base")
     worker.set_defaults(func=cmd_worker)
 
     dispatcher = sub.add_parser("dispatcher", parents=[_service_options(external)],

@@ -141,6 +141,11 @@ def _die_with_parent() -> None:
         _prctl(1, signal.SIGTERM)    # PR_SET_PDEATHSIG
 
 
+def dies_with_parent():
+    """``preexec_fn`` for a child that must not outlive this process (None off Linux)."""
+    return _die_with_parent if _prctl is not None else None
+
+
 class EmbeddedRedis:
     """A redis-server child on 127.0.0.1 and a free port, with its data (AOF, fsync every
     second) in ``data_dir``, so a restart on the same dir finds every job."""
@@ -184,7 +189,7 @@ class EmbeddedRedis:
                 # its own session: a Ctrl-C in the terminal must not stop Redis before the
                 # worker has stored the results of its last pass
                 start_new_session=True,
-                preexec_fn=_die_with_parent if _prctl is not None else None)
+                preexec_fn=dies_with_parent())
             if self._wait_ready():
                 log.info("redis-server started", url=self.url, dir=str(self.data_dir),
                          pid=self.process.pid, log=str(self.log_file))
@@ -530,9 +535,19 @@ async def run_tiers(settings: ServiceSettings, tiers: Tiers) -> None:
 
 
 def serve(settings: ServiceSettings, *, host: str, port: int, model: str | None,
-          device: str | None, state_dir: Path | None) -> None:
+          device: str | None, state_dir: Path | None, devices: str | None = None,
+          log_args: list[str] | None = None) -> None:
     """``spinf-serve serve``: API + worker + dispatcher, with a private Redis when no URL is
-    configured."""
+    configured. With several GPUs visible (and no ``device``), or ``devices``: one worker
+    process per GPU (worker_pool.py) instead of the worker in this process."""
+    from .worker_pool import DevicesError, WorkerPool, parse_devices, visible_gpus
+
+    if devices is None and device is None and visible_gpus() > 1:
+        devices = "all"
+    try:
+        pool_devices = parse_devices(devices) if devices is not None else None
+    except DevicesError as err:
+        raise ServiceError(str(err)) from None
     state_dir = Path(state_dir) if state_dir else default_state_dir()
     state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     updates: dict = {}
@@ -551,5 +566,9 @@ def serve(settings: ServiceSettings, *, host: str, port: int, model: str | None,
             worker.name = "serve"
         settings = settings.model_copy(update=updates)
         log.info("serving", url=f"http://{host}:{port}", state_dir=str(state_dir))
-        asyncio.run(run_tiers(settings, Tiers(api=(host, port), worker=worker,
-                                              dispatcher=True)))
+        tiers = Tiers(api=(host, port), worker=worker, dispatcher=True)
+        if pool_devices is not None:
+            pool = WorkerPool(settings, pool_devices, model=model, base_name=worker.name,
+                              log_args=log_args or [])
+            tiers = Tiers(api=(host, port), dispatcher=True, jobs={"workers": pool.run})
+        asyncio.run(run_tiers(settings, tiers))

@@ -16,7 +16,7 @@ from .tools import DEPLOY, ROOT, compose_command, run
 
 COMPOSE = DEPLOY / "compose.yaml"
 SECRET = "whsec_" + "A" * 43 + "="
-PROFILES = ("gpu", "cpu", "ingest")
+PROFILES = ("gpu", "gpus", "cpu", "ingest")
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,7 @@ def config(compose) -> dict:
 
 
 def test_compose_config_passes(config):
-    assert set(config["services"]) == {"redis", "api", "worker-gpu", "worker-cpu",
+    assert set(config["services"]) == {"redis", "api", "worker-gpu", "worker-gpus", "worker-cpu",
                                        "dispatcher", "ingest"}
     assert set(config["volumes"]) >= {"redis-data", "spinf-cache", "ingest-data"}
 
@@ -103,10 +103,15 @@ def test_tiers(config):
     assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
     assert gpu["command"] == ["worker", "--device", "cuda"]
 
+    gpus = services["worker-gpus"]   # every GPU in one container, one worker process each
+    assert gpus["profiles"] == ["gpus"] and gpus["command"] == ["worker", "--devices", "all"]
+    [device] = gpus["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia" and device["count"] == -1   # `all`, normalised
+
     cpu = services["worker-cpu"]
     assert cpu["profiles"] == ["cpu"] and cpu["build"]["dockerfile"] == "deploy/Dockerfile.cpu"
     assert cpu["command"] == ["worker", "--device", "cpu"]
-    for name in ("worker-gpu", "worker-cpu", "dispatcher", "ingest"):
+    for name in ("worker-gpu", "worker-gpus", "worker-cpu", "dispatcher", "ingest"):
         # no HTTP in these: the images' health check is the API's
         assert services[name]["healthcheck"]["disable"] is True, name
         assert services[name]["entrypoint"] == ["tini", "--", "spinf-serve"], name

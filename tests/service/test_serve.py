@@ -38,7 +38,8 @@ def _free_port() -> int:
 
 
 class Service:
-    def __init__(self, tmp_path: Path, model: Path, state_dir: Path, tag: str):
+    def __init__(self, tmp_path: Path, model: Path, state_dir: Path, tag: str,
+                 devices: tuple[str, ...] = ("--device", "cpu")):
         self.port = _free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp_path / f"serve-{tag}.log"
@@ -54,7 +55,7 @@ class Service:
         with open(self.log_path, "w") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "spinf_worker.cli", "serve", "--model", str(model),
-                 "--device", "cpu", "--state-dir", str(state_dir), "--port", str(self.port),
+                 *devices, "--state-dir", str(state_dir), "--port", str(self.port),
                  "--log-format", "json"],
                 cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
 
@@ -224,6 +225,23 @@ def test_serve_with_private_redis_survives_a_restart(tmp_path, tiny_dir, receive
         assert again.stop(signal.SIGTERM) == 0, again.log()
     finally:
         again.kill()
+
+
+def test_serve_with_a_worker_process_per_device(tmp_path, tiny_dir):
+    """``serve --devices``: the API and the dispatcher in its process, a worker process per
+    device (as on a host of several GPUs); all stop with it."""
+    service = Service(tmp_path, tiny_dir, tmp_path / "state", "pool",
+                      devices=("--devices", "cpu,cpu"))
+    try:
+        assert service.wait_for("/ready").json()["workers"] == 2
+        scored = httpx.post(service.base + "/v1/score", json=REQUEST, timeout=WAIT_S)
+        assert scored.status_code == 200, scored.text
+        children = [e["pid"] for e in service.events("worker process started")]
+        assert len(children) == 2 and service.process.pid not in children
+        assert service.stop(signal.SIGTERM) == 0, service.log()
+        assert not any(_alive(pid) for pid in children)
+    finally:
+        service.kill()
 
 
 def test_killed_parent_leaves_no_redis_server(tmp_path):
