@@ -177,8 +177,9 @@ BAD = [({"desc_act": True}, "act-order (desc_act: true)"),
 @pytest.mark.parametrize(("change", "named"), BAD, ids=[b[1] for b in BAD])
 def test_gptq_unsupported_config(change, named, tmp_path, tiny_tokenizer_dir):
     """A clear one-line error naming what is unsupported, before any weight is read (the
-    directory has none)."""
+    directory has none); ``spinf-serve models`` says the same from the config alone."""
     from spinf_worker.models.loader import load_checkpoint
+    from spinf_worker.tools.model_cache import check_dir
 
     qcfg = transformers.GPTQConfig(bits=4, group_size=128).to_dict()
     qcfg.update(change)
@@ -190,6 +191,7 @@ def test_gptq_unsupported_config(change, named, tmp_path, tiny_tokenizer_dir):
         load_checkpoint(str(tmp_path))
     assert named in err.value.message and "\n" not in err.value.message
     assert err.value.message.startswith("quantised checkpoint not supported: ")
+    assert check_dir(tmp_path) == ("Qwen3", err.value.message)
 
 
 def test_gptq_not_requantised():

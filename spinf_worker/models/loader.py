@@ -30,7 +30,8 @@ from tokenizers import Tokenizer
 from spinf_worker.errors import ModelNotFoundError
 from spinf_worker.model_names import DEFAULT_MODEL, is_default
 from spinf_worker.models.cache import CONVERSION_MARKER, DEFAULT_DIR, cache_root
-from spinf_worker.quant.gptq import dequantize_weights, gptq_format
+from spinf_worker.quant.gptq import dequantize_weights
+from spinf_worker.quant.gptq_config import gptq_format
 
 logger = logging.getLogger(__name__)
 
