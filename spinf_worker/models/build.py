@@ -27,14 +27,21 @@ def pick_device(device: str | None) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def pick_scheme(scheme: str, device: torch.device) -> str:
-    """``auto``: fp8 on GPUs with fp8 tensor cores, bf16 on other GPUs, fp32 on the CPU."""
+def pick_scheme(scheme: str, device: torch.device, stored: str | None = None) -> str:
+    """``auto``: fp8 on GPUs with fp8 tensor cores, bf16 on other GPUs, fp32 on the CPU.
+    ``stored``: the checkpoint's own quantisation (GPTQ int4), whose dequantised weights are
+    served as they are (fp32 / bf16): quantising them again would only lose more."""
     if scheme == "auto":
         if device.type != "cuda":
             return "fp32"
+        if stored:
+            return "bf16"
         return "fp8" if torch.cuda.get_device_capability(device) >= (8, 9) else "bf16"
     if scheme not in SCHEMES:
         raise ValueError(f"unknown quantisation scheme {scheme!r} ({', '.join(SCHEMES)})")
+    if stored and scheme in ("fp8", "int8"):
+        raise ValueError(f"scheme {scheme} does not apply to a {stored} checkpoint "
+                         "(its weights are already quantised): use auto, fp32 or bf16")
     if scheme not in ("fp32", "int8") and device.type != "cuda":
         raise ValueError(f"scheme {scheme} runs on CUDA only; the CPU runs fp32")
     return scheme
@@ -95,7 +102,7 @@ def build_model(checkpoint: Checkpoint, device: str | None = None, scheme: str =
     from .registry import family_for
 
     where = pick_device(device)
-    scheme = pick_scheme(scheme, where)
+    scheme = pick_scheme(scheme, where, checkpoint.quantization)
     dtype = activation_dtype(scheme, where)
     family = family_for(checkpoint.config)
     config = family.config(checkpoint.config)

@@ -30,6 +30,8 @@ from tokenizers import Tokenizer
 from spinf_worker.errors import ModelNotFoundError
 from spinf_worker.model_names import DEFAULT_MODEL, is_default
 from spinf_worker.models.cache import CONVERSION_MARKER, DEFAULT_DIR, cache_root
+from spinf_worker.quant.gptq import dequantize_weights
+from spinf_worker.quant.gptq_config import gptq_format
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +58,7 @@ class Checkpoint:
     chat_template: str | None
     weights_digest: str
     path: Path
+    quantization: str | None = None   # how the checkpoint's own weights are stored (GPTQ)
 
 
 LOAD_FORMATS = ("auto", "dummy")
@@ -184,12 +187,18 @@ def _file_lock(path: Path):
 def load_hf_dir(path: Path, *, name: str, cache_dir: Path | None = None,
                 weights_digest: str | None = None, dummy: bool = False) -> Checkpoint:
     """Load an HF-layout directory: config.json, *.safetensors and tokenizer.json (``dummy``:
-    no weights, random ones of the config's shapes are built)."""
+    no weights, random ones of the config's shapes are built). A GPTQ int4 checkpoint's
+    linear layers are dequantised to fp32 here (quant/gptq.py); another quantization_config
+    is an error naming it."""
     path = Path(path)
     for required in ("config.json", "tokenizer.json"):
         if not (path / required).is_file():
             raise ModelNotFoundError(f"{path} has no {required}", param="model")
-    config = text_config(json.loads((path / "config.json").read_text()))
+    raw = json.loads((path / "config.json").read_text())
+    config = text_config(raw)
+    # a wrapper (Gemma 3 multimodal) keeps it beside text_config; checked before any weight
+    qcfg = raw.get("quantization_config")
+    gptq = gptq_format(qcfg) if qcfg else None
     if "vision_config" in config:
         # preprocessor_config.json, or transformers 5's processor_config.json
         processor = (_read_json(path / "preprocessor_config.json")
@@ -212,6 +221,8 @@ def load_hf_dir(path: Path, *, name: str, cache_dir: Path | None = None,
         weights = {}
         for file in files:
             weights.update(load_file(file))
+        if gptq is not None:
+            weights = dequantize_weights(weights, gptq)
         weights = text_weights(weights, tied=config.get("tie_word_embeddings", True),
                                vision="vision_config" in config)
 
@@ -226,7 +237,8 @@ def load_hf_dir(path: Path, *, name: str, cache_dir: Path | None = None,
     return Checkpoint(name=name, config=config, weights=weights, tokenizer=tokenizer,
                       bos_token_id=bos, eos_token_id=eos,
                       chat_template=_chat_template(path, tokenizer_config),
-                      weights_digest=weights_digest, path=path)
+                      weights_digest=weights_digest, path=path,
+                      quantization=gptq.describe() if gptq else None)
 
 
 def text_config(raw: dict) -> dict:
