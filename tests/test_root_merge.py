@@ -98,7 +98,7 @@ def test_each_request_scores_as_alone_beside_merging_partners(one_pass, target):
         assert comparable(response) == comparable(engine.score(partner))
 
 
-def test_merged_documents_raw_scores_equal_alone(default_engine):
+def test_merged_documents_raw_scores_equal_alone(default_engine, monkeypatch):
     """The runner's fp32 figures of documents merged under one root equal each document's
     own pass, array for array; a document with another root is never merged."""
     rng = np.random.default_rng(3)
@@ -114,18 +114,73 @@ def test_merged_documents_raw_scores_equal_alone(default_engine):
 
     docs = [doc(root, 3), doc(root, 1), doc(root[:-1], 2), doc(root, 4)]
     docs.append(docs[1])                                    # the same questions twice
-    log: list = []
+    log = PassLog(default_engine.runner, monkeypatch)
     scheduler = PassScheduler(default_engine.runner, 1 << 20)
-    launch = default_engine.runner.launch
-    scheduler.runner = type("Logged", (), {
-        "launch": lambda _, d: log.append(d) or launch(d), "finish": default_engine.runner.finish,
-        "pad_id": default_engine.pad_id, "model": default_engine.model})()
     for i, d in enumerate(docs):
         scheduler.hold(i, d)
     done = dict(item for batch in scheduler.flush() for item in batch)
-    assert [len(d) for d in log] == [2]                      # root once, root[:-1] apart
+    assert [len(d) for d in log.passes] == [2]               # root once, root[:-1] apart
     for i, d in enumerate(docs):
         alone = default_engine.runner.run([d])[0]
         assert np.array_equal(done[i].option_logprobs, alone.option_logprobs), i
         assert np.array_equal(done[i].residual, alone.residual), i
         assert np.array_equal(done[i].branch_start, alone.branch_start), i
+
+
+def test_the_same_image_is_merged_and_another_image_is_not(tiny_vision_engine, monkeypatch):
+    """Two requests about the same text and image are read once (one document, the tower run
+    once for them); a third with another image of the same size (the same root tokens, other
+    pixels) stays a document of its own. Each scores as alone."""
+    from .test_media_gemma3 import QUERIES as MEDIA_QUERIES
+    from .test_media_gemma3 import media_request, scores_and_residuals
+    from .test_media_requests import image_url
+
+    engine = tiny_vision_engine
+    same = image_url(9)
+    requests = [media_request(same, queries=MEDIA_QUERIES[:1]),
+                media_request(same, queries=MEDIA_QUERIES[1:]),
+                media_request(image_url(10), queries=MEDIA_QUERIES[1:])]
+    alone = [scores_and_residuals(engine.score(r)) for r in requests]
+    log = PassLog(engine.runner, monkeypatch)
+    towers = []
+    features = engine.model.image_features
+    monkeypatch.setattr(engine.model, "image_features",
+                        lambda pixels: towers.append(1) or features(pixels))
+    old = engine.settings.max_pass_tokens
+    engine.settings.max_pass_tokens = 1 << 20
+    try:
+        together = engine.score_batch(requests)
+    finally:
+        engine.settings.max_pass_tokens = old
+    [docs] = log.passes
+    with_media = [d for d in docs if d.media]
+    assert len(with_media) == 2 and len(towers) == 2
+    roots = [d.input_ids[:d.root].tolist() for d in with_media]
+    assert roots[0] == roots[1]          # the same tokens: only the pixels tell them apart
+    assert [scores_and_residuals(r) for r in together] == alone
+
+
+def test_documents_the_window_cuts_merge_only_with_each_other(tiny_engine, monkeypatch):
+    """The CPU attention masks a document the sliding window cuts otherwise, so a root asked
+    a short question (inside the window) and the same root asked a long one (past it) stay
+    apart; each merges with its like, and all keep their bits."""
+    window = tiny_engine.model.cfg.sliding_window
+    root = [2, *range(10, 10 + window // 2)]
+
+    def doc(prefix: int) -> object:
+        return DocTree(list(root), [Branch(list(range(40, 40 + prefix)), [[7], [8, 9]])]
+                       ).flatten(tiny_engine.pad_id)
+
+    docs = [doc(1), doc(window), doc(2), doc(window + 3)]
+    assert [d.max_position >= window for d in docs] == [False, True, False, True]
+    log = PassLog(tiny_engine.runner, monkeypatch)
+    scheduler = PassScheduler(tiny_engine.runner, 1 << 20)
+    for i, d in enumerate(docs):
+        scheduler.hold(i, d)
+    done = dict(item for batch in scheduler.flush() for item in batch)
+    [launched] = log.passes
+    assert [d.block.n_branches for d in launched] == [2, 2]
+    for i, d in enumerate(docs):
+        alone = tiny_engine.runner.run([d])[0]
+        assert np.array_equal(done[i].option_logprobs, alone.option_logprobs), i
+        assert np.array_equal(done[i].residual, alone.residual), i
