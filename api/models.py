@@ -169,7 +169,7 @@ class BatchCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     input_file_id: str
-    endpoint: Literal["/v1/score", "/v1/chat/completions"]
+    endpoint: Literal["/v1/score", "/v1/chat/completions", "/v1/completions"]
     completion_window: Literal["24h"] = "24h"
     metadata: dict[str, str] | None = Field(default=None, max_length=16)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
+from .completions import CompletionRequest
 from .errors import ContextLengthError, InvalidRequestError, RequestTooLargeError
 from .media import MEDIA_PARTS, ImageText, SizedMediaText
 from .pack_refs import resolve as resolve_pack
@@ -397,6 +398,21 @@ def check_request(request: ScoreRequest, packs: dict, *, tokens: ServedTokens | 
         return
     _check_content(request, laid_out, tokens, limits, content_limit(request,
                                                                     max_content_tokens))
+
+
+def check_completion(request: CompletionRequest, tokens: ServedTokens | None) -> None:
+    """A completion prompt (BOS + a string's tokens, or the ids as sent) plus ``max_tokens``
+    past the served model's context: the 400 the worker would answer
+    (engine/completion.py). Without the tokenizer or the context, the worker's alone."""
+    if tokens is None or tokens.context is None:
+        return
+    for k, prompt in enumerate(request.prompts):
+        n = 1 + len(tokens.encode(prompt)) if isinstance(prompt, str) else len(prompt)
+        if n + request.max_tokens > tokens.context:
+            raise ContextLengthError(
+                f"the prompt is {n} tokens and {request.max_tokens} more are asked for; "
+                f"the model's context is {tokens.context} tokens",
+                param="prompt" if len(request.prompts) == 1 else f"prompt[{k}]")
 
 
 def _check_content(request: ScoreRequest, laid_out: list, tokens: ServedTokens,

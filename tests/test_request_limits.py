@@ -10,6 +10,7 @@ import random
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from api import tokens as api_tokens
 from spinf_worker.engine import presentation, slots
@@ -171,6 +172,9 @@ def test_the_api_finds_a_models_files(tmp_path, monkeypatch):
 class _Runner:
     """A stand-in for ModelRunner that records which documents each pass holds."""
 
+    model = SimpleNamespace(cfg=SimpleNamespace(sliding_window=512))
+    pad_id = 0
+
     def __init__(self):
         self.passes: list[list[str]] = []
 
@@ -188,8 +192,11 @@ def test_a_document_over_the_pass_budget_gets_a_pass_of_its_own():
     docs = [("small-1", 256), ("huge", 4096), ("small-2", 256), ("small-3", 384),
             ("just-over", 1152), ("small-4", 128)]
     done = []
-    for name, rows in docs:
-        done += scheduler.add(name, SimpleNamespace(name=name, length=rows))
+    for k, (name, rows) in enumerate(docs):
+        # roots of their own (engine/merge.py merges documents that share one)
+        done += scheduler.add(name, SimpleNamespace(
+            name=name, length=rows, input_ids=torch.tensor([k]), root=1, tokens=1, max_position=0, media=[],
+            echo=None))
     for batch in scheduler.flush():
         done += batch
     assert sorted(tag for tag, _ in done) == sorted(name for name, _ in docs)

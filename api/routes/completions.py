@@ -13,8 +13,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from spinf_worker.completions import CompletionRequest, CompletionResponse
-from spinf_worker.errors import ContextLengthError
 from spinf_worker.queue.producer import Submission
+from spinf_worker.request_limits import check_completion
 
 from ..auth import V1_AUTH, CallerDep
 from ..errors import request_id_of
@@ -38,20 +38,7 @@ router = APIRouter(prefix="/v1", tags=["scoring"], dependencies=V1_AUTH)
 async def check_context(services: Services, request: CompletionRequest) -> None:
     """A prompt (BOS + its tokens, or its ids) plus ``max_tokens`` past the served model's
     context is the 400 the worker would answer; without the tokenizer here, the worker's."""
-    tokens = await services.served_tokens()
-    if tokens is None or tokens.context is None:
-        return
-
-    def check() -> None:
-        for k, prompt in enumerate(request.prompts):
-            n = 1 + len(tokens.encode(prompt)) if isinstance(prompt, str) else len(prompt)
-            if n + request.max_tokens > tokens.context:
-                raise ContextLengthError(
-                    f"the prompt is {n} tokens and {request.max_tokens} more are asked for; "
-                    f"the model's context is {tokens.context} tokens",
-                    param="prompt" if len(request.prompts) == 1 else f"prompt[{k}]")
-
-    await asyncio.to_thread(check)
+    await asyncio.to_thread(check_completion, request, await services.served_tokens())
 
 
 @router.post("/completions", response_model=CompletionResponse,

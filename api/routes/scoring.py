@@ -16,6 +16,7 @@ from typing import Annotated
 from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse
 
+from spinf_worker.completions import CompletionRequest
 from spinf_worker.errors import InvalidRequestError, ModelNotFoundError
 from spinf_worker.model_names import served_names
 from spinf_worker.openai_compat import (
@@ -27,7 +28,7 @@ from spinf_worker.protocol import ScoreRequest, ScoreResponse
 from spinf_worker.queue.batches import RequestCheck
 from spinf_worker.queue.producer import IdempotencyKeyReused, Submission
 from spinf_worker.queue.results import JobResult
-from spinf_worker.request_limits import check_request
+from spinf_worker.request_limits import check_completion, check_request
 
 from ..auth import V1_AUTH, Caller, CallerDep
 from ..errors import (
@@ -77,7 +78,10 @@ async def limits_check(services: Services) -> RequestCheck:
               "remote image URLs are fetched for /v1/score, /v1/chat/completions and /v1/jobs; "
               "send the image as a data: URL here")
 
-    def check(request: ScoreRequest) -> None:
+    def check(request: ScoreRequest | CompletionRequest) -> None:
+        if isinstance(request, CompletionRequest):   # a batch's /v1/completions line
+            check_completion(request, tokens)
+            return
         # media the served model reads; an https:// image is left only where not fetched
         check_kinds(request, served, remote=remote)
         packs = loaded_packs(sources) if request.scoring.packs else {}

@@ -225,6 +225,36 @@ class BranchBlock:
                    sum(len(o) for br in branches for o in br.options),
                    {b: (r, path(node), settings) for b, (r, node, settings) in extract.items()})
 
+    @classmethod
+    def concat(cls, blocks: list[BranchBlock]) -> BranchBlock:
+        """The blocks one after the other under one root: each keeps its own rows (no prefix
+        is shared across blocks), its branches, options and readouts numbered after the
+        previous blocks'. A row's bits depend only on its own path, so every block's figures
+        are the ones it gets alone (engine/merge.py)."""
+        rows = np.cumsum([0, *(len(b.ids) for b in blocks)])
+        reads = np.cumsum([0, *(len(b.readout_rows) for b in blocks)])
+        opts = np.cumsum([0, *(len(b.option_branch) for b in blocks)])
+        brs = np.cumsum([0, *(b.n_branches for b in blocks)])
+
+        def cat(values: list[np.ndarray]) -> np.ndarray:
+            return np.concatenate([np.zeros(0, dtype=np.int64), *values])
+
+        def shifted(name: str, by: np.ndarray) -> np.ndarray:   # -1 (the root) stays -1
+            return cat([np.where(getattr(b, name) >= 0, getattr(b, name) + by[k], -1)
+                        for k, b in enumerate(blocks)])
+
+        return cls(
+            cat([b.ids for b in blocks]), cat([b.pos for b in blocks]),
+            cat([b.end + rows[k] for k, b in enumerate(blocks)]),
+            shifted("parent", rows), shifted("readout_rows", rows),
+            cat([b.term_readout + reads[k] for k, b in enumerate(blocks)]),
+            cat([b.term_token for b in blocks]),
+            cat([b.term_option + opts[k] for k, b in enumerate(blocks)]),
+            cat([b.option_branch + brs[k] for k, b in enumerate(blocks)]),
+            int(brs[-1]), sum(b.n_scored for b in blocks),
+            {int(brs[k]) + br: (r + int(reads[k]), [p + int(rows[k]) for p in path], settings)
+             for k, b in enumerate(blocks) for br, (r, path, settings) in b.extract.items()})
+
     @cached_property
     def option_start(self) -> np.ndarray:
         """[branches + 1]: branch b's options are [option_start[b], option_start[b + 1])."""

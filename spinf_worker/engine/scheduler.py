@@ -4,7 +4,7 @@ A pass is launched as soon as enough documents wait to fill it (first-fit over t
 ones), not when the whole batch has been laid out, and pass N+1 is queued before pass N is
 read back: laying out later documents and answering earlier ones overlap the device. Which
 documents share a pass never changes a score (batch invariance), so packing as they come is
-free to do.
+free to do. Documents of a pass that share a root run as one (engine/merge.py).
 """
 
 from __future__ import annotations
@@ -12,9 +12,12 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Iterator
 
 from .layout import FlatDoc
+from .merge import Part, merge, root_key, split
 from .packer import pack
 from .runner import DocScores, ModelRunner, PendingPass
 
+# per document a pass runs: the (tag, part) of each document merged into it (engine/merge.py)
+Members = list[list[tuple[Hashable, Part | None]]]
 FILL_SLACK = 1.25   # wait for this many passes' worth of rows, so first-fit has a choice
 
 
@@ -23,21 +26,21 @@ class PassScheduler:
                  after_pass: Callable[[PendingPass, list[DocScores]], None] | None = None):
         """``after_pass``: called on each pass read back (decoding its extraction slots)."""
         self.runner, self.max_pass_tokens, self.after_pass = runner, max_pass_tokens, after_pass
-        self.waiting: list[tuple[Hashable, FlatDoc]] = []
+        self.window = runner.model.cfg.sliding_window
+        self.waiting: list[tuple[Hashable, FlatDoc, Hashable | None]] = []   # + root key
         self.waiting_rows = 0
-        self.in_flight: tuple[list[Hashable], PendingPass] | None = None
+        self.in_flight: tuple[Members, PendingPass] | None = None
 
     def add(self, tag: Hashable, doc: FlatDoc) -> list[tuple[Hashable, DocScores]]:
         """Queue a document; returns the (tag, scores) of the documents finished meanwhile."""
-        self.waiting.append((tag, doc))
-        self.waiting_rows += doc.length
+        self.hold(tag, doc)
         if self.waiting_rows < self.max_pass_tokens * FILL_SLACK:
             return []
         return [done for batch in self._launch(keep_last=True) for done in batch]
 
     def hold(self, tag: Hashable, doc: FlatDoc) -> None:
         """Queue a document without launching anything (the next ``flush`` runs it)."""
-        self.waiting.append((tag, doc))
+        self.waiting.append((tag, doc, root_key(doc, self.window)))
         self.waiting_rows += doc.length
 
     def flush(self) -> Iterator[list[tuple[Hashable, DocScores]]]:
@@ -62,21 +65,27 @@ class PassScheduler:
     def _launch(self, *, keep_last: bool) -> Iterator[list[tuple[Hashable, DocScores]]]:
         """Launch the packed passes of the waiting documents (all but the last, least full
         one when more documents may come); yields each pass read back meanwhile."""
-        passes = pack([doc for _, doc in self.waiting], self.max_pass_tokens)
+        passes = pack([doc for _, doc, _ in self.waiting], self.max_pass_tokens,
+                      [key for *_, key in self.waiting])
         held = passes[-1:] if keep_last else []
         launched = passes[:len(passes) - len(held)]
         jobs = [[self.waiting[i] for i in p.docs] for p in launched]
         self.waiting = [self.waiting[i] for p in held for i in p.docs]
-        self.waiting_rows = sum(doc.length for _, doc in self.waiting)
+        self.waiting_rows = sum(doc.length for _, doc, _ in self.waiting)
         for docs in jobs:
-            job = ([tag for tag, _ in docs], self.runner.launch([doc for _, doc in docs]))
+            merged = merge([doc for _, doc, _ in docs], [key for *_, key in docs],
+                           self.runner.pad_id)
+            members = [[(docs[i][0], part) for i, part in parts] for _, parts in merged]
+            job = (members, self.runner.launch([flat for flat, _ in merged]))
             previous, self.in_flight = self.in_flight, job
             if previous is not None:
                 yield self._collect(previous)
 
-    def _collect(self, job: tuple[list[Hashable], PendingPass]) -> list[tuple[Hashable, DocScores]]:
-        tags, pending = job
+    def _collect(self, job: tuple[Members, PendingPass]) -> list[tuple[Hashable, DocScores]]:
+        members, pending = job
         scores = self.runner.finish(pending)
         if pending.first and self.after_pass is not None:
             self.after_pass(pending, scores)
-        return list(zip(tags, scores, strict=True))
+        return [(tag, split(doc_scores, part))
+                for parts, doc_scores in zip(members, scores, strict=True)
+                for tag, part in parts]

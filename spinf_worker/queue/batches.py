@@ -60,6 +60,7 @@ import orjson
 import structlog
 from redis.exceptions import RedisError
 
+from ..completions import CompletionRequest
 from ..errors import SpinfError
 from ..openai_compat import score_request_from_chat, score_to_chat_completion
 from ..protocol import ScoreRequest
@@ -83,7 +84,7 @@ ACTIVE = ("validating", "in_progress", "cancelling")
 # What the API checks of a request before queueing it (the limits a worker enforces), raising
 # the SpinfError its synchronous route answers; asked for once per chunk of lines, since
 # what it knows (the served model's tokenizer) may change while a large file is queued.
-RequestCheck = Callable[[ScoreRequest], None]
+RequestCheck = Callable[[ScoreRequest | CompletionRequest], None]
 RequestChecks = Callable[[], Awaitable[RequestCheck]]
 
 
@@ -596,8 +597,8 @@ class LineError(Exception):
 
 def parse_line(text: str, endpoint: str, check: RequestCheck | None = None
                ) -> tuple[str, dict]:
-    """One input line -> (custom_id, the scoring request to queue), the request passing
-    ``check``. Raises LineError."""
+    """One input line -> (custom_id, the request to queue: a scoring request, or a completion
+    as POST /v1/completions queues it), the request passing ``check``. Raises LineError."""
     try:
         line = orjson.loads(text)   # as the API reads a body (api/services.read_json)
     except orjson.JSONDecodeError as err:
@@ -634,6 +635,8 @@ def _line_body(line: dict, endpoint: str, check: RequestCheck | None) -> dict:
     try:
         if endpoint == "/v1/chat/completions":
             request = score_request_from_chat(body)
+        elif endpoint == "/v1/completions":
+            request = CompletionRequest.parse(body)
         else:
             request = ScoreRequest.parse(body)
         if check is not None:
@@ -641,6 +644,8 @@ def _line_body(line: dict, endpoint: str, check: RequestCheck | None) -> dict:
     except SpinfError as err:
         response = {"status_code": err.status, "request_id": None, "body": err.to_openai()}
         raise LineError(err.code or "invalid_request", err.message, response=response) from None
+    if isinstance(request, CompletionRequest):   # queued as POST /v1/completions queues it
+        return {"model": request.model, "completion": request.model_dump(mode="json")}
     # the worker gets the validated request, without fields only the endpoint knew
     return request.model_dump(mode="json", exclude_none=True)
 

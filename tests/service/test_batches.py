@@ -157,6 +157,56 @@ def test_chat_completions_batch_answers_in_the_chat_shape(tiny_engine, settings)
         assert error["error"]["code"] == "scoring_required"
 
 
+def test_completions_batch_through_the_openai_sdk_matches_the_engine(tiny_engine, settings):
+    """A batch whose endpoint is /v1/completions, through the official openai SDK: each line's
+    body is the completion /v1/completions answers (the engine's figures, bit for bit); a body
+    the route refuses is an error line with its 400."""
+    from openai import OpenAI
+
+    bos = tiny_engine.checkpoint.bos_token_id
+    bodies = {
+        "echo": {"prompt": TEXTS[0], "echo": True, "logprobs": 3, "max_tokens": 0},
+        "ids": {"model": tiny_engine.model_name, "prompt": [[bos, 40, 41, 42], TEXTS[1]],
+                "echo": True, "logprobs": 0, "max_tokens": 0},
+        "greedy": {"prompt": TEXTS[2], "logprobs": 2, "max_tokens": 3, "temperature": 0},
+    }
+    refused = {"two": ({"prompt": "x", "n": 2}, "invalid_field"),
+               "long": ({"prompt": [bos, *[10] * 4096], "max_tokens": 0}, "content_too_long")}
+    rows = [{"custom_id": name, "method": "POST", "url": "/v1/completions", "body": body}
+            for name, body in {**bodies, **{k: b for k, (b, _) in refused.items()}}.items()]
+    expected = {name: tiny_engine.complete(body).model_dump(mode="json")
+                for name, body in bodies.items()}
+    with LiveServer(settings) as server, InProcessWorker(tiny_engine, settings):
+        client = OpenAI(base_url=server.v1, api_key="unused", max_retries=0, timeout=WAIT_S)
+        upload = client.files.create(file=("in.jsonl", jsonl(rows)), purpose="batch")
+        batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/completions",
+                                      completion_window="24h")
+        assert batch.endpoint == "/v1/completions"
+        batch = wait_for(lambda: (b := client.batches.retrieve(batch.id)).status in (
+            "completed", "failed") and b, what="the batch to finish")
+        assert batch.status == "completed", batch
+        assert batch.request_counts.model_dump() == {
+            "total": len(rows), "completed": len(bodies), "failed": len(refused)}
+        output = [json.loads(line) for line in
+                  client.files.content(batch.output_file_id).text.splitlines()]
+        errors = [json.loads(line) for line in
+                  client.files.content(batch.error_file_id).text.splitlines()]
+    assert sorted(line["custom_id"] for line in output) == sorted(bodies)
+    for line in output:
+        body = line["response"]["body"]
+        assert line["response"]["status_code"] == 200 and line["error"] is None
+        assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
+        want = expected[line["custom_id"]]
+        # float equality is bit equality: logprobs, top-N, tokens, text, usage
+        for key in ("model", "system_fingerprint", "choices", "usage"):
+            assert body[key] == want[key], (line["custom_id"], key)
+    assert {e["custom_id"]: e["error"]["code"] for e in errors} == {
+        name: code for name, (_, code) in refused.items()}
+    for e in errors:
+        assert e["response"]["status_code"] == 400
+        assert e["response"]["body"]["error"]["param"] in ("n", "prompt")
+
+
 def test_cancel_gives_unanswered_lines_an_error_and_ignores_late_results(tiny_engine, settings):
     rows = [score_line(f"doc-{i}", TEXTS[i]) for i in range(30)]
     with LiveServer(settings) as server:

@@ -4,7 +4,11 @@ transformers on the same ids; bad bodies answered 400 in the envelope with nothi
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import httpx
+import pytest
 import torch
 from openai import OpenAI
 
@@ -159,3 +163,71 @@ def test_bad_bodies_are_400_in_the_envelope_and_nothing_is_queued(tiny_engine, s
         # an id outside the vocabulary: the worker's 400 (the API does not know the size)
         assert_error(client.post("/completions", json={"prompt": [1, 10 ** 9]}), 400,
                      "invalid_field", "prompt")
+
+
+@pytest.fixture(scope="module")
+def eos_second(tiny_dir, tiny_engine, tiny_oracle, tmp_path_factory) -> tuple[Path, int]:
+    """The tiny model, with EOS made the greedy choice after TEXT and one token. The random
+    model never ranks EOS first, so EOS's row of the (tied) embedding becomes c times the row
+    of the token greedy decoding picks second (B): its logit is c times B's, above every
+    other at step two, below the first pick (A) at step one. Returns the checkpoint's
+    directory and A."""
+    from safetensors.torch import load_file, save_file
+
+    ids = string_ids(tiny_engine, TEXT)
+    with torch.no_grad():
+        first = tiny_oracle(torch.tensor([ids])).logits[0, -1].float()
+        a = int(first.argmax())
+        second = tiny_oracle(torch.tensor([[*ids, a]])).logits[0, -1].float()
+    b = int(second.argmax())
+    assert a != b and second[b] > 0
+    c = (1 + first[a] / first[b]).item() / 2 if first[b] > 0 else 2.0
+    path = tmp_path_factory.mktemp("tiny-eos-second")
+    for f in tiny_dir.iterdir():
+        shutil.copy(f, path / f.name)
+    weights = load_file(tiny_dir / "model.safetensors")
+    eos = tiny_engine.checkpoint.eos_token_id
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        if name in weights:
+            weights[name][eos] = c * weights[name][b]
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return path, a
+
+
+def test_greedy_decoding_stops_at_eos(eos_second, settings):
+    """Greedy decoding that reaches EOS before max_tokens ends there: finish_reason "stop",
+    EOS counted and in the logprobs (with its logprob) but not in the text; the same prompt
+    cut by max_tokens first ends "length". The figures are transformers' on the same
+    weights."""
+    from transformers import Gemma3ForCausalLM
+
+    from spinf_worker.engine import Engine
+
+    path, a = eos_second
+    engine = Engine.load(str(path), device="cpu")
+    oracle = Gemma3ForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                               attn_implementation="eager").eval()
+    ids = string_ids(engine, TEXT)
+    eos = engine.checkpoint.eos_token_id
+    first, second = (oracle_logprobs(oracle, seq)[-1] for seq in (ids, [*ids, a]))
+    assert int(first.argmax()) == a and int(second.argmax()) == eos
+    piece = engine.checkpoint.tokenizer.decode([a], skip_special_tokens=False)
+    with LiveServer(settings) as server, InProcessWorker(engine, settings):
+        client = OpenAI(base_url=server.v1, api_key="unused", max_retries=0, timeout=WAIT_S)
+        out = client.completions.create(model=engine.model_name, prompt=TEXT, logprobs=2,
+                                        max_tokens=8)
+        echoed = client.completions.create(model=engine.model_name, prompt=TEXT, echo=True,
+                                           logprobs=0, max_tokens=8)
+        cut = client.completions.create(model=engine.model_name, prompt=TEXT, max_tokens=1)
+    [choice] = out.choices
+    assert choice.finish_reason == "stop" and choice.text == piece
+    assert choice.logprobs.tokens == [piece, "<eos>"]
+    assert all(abs(got - want) <= TOL for got, want in zip(
+        choice.logprobs.token_logprobs, [first[a].item(), second[eos].item()], strict=True))
+    assert choice.logprobs.text_offset == [0, len(piece)]
+    assert out.usage.completion_tokens == 2 < 8
+    [echo] = echoed.choices
+    assert echo.finish_reason == "stop" and echo.text == TEXT + piece
+    assert echo.logprobs.tokens[-2:] == [piece, "<eos>"]
+    assert echo.logprobs.token_logprobs[-2:] == choice.logprobs.token_logprobs
+    assert cut.choices[0].finish_reason == "length" and cut.choices[0].text == piece
