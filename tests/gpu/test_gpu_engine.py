@@ -190,3 +190,32 @@ def test_a_questions_bits_do_not_depend_on_the_other_questions(scheme, cuda_grap
     for _ in range(6):
         others = [other() for _ in range(rng.randint(1, 30))]
         assert target_bits(others, rng.randint(0, len(others))) == alone
+
+
+@pytest.mark.parametrize("cuda_graphs", [True, False])
+@pytest.mark.parametrize("scheme", ["bf16", "fp8"])
+def test_documents_merged_under_one_root_score_as_alone(scheme, cuda_graphs):
+    """Documents of one pass with the same root are read once (engine/merge.py): each one's
+    figures equal its own pass, array for array; another root is never merged."""
+    from spinf_worker.engine.scheduler import PassScheduler
+
+    rng = random.Random(11)
+    runner = _runner("cuda", torch.bfloat16, fp8=scheme == "fp8", cuda_graphs=cuda_graphs)
+    root = [2] + [rng.randint(3, 4000) for _ in range(300)]    # longer than the window
+
+    def doc(tokens: list[int], n: int):
+        return DocTree(list(tokens), [
+            Branch([rng.randint(3, 4000) for _ in range(rng.randint(0, 8))],
+                   [[rng.randint(3, 4000) for _ in range(rng.randint(1, 3))]
+                    for _ in range(rng.randint(1, 3))]) for _ in range(n)]).flatten(0)
+
+    docs = [doc(root, 3), doc(root, 1), doc(root[:-1], 2), doc(root, 4)]
+    docs.append(docs[1])                                    # the same questions twice
+    scheduler = PassScheduler(runner, 1 << 16)
+    for i, d in enumerate(docs):
+        scheduler.hold(i, d)
+    done = dict(item for batch in scheduler.flush() for item in batch)
+    for i, d in enumerate(docs):
+        alone = runner.run([d])[0]
+        for name in ("option_logprobs", "residual", "branch_start"):
+            assert (getattr(done[i], name) == getattr(alone, name)).all(), (i, name)
