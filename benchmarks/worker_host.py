@@ -44,8 +44,8 @@ class AnsweringEngine:
         self.stub_s = 0.0
         self.docs_per_pass: list[int] = []
 
-    def rows(self, request):
-        return self.engine.rows(request)
+    def row_parts(self, request):
+        return self.engine.row_parts(request)
 
     def score_batch(self, requests):
         started = time.perf_counter()

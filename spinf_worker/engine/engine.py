@@ -23,6 +23,7 @@ from ..models.build import build_model
 from ..models.loader import Checkpoint, load_checkpoint
 from ..packs import official_packs
 from ..protocol import DEFAULT_LIMITS, ScoreRequest, ScoreResponse
+from ..tiles import RowPart
 from .batch import ScoringBatch
 from .completion import PreparedCompletion
 from .decode import SlotDecoder, SlotJob
@@ -172,6 +173,14 @@ class Engine:
         if isinstance(result, SpinfError):
             raise result
         return result
+
+    def row_parts(self, request: dict | ScoreRequest | CompletionRequest) -> list[RowPart]:
+        """``rows`` per document, with what lets documents of the same content share a
+        root in a pass (the queue fills passes by these, as the packer does)."""
+        if isinstance(request, CompletionRequest):
+            rows = PreparedCompletion.rows(self, request)
+            return [RowPart(None, rows, rows)]
+        return self.preparer.row_parts(request)
 
     def rows(self, request: dict | ScoreRequest | CompletionRequest) -> int:
         """Rows the request's document takes in a pass (the real layout: content plus the

@@ -12,28 +12,17 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
-from ..tiles import padded_rows
+from ..tiles import PassRows
 from .layout import FlatDoc
 
 
 @dataclass
-class Pass:
+class Pass(PassRows):
     docs: list[int] = field(default_factory=list)   # indices into the caller's doc list
-    rows: int = 0
-    roots: dict[Hashable, int] = field(default_factory=dict)   # root key -> its real rows
 
-    def cost(self, doc: FlatDoc, key: Hashable | None) -> int:
-        """Rows ``doc`` adds to this pass (merged with a document of the same root)."""
-        if key is None or key not in self.roots:
-            return doc.length
-        tokens = self.roots[key]
-        return padded_rows(tokens + doc.tokens - doc.root) - padded_rows(tokens)
-
-    def add(self, i: int, doc: FlatDoc, key: Hashable | None) -> None:
-        self.rows += self.cost(doc, key)
+    def place(self, i: int, doc: FlatDoc, key: Hashable | None) -> None:
+        self.add(doc, key)
         self.docs.append(i)
-        if key is not None:
-            self.roots[key] = self.roots.get(key, doc.root) + doc.tokens - doc.root
 
 
 def pack(docs: Sequence[FlatDoc], max_pass_tokens: int,
@@ -47,5 +36,5 @@ def pack(docs: Sequence[FlatDoc], max_pass_tokens: int,
         if target is None:
             target = Pass()
             passes.append(target)
-        target.add(i, doc, key)
+        target.place(i, doc, key)
     return passes

@@ -36,7 +36,7 @@ from ..request_limits import (
     wrapped_messages,
 )
 from ..templates import Combination
-from ..tiles import padded_rows
+from ..tiles import RowPart
 from .floors import floor_key
 from .layout import Branch, BranchBlock, FlatDoc
 from .media import MediaImage, MediaLayout
@@ -108,17 +108,25 @@ class Preparer:
         self._pack_queries: dict[str, list[Query]] = {}           # by pack group
 
     def rows(self, raw: dict | ScoreRequest) -> int:
-        """Rows the request's inputs take in passes (content plus the query set's prefix
-        tree, each padded to the tile). The contents' ids are kept for the layout that
-        follows."""
+        """Rows the request's inputs take in passes, each alone (content plus the query
+        set's prefix tree, each padded to the tile)."""
+        return sum(part.length for part in self.row_parts(raw))
+
+    def row_parts(self, raw: dict | ScoreRequest) -> list[RowPart]:
+        """Each input's rows and what it shares with other inputs of the same content (a
+        pass reads a root once: engine/merge.py), so the queue fills a pass as the packer
+        will. The contents' ids are kept for the layout that follows."""
         p = self.parse(raw)
         roots = self.presenter.root_ids_batch([d.text for d in p.docs])
         for doc, root in zip(p.docs, roots, strict=True):
             self._roots[doc.text] = root
         while len(self._roots) > ROOT_CACHE:
             self._roots.popitem(last=False)
-        return sum(padded_rows(len(root) + len(d.query_set.block.ids))
-                   for d, root in zip(p.docs, roots, strict=True))
+        # media: equal text may hold other pixels; counted alone (merge.root_key tells)
+        return [RowPart(None if d.images or d.text_only is not None else ("text", d.text),
+                        len(root),
+                        len(root) + len(d.query_set.block.ids))
+                for d, root in zip(p.docs, roots, strict=True)]
 
     def prepare_batch(self, raws: Sequence[dict | ScoreRequest]
                       ) -> list[PreparedRequest | SpinfError]:

@@ -27,7 +27,7 @@ from redis.exceptions import RedisError, ResponseError
 from ..completions import CompletionRequest, CompletionResponse
 from ..errors import SpinfError
 from ..protocol import ScoreRequest, ScoreResponse
-from ..tiles import ROW_TILE
+from ..tiles import ROW_TILE, PassRows, RowPart
 from . import batches, jsonio
 from .engine_thread import ENGINE_THREAD
 from .keys import GROUP, Keys
@@ -60,7 +60,12 @@ class Entry:
     request: ScoreRequest | CompletionRequest | None = None
     error: SpinfError | None = None   # the request's own fault: a final answer, not retried
     failure: str | None = None        # could not even be read: retried, then dead-lettered
-    rows: int = 0                     # rows in a pass (Engine.rows)
+    parts: list[RowPart] = field(default_factory=list)   # its documents' rows (Engine.row_parts)
+
+    @property
+    def rows(self) -> int:
+        """Rows in a pass read alone."""
+        return sum(part.length for part in self.parts)
 
     @property
     def job(self) -> str:
@@ -250,7 +255,7 @@ class Worker:
         if self._claimed:
             claimed, self._claimed = self._claimed, []
             await self._admit(claimed, redelivered=True)
-        rows = sum(e.rows for e in self._ready)
+        rows = self._fill(self._ready).rows   # as the packer will count them: roots once
         full = rows >= self.budget
         waited_ms = (time.monotonic() - min(e.arrived for e in self._ready)) * 1000 \
             if self._ready else 0.0
@@ -338,7 +343,7 @@ class Worker:
                     entry.request = ScoreRequest.parse(body, scoring_json=key)
                 # the engine's own layout (prefix tree included); it keeps the content's
                 # token ids for the pass that scores the entry
-                entry.rows = self.engine.rows(entry.request)
+                entry.parts = self.engine.row_parts(entry.request)
             except SpinfError as err:
                 entry.error = err
         except Exception as err:   # a damaged entry; retried like any failure, then dead
@@ -409,6 +414,16 @@ class Worker:
         """Rows up to which bulk entries fill a pass that holds interactive ones."""
         return min(self.budget, self.settings.interactive_pass_tokens or self.budget // 4)
 
+    @staticmethod
+    def _fill(entries: list[Entry]) -> PassRows:
+        """The rows of ``entries`` in one pass, documents of the same content sharing a root
+        (a client sending one question per request about a text fills a pass as it would
+        with all of them in one request)."""
+        fill = PassRows()
+        for entry in entries:
+            fill.add_parts(entry.parts)
+        return fill
+
     def _dispatch(self) -> None:
         """Start a pass over the ready entries that fit the budget, interactive first; the
         misfits wait for the next pass. Interactive entries fill the whole budget; bulk ones
@@ -418,12 +433,12 @@ class Worker:
         ordered = sorted(self._ready, key=lambda e: e.stream != interactive)
         bulk_budget = self.interactive_budget if ordered[0].stream == interactive \
             else self.budget
-        batch, rest, rows = [], [], 0
+        batch, rest, fill = [], [], PassRows()
         for entry in ordered:
             limit = self.budget if entry.stream == interactive else bulk_budget
-            if not batch or rows + entry.rows <= limit:
+            if not batch or fill.rows + fill.cost_of(entry.parts) <= limit:
                 batch.append(entry)
-                rows += entry.rows
+                fill.add_parts(entry.parts)
             else:
                 rest.append(entry)
         self._ready = rest

@@ -151,6 +151,35 @@ async def test_waiting_jobs_are_packed_into_full_passes(redis, keys, settings, t
 
 
 @pytest.mark.asyncio
+async def test_requests_about_one_text_fill_a_pass_as_one(redis, keys, settings, tiny_engine):
+    """Requests that each ask one question about the same text share a root in a pass
+    (engine/merge.py): the worker counts that root once when it fills a pass (Engine.row_parts),
+    so they take one pass, where counted alone they would take four; each answer is what the
+    request gets alone."""
+    from spinf_worker.tiles import PassRows
+
+    text = " ".join(f"Line {k}: the market rose and the team won again." for k in range(40))
+    requests = [{"text": text, "scoring": {"queries": [{
+        "id": f"q{k}", "template": f"\n\nQuestion {k}: is it good news?{{?}}",
+        "options": [" yes", " no"]}]}} for k in range(8)]
+    fill = PassRows()
+    for request in requests:
+        fill.add_parts(tiny_engine.row_parts(request))
+    alone = sum(tiny_engine.rows(r) for r in requests)
+    assert fill.rows * 4 <= alone          # the root counted once
+    settings = settings.model_copy(update={"max_pass_tokens": fill.rows, "max_wait_ms": 2000})
+    producer = Producer(redis, keys, settings)
+    jobs = [(await producer.submit(Submission(r)))[0] for r in requests]
+    worker = Worker(tiny_engine, redis, keys, settings)
+    async with running(worker):
+        results = await results_of(redis, keys, jobs)
+    assert worker.passes == 1
+    for request, result in zip(requests, results, strict=True):
+        assert result["body"]["results"] == \
+            tiny_engine.score(request).model_dump(mode="json")["results"]
+
+
+@pytest.mark.asyncio
 async def test_idempotency_key_maps_to_one_job(redis, keys, settings):
     producer = Producer(redis, keys, settings)
     first = await producer.submit(Submission(body(1), idempotency_key="k-1"))
