@@ -17,6 +17,7 @@ from fastapi import Depends, Request
 from redis.asyncio import Redis
 
 from spinf_worker.errors import InvalidRequestError
+from spinf_worker.manifest import Manifest
 from spinf_worker.queue.keys import Keys
 from spinf_worker.queue.producer import Producer
 from spinf_worker.queue.replies import ReplyListener
@@ -50,6 +51,8 @@ class WorkerInfo:
     pid: int | None = None
     passes: int = 0
     media: list[str] | None = None   # the media kinds its model reads (None: not said)
+    # its model's manifest (spinf_worker/manifest.py; None: a worker still loading, or older)
+    manifest: Manifest | None = None
 
     @property
     def available(self) -> bool:
@@ -80,7 +83,9 @@ class WorkerInfo:
                    host=info.get("host"), pid=_int_or_none(info.get("pid")),
                    passes=int(info.get("passes") or 0),
                    media=[str(k) for k in info["media"]] if isinstance(info.get("media"), list)
-                   else None)
+                   else None,
+                   manifest=(Manifest.model_validate(info["manifest"])
+                             if isinstance(info.get("manifest"), dict) else None))
 
 
 def _int_or_none(value: Any) -> int | None:

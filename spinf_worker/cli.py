@@ -478,6 +478,9 @@ def _tool_parsers(sub) -> None:
 
     models = sub.add_parser("models", help="the models in the cache (size, whether each "
                                            "loads), the default and the known families")
+    models.add_argument("paths", nargs="*", type=Path, metavar="DIR",
+                        help="checkpoint directories: show each one's manifest (its "
+                             "spinf-manifest.json over what config.json says) instead")
     models.add_argument("--json", action="store_true", help="one JSON object")
     models.set_defaults(func=cmd_models)
 

@@ -55,7 +55,7 @@ async def completions(request: Request, services: ServicesDep, caller: CallerDep
     respond_async = prefers_async(prefer)
     timeout = 0.0 if respond_async else sync_timeout(services, x_sync_timeout)
     await services.check_serving()
-    await check_model(services, completion.model)
+    await check_model(services, completion.model, completion)
     await check_context(services, completion)
     await check_backlog(services)
     payload = {"model": completion.model, "completion": completion.model_dump(mode="json")}

@@ -39,7 +39,7 @@ async def _visible(services: Services, caller: Caller, job: dict) -> bool:
 async def create_job(request: Request, services: ServicesDep, caller: CallerDep,
                      idempotency_key: IdempotencyKey = None) -> JSONResponse:
     job_request = JobRequest.parse(await read_json(request))
-    await check_model(services, job_request.model)
+    await check_model(services, job_request.model, job_request)
     await check_media(services, job_request)
     await check_limits(services, job_request)
     await check_backlog(services)

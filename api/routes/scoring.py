@@ -17,8 +17,9 @@ from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse
 
 from spinf_worker.completions import CompletionRequest
+from spinf_worker.decision_rules import check_request as check_decision
+from spinf_worker.decision_rules import refuse_completion
 from spinf_worker.errors import InvalidRequestError, ModelNotFoundError
-from spinf_worker.model_names import served_names
 from spinf_worker.openai_compat import (
     ChatScoreResponse,
     score_request_from_chat,
@@ -40,6 +41,7 @@ from ..errors import (
 from ..media import NOT_FETCHED, check_kinds, check_media, served_kinds
 from ..models import ChatCompletionRequest, JobAccepted, error_responses, json_body
 from ..services import Services, ServicesDep, read_json
+from .catalog import names_of
 from .packs import loaded_packs
 
 router = APIRouter(prefix="/v1", tags=["scoring"], dependencies=V1_AUTH)
@@ -48,18 +50,31 @@ RETRY_AFTER_S = 5  # when the backlog is full: long enough for workers to drain 
 _ERRORS = error_responses(400, 401, 413, 422, 429, 500, 503)
 
 
-async def check_model(services: Services, model: str | None) -> None:
+async def check_model(services: Services, model: str | None,
+                      request: ScoreRequest | CompletionRequest | None = None) -> None:
     """404 for a model no worker serves. Known = the models of live workers, or of the
     registered ones when none is live (a restarting fleet); with no worker at all the job
-    waits for one, and the worker judges the name."""
-    if model is None:
-        return
+    waits for one, and the worker judges the name. With ``request``: what the model's
+    manifest says it does not do (a decision model: options over its codes only) is the
+    400 its worker would answer."""
     live, registered = await services.workers()
-    served = {w.model for w in (live or registered)}
-    if served and not any(model in served_names(name) for name in served):
+    workers = live or registered
+    served = {w.model for w in workers}
+    if model is not None and served and not any(
+            model in names_of(name, workers) for name in served):
         raise ModelNotFoundError(
             f"model {model!r} is not served here; served: {', '.join(sorted(served))}",
             param="model")
+    target = [w for w in workers if w.manifest is not None
+              and (model in w.manifest.names if model is not None else len(served) == 1)]
+    manifest = target[0].manifest if target else None
+    if manifest is None or request is None:
+        return
+    if isinstance(request, CompletionRequest):
+        if "complete" not in manifest.capabilities:
+            raise refuse_completion(manifest.id)
+    elif manifest.decision is not None:
+        check_decision(manifest.decision, manifest.id, request)
 
 
 async def limits_check(services: Services) -> RequestCheck:
@@ -145,7 +160,7 @@ async def submit_and_wait(services: Services, caller: Caller, request: ScoreRequ
                           ) -> tuple[str, JobResult | None]:
     """(job id, its result or None when not finished within ``timeout``)."""
     await services.check_serving()
-    await check_model(services, request.model)
+    await check_model(services, request.model, request)
     await check_media(services, request)
     await check_limits(services, request)
     await check_backlog(services)

@@ -28,9 +28,9 @@ from ..completions import (
     CompletionResponse,
     CompletionUsage,
 )
+from ..decision_rules import refuse_completion
 from ..errors import ContextLengthError, InvalidRequestError, ModelNotFoundError
 from ..ids import new_ulid
-from ..model_names import served_names
 from ..tiles import READOUT_TILE, padded_rows
 from .layout import BranchBlock, EchoReadout, FlatDoc
 from .runner import DocScores
@@ -72,10 +72,12 @@ class PreparedCompletion:
     def __init__(self, engine, request: CompletionRequest):
         self.engine, self.request = engine, request
         model = request.model
-        if model is not None and model not in served_names(engine.model_name):
+        if model is not None and model not in engine.manifest.names:
             raise ModelNotFoundError(
                 f"model {model!r} is not served here; served: {engine.model_name}",
                 param="model")
+        if "complete" not in engine.manifest.capabilities:
+            raise refuse_completion(engine.model_name)
         self.model = model or engine.model_name
         self.top = max(request.logprobs or 0, 1)
         tok = engine.checkpoint.tokenizer

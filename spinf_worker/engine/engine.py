@@ -26,6 +26,7 @@ from ..protocol import DEFAULT_LIMITS, ScoreRequest, ScoreResponse
 from ..tiles import RowPart
 from .batch import ScoringBatch
 from .completion import PreparedCompletion
+from .decision import code_ids, served_manifest
 from .decode import SlotDecoder, SlotJob
 from .floors import FloorCache
 from .media import MediaLayout
@@ -110,16 +111,28 @@ class Engine:
                                    self.pad_id)
         mode = choose_mode(self.settings.presentation, checkpoint.name, checkpoint.chat_template)
         tok = checkpoint.tokenizer
+        media = MediaLayout.for_model(self.model, tok, self.device)
+        self.manifest = served_manifest(checkpoint, media.kinds if media is not None else ())
+        decision = self.manifest.decision
+        if decision is not None:
+            self.model.set_codes(code_ids(decision, tok, self.manifest.id), decision.temperature)
         self.presenter = Presenter(tok, checkpoint.bos_token_id, mode, checkpoint.chat_template,
                                    bos_text=tok.id_to_token(checkpoint.bos_token_id) or "<bos>",
-                                   eos_text=tok.id_to_token(checkpoint.eos_token_id) or "<eos>")
+                                   eos_text=tok.id_to_token(checkpoint.eos_token_id) or "<eos>",
+                                   frame=decision.prompt.frame_content if decision else None)
         self.packs = official_packs() if packs is None else packs
+        limits = self.manifest.limits
+        if limits.max_content_tokens is not None:
+            self.settings.max_content_tokens = min(self.settings.max_content_tokens,
+                                                   limits.max_content_tokens)
         self.preparer = Preparer(self.presenter, self.pad_id, self.packs,
-                                 context=self.config.max_position_embeddings,
+                                 context=min(self.config.max_position_embeddings,
+                                             limits.context or self.config.max_position_embeddings),
                                  max_combinations=self.settings.max_combinations,
                                  max_content_tokens=self.settings.max_content_tokens,
-                                 model=checkpoint.name,
-                                 media=MediaLayout.for_model(self.model, tok, self.device))
+                                 model=self.manifest.id, names=self.manifest.names,
+                                 media=media, media_kinds=tuple(self.manifest.media),
+                                 decision=decision, max_inputs=limits.max_inputs)
         self.floors = FloorCache(self.settings.floor_cache_size)
         self.fingerprint = self._fingerprint()
 
@@ -133,7 +146,8 @@ class Engine:
 
     @property
     def model_name(self) -> str:
-        return self.checkpoint.name
+        """The served name: the manifest's id (by default the name it was loaded by)."""
+        return self.manifest.id
 
     @property
     def device_class(self) -> str:
@@ -144,9 +158,9 @@ class Engine:
 
     @property
     def media_kinds(self) -> tuple[str, ...]:
-        """The media kinds this engine reads in a content (("image", "video") or none)."""
-        media = self.preparer.media
-        return media.kinds if media is not None else ()
+        """The media kinds this engine reads in a content (("image", "video") or none): the
+        model's, as far as its manifest lists them."""
+        return tuple(self.manifest.media)
 
     def _fingerprint(self) -> str:
         device_class = self.device_class

@@ -13,7 +13,9 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ..errors import ModelNotFoundError, SpinfError
+from ..decision_rules import check_queries
+from ..errors import InvalidRequestError, ModelNotFoundError, SpinfError
+from ..manifest import Decision
 from ..model_names import served_names
 from ..protocol import DEFAULT_LIMITS, Document, Limits, Query, ScoreRequest, query_layout_key
 from ..request_limits import (
@@ -96,11 +98,19 @@ class Preparer:
     def __init__(self, presenter: Presenter, pad_id: int, packs: dict, *,
                  model: str, context: int, max_combinations: int,
                  max_content_tokens: int = DEFAULT_LIMITS.max_content_tokens,
-                 media: MediaLayout | None = None):
-        """``model``: the served model's name (a request may name it, or one of its aliases).
-        ``media``: how the model reads images (None: it reads text only)."""
+                 media: MediaLayout | None = None, names: set[str] | None = None,
+                 media_kinds: tuple[str, ...] | None = None, decision: Decision | None = None,
+                 max_inputs: int | None = None):
+        """``model``: the served model's name; ``names``: every name a request may use (its
+        manifest's; default: model_names.served_names). ``media``: how the model reads images
+        (None: it reads text only); ``media_kinds``: those it is served with (default: all
+        it reads). ``decision``: a decision model's codes and prompt format."""
         self.presenter, self.pad_id, self.packs = presenter, pad_id, packs
         self.media = media
+        self.names = names if names is not None else served_names(model)
+        self.media_kinds = (media_kinds if media_kinds is not None
+                            else media.kinds if media is not None else ())
+        self.decision, self.max_inputs = decision, max_inputs
         self.model, self.context, self.max_combinations = model, context, max_combinations
         self.max_content_tokens = max_content_tokens
         self._roots: OrderedDict[str, list[int]] = OrderedDict()   # tokenised by rows()
@@ -171,18 +181,21 @@ class Preparer:
 
     def parse(self, raw: dict | ScoreRequest) -> PreparedRequest:
         request = ScoreRequest.parse(raw)
-        if request.model is not None and request.model not in served_names(self.model):
+        if request.model is not None and request.model not in self.names:
             raise ModelNotFoundError(
                 f"model {request.model!r} is not served here; this engine serves {self.model!r}",
                 param="model")
+        if self.max_inputs is not None and len(request.inputs or ()) > self.max_inputs:
+            raise InvalidRequestError(
+                f"{len(request.inputs)} inputs; {self.model} takes at most {self.max_inputs} "
+                "a call", param="inputs")
         # request_limits.check_request makes the same checks in the same order at the API
         runs = pack_runs(self.packs, request, self._pack_queries)
         case_insensitive = case_rule(request, runs)
         docs, limits = [], request.effective_limits
         for i, doc in enumerate(request.documents()):
             where, params = query_params(request, i, doc)
-            check_media_kinds(doc.messages, self.media.kinds if self.media else (),
-                              self.model, where)
+            check_media_kinds(doc.messages, self.media_kinds, self.model, where)
             check_combination_count(doc.queries, params, self.max_combinations)
             queries, key = list(doc.queries), doc.layout_key
             if runs:
@@ -192,6 +205,8 @@ class Preparer:
                     queries += mine
                     params += [None] * len(mine)   # a pack's own: no caller limits
                 key = query_layout_key(queries, case_insensitive)
+            if self.decision is not None:
+                check_queries(self.decision, self.model, queries, params)
             query_set = self._query_set(queries, key, case_insensitive,
                                         request.scoring.empty_floor, limits, params)
             prepared = Prepared(doc.input_id, where, queries, len(doc.queries), query_set,
@@ -227,10 +242,12 @@ class Preparer:
         for q, grid in zip(queries, grids, strict=True):
             scored = self.scored_strings(q, case_insensitive)[0] if q.slot_kind == "?" else None
             for c in grid:
+                # a decision model reads each question in its own format
+                prefix = self.decision.prompt.frame_question(c.prefix) if self.decision else c.prefix
                 if scored is None:
-                    out.append(Branch(list(enc(c.prefix)), [], slot_settings(q, c), q.group))
+                    out.append(Branch(list(enc(prefix)), [], slot_settings(q, c), q.group))
                 else:
-                    out.append(Branch(list(enc(c.prefix)), [list(enc(s)) for s in scored],
+                    out.append(Branch(list(enc(prefix)), [list(enc(s)) for s in scored],
                                       group=q.group))
         return out
 

@@ -32,8 +32,10 @@ def _raise(message: str):
 
 class Presenter:
     def __init__(self, tokenizer, bos_id: int, mode: str, chat_template: str | None = None,
-                 bos_text: str = "<bos>", eos_text: str = "<eos>"):
+                 bos_text: str = "<bos>", eos_text: str = "<eos>", frame=None):
+        """``frame``: a decision model's content format (text -> the text it is shown)."""
         self.tokenizer, self.bos_id, self.mode = tokenizer, bos_id, mode
+        self.frame = frame
         self.bos_text, self.eos_text = bos_text, eos_text
         self._template = None
         if mode == "chat":
@@ -48,10 +50,12 @@ class Presenter:
     def present(self, messages: list[dict]) -> str:
         """Presented text of ``[{"role", "content": str}, ...]``; empty content for the floor."""
         if self.mode == "raw":
-            return "\n\n".join(m["content"] for m in messages)
-        text = self._template.render(messages=messages, add_generation_prompt=False,
-                                     bos_token=self.bos_text, eos_token=self.eos_text)
-        return text.removeprefix(self.bos_text)   # BOS is added as an id, never as text
+            text = "\n\n".join(m["content"] for m in messages)
+        else:
+            text = self._template.render(messages=messages, add_generation_prompt=False,
+                                         bos_token=self.bos_text, eos_token=self.eos_text)
+            text = text.removeprefix(self.bos_text)   # BOS is added as an id, never as text
+        return text if self.frame is None else self.frame(text)
 
     def root_ids(self, messages: list[dict]) -> list[int]:
         return self.root_ids_batch([self.present(messages)])[0]

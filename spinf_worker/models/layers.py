@@ -158,14 +158,37 @@ class PackedLM(nn.Module):
     def capturable(self) -> bool:
         return False
 
-    def readout_logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Full-vocabulary log-softmax in fp32 for ``[n, dim]`` rows, ``n % READOUT_TILE == 0``."""
+    # a decision model's readout (set_codes): the head's rows of its code tokens, their ids
+    code_head: torch.Tensor | None = None
+    code_ids: torch.Tensor | None = None
+    code_temperature = 1.0
+
+    def set_codes(self, ids: list[int], temperature: float = 1.0) -> None:
+        """Read out over these tokens only (a decision model's codes): their logits at
+        ``temperature``, log-softmax over them, every other token -inf."""
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        index = torch.tensor(ids, dtype=torch.long, device=head.device)
+        self.code_head = head.index_select(0, index).contiguous()   # taken once, not per pass
+        self.code_ids, self.code_temperature = index, float(temperature)
+
+    def readout_logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary log-softmax in fp32 for ``[n, dim]`` rows, ``n % READOUT_TILE == 0``
+        (a decision model: over its codes, -inf elsewhere)."""
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if self.code_head is not None:
+            head = self.code_head
         logits = linear(hidden, head, tile=READOUT_TILE, out_dtype=torch.float32).float()
         cap = getattr(self.cfg, "final_logit_softcapping", None)
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
-        return torch.log_softmax(logits, dim=-1)
+        if self.code_head is None:
+            return torch.log_softmax(logits, dim=-1)
+        codes = torch.log_softmax(logits / self.code_temperature, dim=-1)
+        vocab = self.embed_tokens.weight.shape[0] if self.lm_head is None else (
+            self.lm_head.weight.shape[0])
+        out = torch.full((logits.shape[0], vocab), -torch.inf, dtype=torch.float32,
+                         device=logits.device)
+        return out.index_copy_(1, self.code_ids, codes)
 
     def body_linears(self) -> list[Linear]:
         """The linear layers a quantised scheme converts: all but the LM head."""

@@ -28,6 +28,8 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
 from spinf_worker.errors import ModelNotFoundError
+from spinf_worker.manifest import Manifest
+from spinf_worker.manifest import load as load_manifest
 from spinf_worker.model_names import DEFAULT_MODEL, is_default
 from spinf_worker.models.cache import CONVERSION_MARKER, DEFAULT_DIR, cache_root
 from spinf_worker.quant.gptq import dequantize_weights
@@ -59,6 +61,8 @@ class Checkpoint:
     weights_digest: str
     path: Path
     quantization: str | None = None   # how the checkpoint's own weights are stored (GPTQ)
+    # what it is as /v1/models lists it: its spinf-manifest.json over what config.json says
+    manifest: Manifest | None = None
 
 
 LOAD_FORMATS = ("auto", "dummy")
@@ -196,6 +200,7 @@ def load_hf_dir(path: Path, *, name: str, cache_dir: Path | None = None,
             raise ModelNotFoundError(f"{path} has no {required}", param="model")
     raw = json.loads((path / "config.json").read_text())
     config = text_config(raw)
+    manifest = load_manifest(path, name, config)   # a bad file fails before any weight
     # a wrapper (Gemma 3 multimodal) keeps it beside text_config; checked before any weight
     qcfg = raw.get("quantization_config")
     gptq = gptq_format(qcfg) if qcfg else None
@@ -238,7 +243,7 @@ def load_hf_dir(path: Path, *, name: str, cache_dir: Path | None = None,
                       bos_token_id=bos, eos_token_id=eos,
                       chat_template=_chat_template(path, tokenizer_config),
                       weights_digest=weights_digest, path=path,
-                      quantization=gptq.describe() if gptq else None)
+                      quantization=gptq.describe() if gptq else None, manifest=manifest)
 
 
 def text_config(raw: dict) -> dict:

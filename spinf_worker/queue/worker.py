@@ -700,13 +700,15 @@ class Worker:
         # status "available": the API tells a loaded model from one still loading (serve.py
         # registers "loading" under the same name until this worker exists)
         config = getattr(getattr(self.engine, "checkpoint", None), "config", None)
+        manifest = getattr(self.engine, "manifest", None)   # what GET /v1/models lists
         await self.redis.hset(self.keys.workers, self.name, json.dumps({
             "model": self.engine.model_name, "fingerprint": self.engine.fingerprint,
             "device": str(self.engine.device), "pid": os.getpid(),
             "host": socket.gethostname(), "heartbeat_ms": now_ms(), "passes": self.passes,
             "status": "available", "started_ms": self.started_ms, "loaded_ms": self.loaded_ms,
             "family": config.get("model_type") if isinstance(config, dict) else None,
-            "media": list(getattr(self.engine, "media_kinds", ()))}))
+            "media": list(getattr(self.engine, "media_kinds", ())),
+            "manifest": manifest.model_dump(mode="json") if manifest is not None else None}))
 
     async def _touch_held(self) -> None:
         """Reset the idle time of entries held (queued here or in a pass), so a pass longer

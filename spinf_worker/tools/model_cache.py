@@ -1,5 +1,6 @@
 """``spinf-serve models``: the models in the cache and whether each would load, read from
-their config and file listings (no weights are loaded, torch is not imported).
+their config and file listings (no weights are loaded, torch is not imported);
+``spinf-serve models DIR...``: each checkpoint directory's manifest, as /v1/models lists it.
 
 The cache holds the converted GGUFs (the packaged default among them, models/loader.py);
 Hugging Face Hub snapshots, which ``--model org/name`` loads offline, are listed beside them.
@@ -11,10 +12,13 @@ import argparse
 import importlib.util
 import json
 import os
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..errors import UnsupportedModelError
+from ..manifest import ManifestError
+from ..manifest import load as load_manifest
 from ..model_names import DEFAULT_MODEL, aliases
 from ..models.cache import CONVERSION_MARKER, DEFAULT_DIR, cache_root
 from ..models.registry import MODEL_TYPES, family_for
@@ -130,7 +134,37 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"
 
 
+def manifest_of(path: Path) -> dict:
+    """A checkpoint directory's manifest as it would be served: its spinf-manifest.json over
+    what its config.json says (media: the file's; the engine adds what the model reads)."""
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as err:
+        raise ManifestError(f"{path}: config.json unreadable: {err}", param="model") from None
+    return load_manifest(path, str(path), raw.get("text_config") or raw).catalog_entry()
+
+
+def show_manifests(paths: list[Path], as_json: bool) -> int:
+    try:
+        found = [manifest_of(p) for p in paths]
+    except ManifestError as err:
+        print(f"spinf-serve models: {err.message}", file=sys.stderr)
+        return 2
+    if as_json:
+        print(json.dumps({"models": found}))
+        return 0
+    for m in found:
+        print(f"{m['id']}  ({m['name']}; family {m['family'] or '-'}; base {m['base_model']})")
+        print(f"  aliases       {', '.join(m['aliases'])}")
+        print(f"  capabilities  {', '.join(m['capabilities'])}")
+        print(f"  media         {', '.join(m['media']) or '-'}")
+        print(f"  limits        {json.dumps(m['limits'])}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "paths", None):
+        return show_manifests(args.paths, args.json)
     info = listing()
     if args.json:
         print(json.dumps(info))
