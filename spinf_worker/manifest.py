@@ -131,7 +131,7 @@ class Manifest(BaseModel):
         return {"id": self.id, "name": self.name or self.id.rsplit("/", 1)[-1],
                 "base_model": self.base_model or self.id,
                 "aliases": sorted(self.names - {self.id}), "family": self.family,
-                "capabilities": list(self.capabilities), "media": list(self.media),
+                "capabilities": list(self.capabilities), "media": sorted(self.media),
                 "limits": self.listed_limits()}
 
 
