@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from . import media_oracle
 from .conftest import TINY_BOS, TINY_GEMMA4_AUDIO_TOKENS, TINY_GEMMA4_IMAGE_TOKENS
 from .test_media_gemma3 import QUERIES, option_logprobs, scores_and_residuals
 from .test_media_gemma4 import oracle_inputs
@@ -116,21 +117,9 @@ def oracle_scores(oracle, engine, samples: list[np.ndarray], images: list[str], 
         kwargs.update(pixel_values=vision["pixel_values"],
                       image_position_ids=vision["image_position_ids"])
     root = [TINY_BOS, *tok.encode(text, add_special_tokens=False).ids]
-    image_id = tok.token_to_id(isoft)
-    out = {}
-    for q in queries:
-        prefix = tok.encode(q["template"].split("{?}")[0], add_special_tokens=False).ids
-        for option in q["options"]:
-            ids = root + prefix + tok.encode(option, add_special_tokens=False).ids
-            types = torch.tensor([[int(i == image_id) for i in ids]])
-            with torch.no_grad():
-                logits = oracle(input_ids=torch.tensor([ids]), mm_token_type_ids=types,
-                                **kwargs).logits[0].float()
-            logprobs = torch.log_softmax(logits, dim=-1)
-            start = len(root) + len(prefix)
-            out[(q["id"], option)] = sum(logprobs[j - 1, ids[j]].item()
-                                         for j in range(start, len(ids)))
-    return out
+    return media_oracle.option_logprobs(
+        oracle, tok, root, queries,
+        media_oracle.marked("mm_token_type_ids", tok.token_to_id(isoft)), **kwargs)
 
 
 @pytest.mark.parametrize("seconds", [0.4, 1.3])

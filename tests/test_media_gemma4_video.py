@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from . import media_oracle
 from .conftest import TINY_BOS, TINY_GEMMA4_IMAGE_TOKENS, TINY_GEMMA4_PATCH, TINY_GEMMA4_VIDEO_TOKEN
 from .test_media_gemma3 import QUERIES, option_logprobs, other_requests, scores_and_residuals
 from .test_media_requests import image_url
@@ -83,20 +84,9 @@ def oracle_scores(oracle, engine, urls: list[str], times: list[float]) -> dict:
                       f"{eoi}" for t in times)
     root = [TINY_BOS, *tok.encode(f"Clip:{frames} A kettle.", add_special_tokens=False).ids]
     video_id = tok.token_to_id(TINY_GEMMA4_VIDEO_TOKEN)
-    out = {}
-    for q in QUERIES:
-        prefix = tok.encode(q["template"].split("{?}")[0], add_special_tokens=False).ids
-        for option in q["options"]:
-            ids = root + prefix + tok.encode(option, add_special_tokens=False).ids
-            types = torch.tensor([[2 * int(i == video_id) for i in ids]])
-            with torch.no_grad():
-                logits = oracle(input_ids=torch.tensor([ids]), mm_token_type_ids=types,
-                                **inputs).logits[0].float()
-            logprobs = torch.log_softmax(logits, dim=-1)
-            start = len(root) + len(prefix)
-            out[(q["id"], option)] = sum(logprobs[j - 1, ids[j]].item()
-                                         for j in range(start, len(ids)))
-    return out
+    return media_oracle.option_logprobs(
+        oracle, tok, root, QUERIES, media_oracle.marked("mm_token_type_ids", video_id, 2),
+        **inputs)
 
 
 @pytest.mark.parametrize("size", [(45, 30), (24, 60)])
