@@ -29,6 +29,7 @@ from pathlib import Path
 
 import structlog
 
+from .child_processes import dies_with_parent
 from .errors import SpinfError
 from .queue.engine_thread import ENGINE_THREAD
 from .queue.keys import Keys
@@ -131,21 +132,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-_prctl = None
-
-
-def _die_with_parent() -> None:
-    """Runs in the child between fork and exec: SIGTERM it when this process dies, even by
-    SIGKILL, so a killed ``serve`` leaves no redis-server behind (Linux only)."""
-    if _prctl is not None:
-        _prctl(1, signal.SIGTERM)    # PR_SET_PDEATHSIG
-
-
-def dies_with_parent():
-    """``preexec_fn`` for a child that must not outlive this process (None off Linux)."""
-    return _die_with_parent if _prctl is not None else None
-
-
 class EmbeddedRedis:
     """A redis-server child on 127.0.0.1 and a free port, with its data (AOF, fsync every
     second) in ``data_dir``, so a restart on the same dir finds every job."""
@@ -169,13 +155,7 @@ class EmbeddedRedis:
         self.stop()
 
     def start(self) -> None:
-        global _prctl
         self.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        if sys.platform.startswith("linux") and _prctl is None:
-            import ctypes
-
-            # looked up before fork: the child only calls it
-            _prctl = ctypes.CDLL(None, use_errno=True).prctl
         for _ in range(3):      # the free port may be taken between the probe and the bind
             self.port = _free_port()
             self.process = subprocess.Popen(

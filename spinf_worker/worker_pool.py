@@ -31,8 +31,9 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from .child_processes import dies_with_parent
+from .errors import SpinfError
 from .queue.settings import ServiceSettings
-from .serve import ServiceError, dies_with_parent
 
 log = structlog.get_logger("spinf.workers")
 
@@ -44,6 +45,10 @@ STEADY_S = 60.0             # a child that ran this long starts the next pause f
 
 class DevicesError(ValueError):
     """A ``--devices`` value that names no usable device."""
+
+
+class PoolError(SpinfError):
+    """A worker of the pool cannot run: the CLI says it in one line and exits 2."""
 
 
 def visible_gpus() -> int:
@@ -160,7 +165,7 @@ class WorkerPool:
                     if stop.is_set():
                         continue
                     if code == USAGE_EXIT:
-                        raise ServiceError(f"worker {child.name} ({child.device}) exited "
+                        raise PoolError(f"worker {child.name} ({child.device}) exited "
                                            f"{code}: a restart would fail the same way")
                     await self._restart(child, code, stop)
                     if child.process is not None and child.process.returncode is None:

@@ -129,3 +129,32 @@ def test_a_pool_shares_a_batch_restarts_a_killed_child_and_stops_gracefully(
         assert not set(names) & set(registrations(client, keys))   # each left the group
         assert client.xlen(keys.dead) == 0
     client.close()
+
+
+def test_a_killed_pool_takes_its_workers_with_it(tiny_dir, settings, tmp_path):
+    """SIGKILL of the pool (no chance to stop its children): each child gets SIGTERM from the
+    kernel (PR_SET_PDEATHSIG) and stops."""
+    keys = Keys(settings.prefix)
+    client = redis_sync.Redis.from_url(settings.redis_url, decode_responses=True)
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("SPINF_")}
+    with open(tmp_path / "pool.log", "w") as log:
+        pool = subprocess.Popen(
+            [sys.executable, "-m", "spinf_worker.cli", "worker", "--redis", settings.redis_url,
+             "--prefix", settings.prefix, "--model", str(tiny_dir), "--devices", "cpu",
+             "--name", "lone"],
+            cwd=ROOT, env={**environ, "PYTHONPATH": str(ROOT), **WORKER_ENV}, stdout=log,
+            stderr=subprocess.STDOUT)
+    try:
+        def child() -> int | None:
+            assert pool.poll() is None, (tmp_path / "pool.log").read_text()
+            found = registrations(client, keys).get("lone-cpu0", {})
+            return found.get("pid") if found.get("status") == "available" else None
+
+        pid = wait_for(child, WAIT_S, 0.2, "the pool's worker to register")
+        pool.kill()
+        pool.wait(WAIT_S)
+        wait_for(lambda: not alive(pid), WAIT_S, 0.1, "the worker to stop with its pool")
+    finally:
+        if pool.poll() is None:
+            pool.kill()
+        client.close()
