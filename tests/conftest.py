@@ -186,6 +186,13 @@ def tiny_oracle(tiny_dir):
                                              attn_implementation="eager").eval()
 
 
+def oracle_next_logprobs(model, ids: list[int]) -> torch.Tensor:
+    """log P(next token | ids) over the vocabulary, from one plain forward."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, -1].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
 def oracle_logprob(model, ids: list[int], n_context: int) -> float:
     """Sum of log P(ids[j] | ids[:j]) for j >= n_context, from one plain forward."""
     with torch.no_grad():

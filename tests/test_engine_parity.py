@@ -12,7 +12,7 @@ import math
 
 import pytest
 
-from .conftest import oracle_logprob, shared_data
+from .conftest import oracle_logprob, oracle_next_logprobs, shared_data
 
 TOL = 1e-4
 
@@ -74,14 +74,22 @@ def logsumexp(values: list[float]) -> float:
 
 def oracle_scores(engine, oracle, content: str, prefix: str, strings: list[str]
                   ) -> tuple[list[float], list[float]]:
-    """Each string's logprob after content + prefix, and after empty content + prefix."""
+    """Each string's logprob after content + prefix, and after empty content + prefix
+    (strings of one token read from one forward of the context: their spellings share it)."""
     enc = engine.presenter.encode
     bos = engine.checkpoint.bos_token_id
     on_content, on_empty = [], []
     for root, sink in (([bos, *enc(content)], on_content), ([bos], on_empty)):
         ctx = root + list(enc(prefix))
+        following = None
         for s in strings:
-            sink.append(oracle_logprob(oracle, ctx + list(enc(s)), len(ctx)))
+            ids = list(enc(s))
+            if len(ids) == 1:
+                if following is None:
+                    following = oracle_next_logprobs(oracle, ctx)
+                sink.append(following[ids[0]].item())
+            else:
+                sink.append(oracle_logprob(oracle, ctx + ids, len(ctx)))
     return on_content, on_empty
 
 
