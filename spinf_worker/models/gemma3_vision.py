@@ -23,7 +23,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..tiles import ROW_TILE
 from .gemma3 import Gemma3Config, Gemma3Model
 from .gemma3_image import ImageProcessing
 from .layers import Linear, RMSNorm
@@ -83,12 +82,6 @@ class Gemma3VisionConfig(Gemma3Config):
                    boi_token_id=int(cfg["boi_token_id"]), eoi_token_id=int(cfg["eoi_token_id"]),
                    image=ImageProcessing.from_hf(cfg.get("preprocessor_config"),
                                                  vision.image_size))
-
-
-def _tile_rows(x: torch.Tensor) -> torch.Tensor:
-    """``x`` padded with zero rows to whole row tiles (the batch-invariant matmul's shape)."""
-    pad = -x.shape[0] % ROW_TILE
-    return F.pad(x, (0, 0, 0, pad)) if pad else x
 
 
 class SiglipAttention(nn.Module):

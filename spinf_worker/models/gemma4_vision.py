@@ -328,7 +328,16 @@ class Gemma4VisionModel(Gemma4Model):
 
     def audio_features(self, features: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """One audio's soft tokens: ``[tokens, hidden]``."""
-        return self.embed_audio(self.audio_tower(features, mask))
+        return self.encode_audio([(features, mask)])[0]
+
+    def encode_audio(self, audio: list[tuple[torch.Tensor, torch.Tensor]]
+                     ) -> list[torch.Tensor]:
+        """Each audio's soft tokens from its (log-mel features, mask), read together."""
+        out = []
+        # rows after the two stride-2 convolutions: ceil(ceil(frames / 2) / 2)
+        for group in groups([-(-f.shape[0] // 4) for f, _ in audio]):
+            out += self.embed_audio(self.audio_tower([audio[i] for i in group]))
+        return out
 
     def encode_images(self, patches: list[torch.Tensor]) -> list[torch.Tensor]:
         """Each image's (or video frame's) soft tokens, the images read together (each
@@ -346,13 +355,16 @@ class Gemma4VisionModel(Gemma4Model):
         ids = input_ids.masked_fill(soft, cfg.pad_token_id)
         x = self._embed(ids)
         media = getattr(plan, "media", None) or ()
-        # the pass's images through the tower in one run, not one run per image
+        # the pass's images through the tower in one run, its audio through the audio
+        # tower in one, not one run per medium
         images = [(row, payload) for row, payload, kind in media if kind != "audio"]
         features = self.encode_images([p.to(x.device) for _, p in images])
         for (row, _), f in zip(images, features, strict=True):
             x[row:row + f.shape[0]] = f.to(x.dtype)
-        for row, payload, kind in media:
-            if kind == "audio":
-                f = self.audio_features(payload[0].to(x.device), payload[1])
+        audio = [(row, payload) for row, payload, kind in media if kind == "audio"]
+        if audio:
+            features = self.encode_audio([(p[0].to(x.device), p[1].to(x.device))
+                                          for _, p in audio])
+            for (row, _), f in zip(audio, features, strict=True):
                 x[row:row + f.shape[0]] = f.to(x.dtype)
         return x, ids

@@ -56,6 +56,11 @@ class MediaRows:
         return [x[s:e] for s, e in self.spans()]
 
 
+def tile_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` padded with zero rows to whole row tiles (the batch-invariant matmul's shape)."""
+    return MediaRows.of([x.shape[0]]).pack([x])
+
+
 def groups(counts: Sequence[int], limit: int = TOWER_ROWS) -> list[list[int]]:
     """Indices of the media in tower runs of at most ``limit`` padded rows (a larger medium
     runs alone)."""
