@@ -61,9 +61,10 @@ def tile_rows(x: torch.Tensor) -> torch.Tensor:
     return MediaRows.of([x.shape[0]]).pack([x])
 
 
-def groups(counts: Sequence[int], limit: int = TOWER_ROWS) -> list[list[int]]:
-    """Indices of the media in tower runs of at most ``limit`` padded rows (a larger medium
-    runs alone)."""
+def groups(counts: Sequence[int], limit: int | None = None) -> list[list[int]]:
+    """Indices of the media in tower runs of at most ``limit`` (TOWER_ROWS) padded rows, in
+    order (a larger medium runs alone)."""
+    limit = limit or TOWER_ROWS
     out, rows = [], 0
     for i, n in enumerate(counts):
         if not out or rows + padded_rows(n) > limit:
