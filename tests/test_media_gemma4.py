@@ -136,11 +136,11 @@ def test_the_image_changes_the_scores_and_the_tower_runs_once(tiny_gemma4_vision
                                                              monkeypatch):
     calls = []
     model = tiny_gemma4_vision_engine.model
-    original = model.image_features
-    monkeypatch.setattr(model, "image_features",
-                        lambda pixels: calls.append(1) or original(pixels))
+    original = model.encode_images
+    monkeypatch.setattr(model, "encode_images",
+                        lambda pixels: calls.append(len(pixels)) or original(pixels))
     first = option_logprobs(tiny_gemma4_vision_engine.score(media_request(image_url(7))))
-    assert len(calls) == 1
+    assert calls == [1]
     second = option_logprobs(tiny_gemma4_vision_engine.score(media_request(image_url(8))))
     assert first != second
 

@@ -143,9 +143,9 @@ def test_the_same_image_is_merged_and_another_image_is_not(tiny_vision_engine, m
     alone = [scores_and_residuals(engine.score(r)) for r in requests]
     log = PassLog(engine.runner, monkeypatch)
     towers = []
-    features = engine.model.image_features
-    monkeypatch.setattr(engine.model, "image_features",
-                        lambda pixels: towers.append(1) or features(pixels))
+    features = engine.model.encode_images
+    monkeypatch.setattr(engine.model, "encode_images",
+                        lambda pixels: towers.append(len(pixels)) or features(pixels))
     old = engine.settings.max_pass_tokens
     engine.settings.max_pass_tokens = 1 << 20
     try:
@@ -154,7 +154,7 @@ def test_the_same_image_is_merged_and_another_image_is_not(tiny_vision_engine, m
         engine.settings.max_pass_tokens = old
     [docs] = log.passes
     with_media = [d for d in docs if d.media]
-    assert len(with_media) == 2 and len(towers) == 2
+    assert len(with_media) == 2 and towers == [2]     # one tower run, two images
     roots = [d.input_ids[:d.root].tolist() for d in with_media]
     assert roots[0] == roots[1]          # the same tokens: only the pixels tell them apart
     assert [scores_and_residuals(r) for r in together] == alone

@@ -6,10 +6,11 @@ An image is read as ``\\n\\n<start_of_image>`` + ``mm_tokens_per_image`` soft to
 the image's features instead of token embeddings, and attend to each other both ways (the
 rest stays causal; engine/layout.py, kernels/attention.py).
 
-The tower reads one image at a time: its patches (the patch convolution as one linear layer
-over each patch's C x p x p pixels) padded to whole row tiles, every linear layer through
-the batch-invariant matmul, attention over the image's own patches, so an image's features
-depend on that image alone. The projector average-pools the patch grid down to
+The tower reads a pass's images in one run (models/media_rows.py): their patches (the patch
+convolution as one linear layer over each patch's C x p x p pixels) in one buffer, each
+image's padded to whole row tiles, every linear layer through the batch-invariant matmul,
+attention image by image over its own patches, so an image's features depend on that image
+alone. The projector average-pools the patch grid down to
 ``mm_tokens_per_image``, RMS-normalises and projects into the text model's width.
 """
 
@@ -22,10 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..tiles import ROW_TILE
 from .gemma3 import Gemma3Config, Gemma3Model
 from .gemma3_image import ImageProcessing
 from .layers import Linear, RMSNorm
+from .media_rows import MediaRows, attend, groups
 
 
 @dataclass
@@ -83,12 +84,6 @@ class Gemma3VisionConfig(Gemma3Config):
                                                  vision.image_size))
 
 
-def _tile_rows(x: torch.Tensor) -> torch.Tensor:
-    """``x`` padded with zero rows to whole row tiles (the batch-invariant matmul's shape)."""
-    pad = -x.shape[0] % ROW_TILE
-    return F.pad(x, (0, 0, 0, pad)) if pad else x
-
-
 class SiglipAttention(nn.Module):
     def __init__(self, cfg: SiglipConfig):
         super().__init__()
@@ -96,13 +91,12 @@ class SiglipAttention(nn.Module):
         self.qkv_proj = Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=True)
         self.out_proj = Linear(cfg.hidden_size, cfg.hidden_size, bias=True)
 
-    def forward(self, x: torch.Tensor, n: int) -> torch.Tensor:
-        """``x``: [rows, dim], the image's ``n`` patches then padding."""
-        q, k, v = (t[:n].reshape(n, self.heads, self.head_dim).transpose(0, 1)
-                   for t in self.qkv_proj(x).chunk(3, dim=-1))
-        o = F.scaled_dot_product_attention(q, k, v, scale=self.head_dim ** -0.5)
+    def forward(self, x: torch.Tensor, rows: MediaRows) -> torch.Tensor:
+        """``x``: [rows, dim], the images' patches (``rows``: where each image's are)."""
+        qkv = self.qkv_proj(x).view(x.shape[0], 3, self.heads, self.head_dim)
         out = torch.zeros_like(x)
-        out[:n] = o.transpose(0, 1).reshape(n, -1)
+        for s, e in rows.spans():
+            out[s:e] = attend(*qkv[s:e].unbind(1), self.head_dim ** -0.5)
         return self.out_proj(out)
 
 
@@ -124,8 +118,8 @@ class SiglipLayer(nn.Module):
         self.layer_norm2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.mlp = SiglipMLP(cfg)
 
-    def forward(self, x: torch.Tensor, n: int) -> torch.Tensor:
-        x = x + self.self_attn(self.layer_norm1(x), n)
+    def forward(self, x: torch.Tensor, rows: MediaRows) -> torch.Tensor:
+        x = x + self.self_attn(self.layer_norm1(x), rows)
         return x + self.mlp(self.layer_norm2(x))
 
 
@@ -152,17 +146,20 @@ class SiglipVisionTower(nn.Module):
         self.encoder = SiglipEncoder(cfg)
         self.post_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
 
-    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        """``[C, S, S]`` normalised pixels -> ``[patches, dim]`` (raster order)."""
+    def forward(self, pixels: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``[C, S, S]`` normalised pixels per image -> ``[patches, dim]`` per image (raster
+        order), every image's rows in one buffer (models/media_rows.py)."""
         c, p = self.cfg.num_channels, self.cfg.patch_size
         g = self.cfg.image_size // p
         n = g * g
-        patches = pixels.reshape(c, g, p, g, p).permute(1, 3, 0, 2, 4).reshape(n, c * p * p)
-        x = self.embeddings.patch_embedding(_tile_rows(patches))
-        x = x + _tile_rows(self.embeddings.position_embedding.weight)
+        rows = MediaRows.of([n] * len(pixels))
+        patches = [x.reshape(c, g, p, g, p).permute(1, 3, 0, 2, 4).reshape(n, c * p * p)
+                   for x in pixels]
+        x = self.embeddings.patch_embedding(rows.pack(patches))
+        x = x + rows.pack([self.embeddings.position_embedding.weight] * len(pixels))
         for layer in self.encoder.layers:
-            x = layer(x, n)
-        return self.post_layernorm(x[:n])
+            x = layer(x, rows)
+        return rows.unpack(self.post_layernorm(x))
 
 
 class MultiModalProjector(nn.Module):
@@ -176,11 +173,15 @@ class MultiModalProjector(nn.Module):
         # the checkpoint's mm_input_projection_weight is [vision, text]: stored transposed
         self.mm_input_projection = Linear(v.hidden_size, cfg.hidden_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``[patches, vision dim]`` -> ``[mm_tokens_per_image, text dim]``."""
-        grid = x.t().reshape(1, x.shape[1], self.grid, self.grid)
-        pooled = F.avg_pool2d(grid, self.kernel, self.kernel).flatten(2)[0].t()
-        return self.mm_input_projection(_tile_rows(self.mm_soft_emb_norm(pooled)))[:self.tokens]
+    def forward(self, images: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``[patches, vision dim]`` per image -> ``[mm_tokens_per_image, text dim]`` per
+        image."""
+        pooled = []
+        for x in images:
+            grid = x.t().reshape(1, x.shape[1], self.grid, self.grid)
+            pooled.append(F.avg_pool2d(grid, self.kernel, self.kernel).flatten(2)[0].t())
+        rows = MediaRows.of([self.tokens] * len(images))
+        return rows.unpack(self.mm_input_projection(self.mm_soft_emb_norm(rows.pack(pooled))))
 
 
 class Gemma3VisionModel(Gemma3Model):
@@ -196,16 +197,27 @@ class Gemma3VisionModel(Gemma3Model):
 
     def image_features(self, pixels: torch.Tensor) -> torch.Tensor:
         """One image's soft tokens: ``[mm_tokens_per_image, hidden]``."""
-        dtype = self.embed_tokens.weight.dtype
-        return self.multi_modal_projector(self.vision_tower(pixels.to(dtype)))
+        return self.encode_images([pixels])[0]
+
+    def encode_images(self, pixels: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each image's soft tokens, the images read together (each one's bits as alone)."""
+        dtype, v = self.embed_tokens.weight.dtype, self.cfg.vision
+        out = []
+        for group in groups([(v.image_size // v.patch_size) ** 2] * len(pixels)):
+            out += self.multi_modal_projector(
+                self.vision_tower([pixels[i].to(dtype) for i in group]))
+        return out
 
     def _embed_inputs(self, input_ids: torch.Tensor, plan) -> torch.Tensor:
         cfg = self.cfg
         if cfg.image_token_id >= cfg.vocab_size:    # a placeholder past the vocabulary
             input_ids = input_ids.masked_fill(input_ids == cfg.image_token_id, 0)
         x = self._embed(input_ids)
-        for row, pixels, *_ in getattr(plan, "media", None) or ():
-            x[row:row + cfg.mm_tokens_per_image] = self.image_features(pixels.to(x.device))
+        media = getattr(plan, "media", None) or ()
+        # the pass's images through the tower in one run, not one run per image
+        features = self.encode_images([pixels.to(x.device) for _, pixels, *_ in media])
+        for (row, *_), f in zip(media, features, strict=True):
+            x[row:row + cfg.mm_tokens_per_image] = f
         return x
 
     # Weights whose checkpoint layout differs from the module's.

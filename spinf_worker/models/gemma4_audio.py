@@ -8,7 +8,9 @@ resampled to the extractor's rate (16 kHz) as transformers' load_audio resamples
 has another, and cut at the extractor's 30 seconds. The extractor pads the
 samples to a multiple of 128, frames them (20 ms windows every 10 ms, half a window of
 silence before), takes a periodic Hann window, an FFT, an HTK mel filter bank and a log with
-a floor; frames past the audio are zero. The encoder reads one audio at a time: two stride-2
+a floor; frames past the audio are zero. The encoder reads a pass's audio in one run
+(models/media_rows.py: every linear layer and norm once over one buffer, each audio's rows
+tile-aligned; convolutions and attention audio by audio over its own frames): two stride-2
 convolutions (each with a LayerNorm and ReLU, the padding frames zeroed before them), a
 projection, then conformer layers (half-step feed-forward, chunked local self-attention
 with a learned relative position term and a logit soft cap, a light causal depthwise
@@ -37,9 +39,9 @@ from ..media import (
     gemma4_audio_tokens,
     resampled_length,
 )
-from .gemma3_vision import _tile_rows
 from .gemma4 import _unit_rms
 from .layers import Linear, RMSNorm
+from .media_rows import MediaRows, tile_rows
 
 MAX_SAMPLES = GEMMA4_MAX_AUDIO_SAMPLES   # the extractor's max_length (30 s at 16 kHz)
 PAD_MULTIPLE = 128           # the extractor's pad_to_multiple_of
@@ -232,7 +234,7 @@ class ClippedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.clipped:
             x = torch.clamp(x, self.input_min, self.input_max)
-        x = self.linear(_tile_rows(x))[:x.shape[0]]
+        x = self.linear(x)          # x: a tower run's buffer, whole row tiles
         if self.clipped:
             x = torch.clamp(x, self.output_min, self.output_max)
         return x
@@ -265,12 +267,16 @@ class SubsampleConvProjection(nn.Module):
         # transformers sizes it (c0 // 4) * c1: the features must have c0 (128) bins
         self.input_proj_linear = Linear((c0 // 4) * c1, cfg.hidden_size)
 
-    def forward(self, features: torch.Tensor, mask: torch.Tensor):
-        x, mask = self.layer0(features[None, None], mask[None])
-        x, mask = self.layer1(x, mask)
-        t = x.shape[2]
-        x = x.permute(0, 2, 3, 1).reshape(t, -1)
-        return self.input_proj_linear(_tile_rows(x))[:t], mask[0]
+    def forward(self, audio: list[tuple[torch.Tensor, torch.Tensor]]):
+        """Each audio's (features, mask) -> the run's buffer, its layout, each one's mask."""
+        parts, masks = [], []
+        for features, mask in audio:      # convolutions audio by audio, over its own frames
+            x, mask = self.layer0(features[None, None], mask[None])
+            x, mask = self.layer1(x, mask)
+            parts.append(x.permute(0, 2, 3, 1).reshape(x.shape[2], -1))
+            masks.append(mask[0])
+        rows = MediaRows.of([x.shape[0] for x in parts])
+        return self.input_proj_linear(rows.pack(parts)), rows, masks
 
 
 class FeedForward(nn.Module):
@@ -327,19 +333,25 @@ class AudioAttention(nn.Module):
         x = F.pad(x, (0, self.context + 1 - p)).view(h, n, b * (self.context + 1))
         return x[..., :b * self.context].view(h, n, b, self.context)
 
-    def forward(self, x: torch.Tensor, rel: torch.Tensor, blocked_mask: torch.Tensor
-                ) -> torch.Tensor:
-        t, hd, heads = x.shape[0], self.head_dim, self.heads
-        q = self.q_proj(x).float().view(t, heads, hd)
-        k = self.k_proj(x).float().view(t, heads, hd)
-        v = self.v_proj(x).float().view(t, heads, hd)
+    def forward(self, x: torch.Tensor, rows: MediaRows, rel: torch.Tensor,
+                blocked: list[torch.Tensor]) -> torch.Tensor:
+        """``x``: a tower run's buffer; attention audio by audio over its own frames."""
+        q_all, k_all, v_all = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        rel_k = self.relative_k_proj(tile_rows(rel))[:rel.shape[0]]
+        rel_k = rel_k.view(-1, self.heads, self.head_dim).float()
+        out = torch.zeros_like(x)
+        for (s, e), mask in zip(rows.spans(), blocked, strict=True):
+            out[s:e] = self._attend(q_all[s:e], k_all[s:e], v_all[s:e], rel_k, mask)
+        return self.post(out)
+
+    def _attend(self, q, k, v, rel_k, blocked_mask) -> torch.Tensor:
+        t, hd, heads, dtype = q.shape[0], self.head_dim, self.heads, q.dtype
+        q, k, v = (a.float().view(t, heads, hd) for a in (q, k, v))
         q = q * ((hd ** -0.5) / math.log(2)) * F.softplus(self.per_dim_scale)
         k = k * (math.log(1 + math.e) / math.log(2))
         qb = self._blocks(q)                     # [n, chunk, H, D]
         kb, vb = self._context(k), self._context(v)
         n = qb.shape[0]
-        rel_k = self.relative_k_proj(_tile_rows(rel))[:rel.shape[0]]
-        rel_k = rel_k.view(-1, heads, hd).float()
         queries = qb.permute(2, 0, 1, 3)        # [H, n, chunk, D]
         ac = queries @ kb.permute(2, 0, 3, 1)   # [H, n, chunk, ctx]
         bd = queries.reshape(heads, -1, hd) @ rel_k.permute(1, 2, 0)
@@ -349,8 +361,7 @@ class AudioAttention(nn.Module):
         logits = logits.masked_fill(~blocked_mask[None], self.cfg.attention_invalid_logits_value)
         weights = F.softmax(logits, dim=-1, dtype=torch.float32)
         out = weights @ vb.permute(2, 0, 1, 3)   # [H, n, chunk, D]
-        out = out.permute(1, 2, 0, 3).reshape(n * self.chunk, -1)[:t]
-        return self.post(out.to(x.dtype))
+        return out.permute(1, 2, 0, 3).reshape(n * self.chunk, -1)[:t].to(dtype)
 
 
 class LightConv(nn.Module):
@@ -364,11 +375,13 @@ class LightConv(nn.Module):
         self.pre_layer_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.conv_norm = RMSNorm(d, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rows: MediaRows) -> torch.Tensor:
         h = F.glu(self.linear_start(self.pre_layer_norm(x)), dim=-1)
-        h = F.pad(h.t()[None], (self.cfg.conv_kernel_size - 1, 0))     # causal
-        h = self.depthwise_conv1d(h)[0].t()
-        h = self.conv_norm(_clip(h, self.cfg.gradient_clipping))
+        conv = torch.zeros_like(h)
+        for s, e in rows.spans():      # audio by audio, over its own frames
+            part = F.pad(h[s:e].t()[None], (self.cfg.conv_kernel_size - 1, 0))     # causal
+            conv[s:e] = self.depthwise_conv1d(part)[0].t()
+        h = self.conv_norm(_clip(conv, self.cfg.gradient_clipping))
         return self.linear_end(F.silu(h)) + x
 
 
@@ -385,12 +398,12 @@ class AudioLayer(nn.Module):
         self.norm_post_attn = RMSNorm(d, 1e-6)
         self.norm_out = RMSNorm(d, 1e-6)
 
-    def forward(self, x, rel, blocked_mask):
+    def forward(self, x, rows, rel, blocked):
         clip = self.cfg.gradient_clipping
         x = self.feed_forward1(x)
-        h = self.self_attn(self.norm_pre_attn(_clip(x, clip)), rel, blocked_mask)
+        h = self.self_attn(self.norm_pre_attn(_clip(x, clip)), rows, rel, blocked)
         x = self.norm_post_attn(_clip(h, clip)) + x
-        x = self.feed_forward2(self.lconv1d(x))
+        x = self.feed_forward2(self.lconv1d(x, rows))
         return self.norm_out(_clip(x, clip))
 
 
@@ -429,16 +442,17 @@ class Gemma4AudioTower(nn.Module):
         real = valid[k.clamp(0, t - 1)] & inside
         return real & (((dist >= 0) & (dist < past)) | ((dist < 0) & (-dist < future)))
 
-    def forward(self, features: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """[frames, feature_size] log-mel and its mask -> [tokens, output_proj_dims], the
-        rows the real frames reach."""
-        x, valid = self.subsample_conv_projection(features, mask)
+    def forward(self, audio: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+        """Each audio's [frames, feature_size] log-mel and its mask -> [tokens,
+        output_proj_dims], the rows its real frames reach; every audio's rows in one buffer
+        (models/media_rows.py)."""
+        x, rows, valid = self.subsample_conv_projection(audio)
         rel = self._rel_embeddings(x.dtype, x.device)
-        blocked = self._blocked_mask(valid)
+        blocked = [self._blocked_mask(v) for v in valid]
         for layer in self.layers:
-            x = layer(x, rel, blocked)
-        x = self.output_proj(_tile_rows(x))[:x.shape[0]]
-        return x[valid]
+            x = layer(x, rows, rel, blocked)
+        x = self.output_proj(x)
+        return [part[v] for part, v in zip(rows.unpack(x), valid, strict=True)]
 
 
 class AudioEmbedder(nn.Module):
@@ -447,5 +461,7 @@ class AudioEmbedder(nn.Module):
         self.eps = eps
         self.embedding_projection = Linear(d_in, d_out)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.embedding_projection(_tile_rows(_unit_rms(x, self.eps)))[:x.shape[0]]
+    def forward(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each audio's ``[tokens, d_in]`` -> ``[tokens, d_out]``, all in one buffer."""
+        rows = MediaRows.of([x.shape[0] for x in parts])
+        return rows.unpack(self.embedding_projection(_unit_rms(rows.pack(parts), self.eps)))

@@ -10,11 +10,12 @@ embeddings; their per-layer inputs read the pad token's identity, as transformer
 ``use_bidirectional_attention = "vision"`` one image's soft tokens see each other both ways on
 the sliding-window layers (the global layers stay causal); otherwise the text stays causal.
 
-The encoder reads one image at a time: its patches (a linear layer over each patch's
-``p*p*3`` values mapped to [-1, 1]) plus learned x/y position embeddings, padded to whole row
-tiles, every linear layer through the batch-invariant matmul, attention over the image's own
-patches with a 2-D RoPE (x on the first half of each head, y on the second), so an image's
-features depend on that image alone. The pooler averages ``k x k`` patches (raster order over
+The encoder reads a pass's images in one run (models/media_rows.py): their patches (a linear
+layer over each patch's ``p*p*3`` values mapped to [-1, 1]) plus learned x/y position
+embeddings in one buffer, each image's padded to whole row tiles, every linear layer through
+the batch-invariant matmul, attention image by image over its own patches with a 2-D RoPE
+(x on the first half of each head, y on the second), so an image's features depend on that
+image alone. The pooler averages ``k x k`` patches (raster order over
 the pooled grid), scales by ``sqrt(hidden)`` (optionally standardised); the embedder
 RMS-normalises (no weight) and projects into the text model's width.
 """
@@ -28,12 +29,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .gemma3_vision import _tile_rows
 from .gemma4 import Gemma4Config, Gemma4Model, _unit_rms
 from .gemma4_audio import AudioEmbedder, AudioProcessing, Gemma4AudioTower, Gemma4AudioTowerConfig
 from .gemma4_image import Gemma4ImageProcessing
 from .gemma4_video import Gemma4VideoProcessing
 from .layers import Linear, RMSNorm
+from .media_rows import MediaRows, attend, groups
 
 
 @dataclass
@@ -177,19 +178,20 @@ class VisionAttention(nn.Module):
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, n: int, rope) -> torch.Tensor:
-        """``x``: [rows, dim], the image's ``n`` patches then padding."""
+    def forward(self, x: torch.Tensor, rows: MediaRows, ropes) -> torch.Tensor:
+        """``x``: [rows, dim], the images' patches (``rows``: where each image's are)."""
         hd, cfg = self.cfg.head_dim, self.cfg
-        q = _rope_2d(self.q_norm(self.q_proj(x)[:n].view(n, -1, hd)), *rope)
-        k = _rope_2d(self.k_norm(self.k_proj(x)[:n].view(n, -1, hd)), *rope)
-        v = _unit_rms(self.v_proj(x)[:n].view(n, -1, hd), cfg.rms_norm_eps)
-        group = cfg.num_heads // cfg.num_kv_heads
-        if group > 1:
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
-                                           v.transpose(0, 1), scale=1.0)
+        q_all, k_all, v_all = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         out = torch.zeros(x.shape[0], cfg.num_heads * hd, dtype=x.dtype, device=x.device)
-        out[:n] = o.transpose(0, 1).reshape(n, -1)
+        group = cfg.num_heads // cfg.num_kv_heads
+        for (s, e), rope in zip(rows.spans(), ropes, strict=True):
+            n = e - s
+            q = _rope_2d(self.q_norm(q_all[s:e].view(n, -1, hd)), *rope)
+            k = _rope_2d(self.k_norm(k_all[s:e].view(n, -1, hd)), *rope)
+            v = _unit_rms(v_all[s:e].view(n, -1, hd), cfg.rms_norm_eps)
+            if group > 1:
+                k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+            out[s:e] = attend(q, k, v, 1.0)
         return self.o_proj(out)
 
 
@@ -215,8 +217,9 @@ class VisionLayer(nn.Module):
         self.pre_feedforward_layernorm = RMSNorm(d, eps)
         self.post_feedforward_layernorm = RMSNorm(d, eps)
 
-    def forward(self, x: torch.Tensor, n: int, rope) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), n, rope))
+    def forward(self, x: torch.Tensor, rows: MediaRows, ropes) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rows,
+                                                             ropes))
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
@@ -253,28 +256,35 @@ class Gemma4VisionTower(nn.Module):
         angles = torch.cat((angles, angles), dim=-1)                          # [n, 2, hd/2]
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
-    def forward(self, patches: torch.Tensor) -> torch.Tensor:
-        """``[rows, columns, p*p*3]`` patches in [0, 1] -> ``[tokens, dim]`` float32 pooled
-        features (raster order over the pooled grid)."""
+    def forward(self, images: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``[rows, columns, p*p*3]`` patches in [0, 1] per image -> ``[tokens, dim]``
+        pooled features per image (raster order over the pooled grid), every image's rows in
+        one buffer (models/media_rows.py)."""
         cfg = self.cfg
-        gh, gw, _ = patches.shape
-        n, k = gh * gw, cfg.pooling_kernel_size
+        k = cfg.pooling_kernel_size
         dtype = self.patch_embedder.input_proj.weight.dtype
-        ys, xs = torch.meshgrid(torch.arange(gh, device=patches.device),
-                                torch.arange(gw, device=patches.device), indexing="ij")
-        xs, ys = xs.reshape(n), ys.reshape(n)
-        flat = (2 * (patches.reshape(n, -1) - 0.5)).to(dtype)
         table = self.patch_embedder.position_embedding_table
-        x = self.patch_embedder.input_proj(_tile_rows(flat))
-        x = x + _tile_rows(table[0][xs] + table[1][ys])
-        rope = self._rope(xs, ys, dtype)
+        rows = MediaRows.of([gh * gw for gh, gw, _ in (p.shape for p in images)])
+        flat, positions, ropes = [], [], []
+        for patches in images:
+            gh, gw, _ = patches.shape
+            ys, xs = torch.meshgrid(torch.arange(gh, device=patches.device),
+                                    torch.arange(gw, device=patches.device), indexing="ij")
+            xs, ys = xs.reshape(-1), ys.reshape(-1)
+            flat.append((2 * (patches.reshape(gh * gw, -1) - 0.5)).to(dtype))
+            positions.append(table[0][xs] + table[1][ys])
+            ropes.append(self._rope(xs, ys, dtype))
+        x = self.patch_embedder.input_proj(rows.pack(flat)) + rows.pack(positions)
         for layer in self.encoder.layers:
-            x = layer(x, n, rope)
-        grid = x[:n].float().view(gh // k, k, gw // k, k, -1)
-        pooled = grid.mean(dim=(1, 3)).reshape(-1, x.shape[-1]) * math.sqrt(cfg.hidden_size)
-        if cfg.standardize:
-            pooled = (pooled - self.std_bias.float()) * self.std_scale.float()
-        return pooled.to(dtype)
+            x = layer(x, rows, ropes)
+        out = []
+        for part, (gh, gw, _) in zip(rows.unpack(x), (p.shape for p in images), strict=True):
+            grid = part.float().view(gh // k, k, gw // k, k, -1)
+            pooled = grid.mean(dim=(1, 3)).reshape(-1, x.shape[-1]) * math.sqrt(cfg.hidden_size)
+            if cfg.standardize:
+                pooled = (pooled - self.std_bias.float()) * self.std_scale.float()
+            out.append(pooled.to(dtype))
+        return out
 
 
 class MultimodalEmbedder(nn.Module):
@@ -283,9 +293,10 @@ class MultimodalEmbedder(nn.Module):
         self.eps = eps
         self.embedding_projection = Linear(d_in, d_out)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        n = x.shape[0]
-        return self.embedding_projection(_tile_rows(_unit_rms(x, self.eps)))[:n]
+    def forward(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each medium's ``[tokens, d_in]`` -> ``[tokens, d_out]``, all in one buffer."""
+        rows = MediaRows.of([x.shape[0] for x in parts])
+        return rows.unpack(self.embedding_projection(_unit_rms(rows.pack(parts), self.eps)))
 
 
 class Gemma4VisionModel(Gemma4Model):
@@ -313,11 +324,28 @@ class Gemma4VisionModel(Gemma4Model):
 
     def image_features(self, patches: torch.Tensor) -> torch.Tensor:
         """One image's soft tokens: ``[tokens, hidden]``."""
-        return self.embed_vision(self.vision_tower(patches))
+        return self.encode_images([patches])[0]
 
     def audio_features(self, features: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """One audio's soft tokens: ``[tokens, hidden]``."""
-        return self.embed_audio(self.audio_tower(features, mask))
+        return self.encode_audio([(features, mask)])[0]
+
+    def encode_audio(self, audio: list[tuple[torch.Tensor, torch.Tensor]]
+                     ) -> list[torch.Tensor]:
+        """Each audio's soft tokens from its (log-mel features, mask), read together."""
+        out = []
+        # rows after the two stride-2 convolutions: ceil(ceil(frames / 2) / 2)
+        for group in groups([-(-f.shape[0] // 4) for f, _ in audio]):
+            out += self.embed_audio(self.audio_tower([audio[i] for i in group]))
+        return out
+
+    def encode_images(self, patches: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each image's (or video frame's) soft tokens, the images read together (each
+        one's bits as alone, whatever their sizes)."""
+        out = []
+        for group in groups([p.shape[0] * p.shape[1] for p in patches]):
+            out += self.embed_vision(self.vision_tower([patches[i] for i in group]))
+        return out
 
     def _embed_inputs(self, input_ids: torch.Tensor, plan) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
@@ -326,10 +354,17 @@ class Gemma4VisionModel(Gemma4Model):
             soft |= input_ids == cfg.audio_token_id
         ids = input_ids.masked_fill(soft, cfg.pad_token_id)
         x = self._embed(ids)
-        for row, payload, kind in getattr(plan, "media", None) or ():
-            if kind == "audio":
-                features = self.audio_features(payload[0].to(x.device), payload[1])
-            else:
-                features = self.image_features(payload.to(x.device))
-            x[row:row + features.shape[0]] = features.to(x.dtype)
+        media = getattr(plan, "media", None) or ()
+        # the pass's images through the tower in one run, its audio through the audio
+        # tower in one, not one run per medium
+        images = [(row, payload) for row, payload, kind in media if kind != "audio"]
+        features = self.encode_images([p.to(x.device) for _, p in images])
+        for (row, _), f in zip(images, features, strict=True):
+            x[row:row + f.shape[0]] = f.to(x.dtype)
+        audio = [(row, payload) for row, payload, kind in media if kind == "audio"]
+        if audio:
+            features = self.encode_audio([(p[0].to(x.device), p[1].to(x.device))
+                                          for _, p in audio])
+            for (row, _), f in zip(audio, features, strict=True):
+                x[row:row + f.shape[0]] = f.to(x.dtype)
         return x, ids
