@@ -11,6 +11,7 @@ import io
 import pytest
 import torch
 
+from . import media_oracle
 from .conftest import TINY_BOS, TINY_IMAGE_TOKENS, TINY_MM_TOKENS
 from .test_media_requests import image_part, image_url
 
@@ -62,21 +63,9 @@ def oracle_scores(oracle, engine, url: str | list[str], text: str, queries
     root = [TINY_BOS, *tok.encode(expanded, add_special_tokens=False).ids]
     pixels = torch.cat([oracle_pixels(u, engine.checkpoint.path)
                         for u in ([url] if isinstance(url, str) else url)])
-    image_id = tok.token_to_id(soft)
-    out = {}
-    for q in queries:
-        prefix = tok.encode(q["template"].split("{?}")[0], add_special_tokens=False).ids
-        for option in q["options"]:
-            ids = root + prefix + tok.encode(option, add_special_tokens=False).ids
-            types = torch.tensor([[int(i == image_id) for i in ids]])
-            with torch.no_grad():
-                logits = oracle(input_ids=torch.tensor([ids]), pixel_values=pixels,
-                                token_type_ids=types).logits[0].float()
-            logprobs = torch.log_softmax(logits, dim=-1)
-            start = len(root) + len(prefix)
-            out[(q["id"], option)] = sum(logprobs[j - 1, ids[j]].item()
-                                         for j in range(start, len(ids)))
-    return out
+    return media_oracle.option_logprobs(
+        oracle, tok, root, queries, media_oracle.marked("token_type_ids", tok.token_to_id(soft)),
+        pixel_values=pixels)
 
 
 def option_logprobs(response) -> dict[tuple, float]:

@@ -12,6 +12,7 @@ import io
 import pytest
 import torch
 
+from . import media_oracle
 from .conftest import TINY_BOS, TINY_GEMMA4_IMAGE_TOKENS
 from .test_media_gemma3 import (
     QUERIES,
@@ -79,23 +80,10 @@ def oracle_scores(oracle, engine, urls: list[str], text: str, queries) -> dict[t
         f"{boi}{soft * int(n)}{eoi}{piece}"
         for n, piece in zip(inputs["num_soft_tokens_per_image"], pieces[1:], strict=True))
     root = [TINY_BOS, *tok.encode(expanded, add_special_tokens=False).ids]
-    image_id = tok.token_to_id(soft)
-    out = {}
-    for q in queries:
-        prefix = tok.encode(q["template"].split("{?}")[0], add_special_tokens=False).ids
-        for option in q["options"]:
-            ids = root + prefix + tok.encode(option, add_special_tokens=False).ids
-            types = torch.tensor([[int(i == image_id) for i in ids]])
-            with torch.no_grad():
-                logits = oracle(input_ids=torch.tensor([ids]),
-                                pixel_values=inputs["pixel_values"],
-                                image_position_ids=inputs["image_position_ids"],
-                                mm_token_type_ids=types).logits[0].float()
-            logprobs = torch.log_softmax(logits, dim=-1)
-            start = len(root) + len(prefix)
-            out[(q["id"], option)] = sum(logprobs[j - 1, ids[j]].item()
-                                         for j in range(start, len(ids)))
-    return out
+    return media_oracle.option_logprobs(
+        oracle, tok, root, queries, media_oracle.marked("mm_token_type_ids",
+                                                        tok.token_to_id(soft)),
+        pixel_values=inputs["pixel_values"], image_position_ids=inputs["image_position_ids"])
 
 
 def request_with(url: str) -> dict:
