@@ -227,6 +227,21 @@ def test_bit_identical_alone_and_packed_among_text_image_and_audio_documents(
 
 
 @pytest.mark.parametrize("parts", ["image", "audio", "both"])
+def worker_and_api_codes(engine, body: dict, tokens) -> tuple[str | None, str | None]:
+    """The error code the worker answers ``body`` with, and the API's checks (None: none)."""
+    from spinf_worker.errors import SpinfError
+    from spinf_worker.protocol import ScoreRequest
+    from spinf_worker.request_limits import check_request
+
+    worker = engine.score_batch([body])[0]
+    try:
+        check_request(ScoreRequest.parse(body), {}, tokens=tokens)
+        api = None
+    except SpinfError as err:
+        api = err.code
+    return (worker.code if isinstance(worker, SpinfError) else None), api
+
+
 def test_the_api_counts_gemma4_media_tokens_as_the_worker_does(tiny_gemma4_vision_engine,
                                                                parts):
     """With the served model's files (api/tokens.py), the API's checks count each image's and
@@ -234,9 +249,6 @@ def test_the_api_counts_gemma4_media_tokens_as_the_worker_does(tiny_gemma4_visio
     out, and leave them out of the content limit: the same request passes or fails both
     alike."""
     from api.tokens import load
-    from spinf_worker.errors import SpinfError
-    from spinf_worker.protocol import ScoreRequest
-    from spinf_worker.request_limits import check_request
 
     engine = tiny_gemma4_vision_engine
     tokens = load(str(engine.checkpoint.path))
@@ -253,14 +265,7 @@ def test_the_api_counts_gemma4_media_tokens_as_the_worker_does(tiny_gemma4_visio
     rows = doc.flat.tokens
 
     def both(limits: dict) -> tuple:
-        body = {**base, "limits": limits}
-        worker = engine.score_batch([body])[0]
-        try:
-            check_request(ScoreRequest.parse(body), {}, tokens=tokens)
-            api = None
-        except SpinfError as err:
-            api = err.code
-        return (worker.code if isinstance(worker, SpinfError) else None), api
+        return worker_and_api_codes(engine, {**base, "limits": limits}, tokens)
 
     assert both({"max_processed_tokens": rows}) == (None, None)
     assert both({"max_processed_tokens": rows - 1}) == ("request_too_large",) * 2

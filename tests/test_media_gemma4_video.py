@@ -21,6 +21,7 @@ import torch
 from . import media_oracle
 from .conftest import TINY_BOS, TINY_GEMMA4_IMAGE_TOKENS, TINY_GEMMA4_PATCH, TINY_GEMMA4_VIDEO_TOKEN
 from .test_media_gemma3 import QUERIES, option_logprobs, other_requests, scores_and_residuals
+from .test_media_gemma4_audio import worker_and_api_codes
 from .test_media_requests import image_url
 
 
@@ -102,9 +103,6 @@ def test_a_video_scores_like_transformers(tiny_gemma4_video_engine, tiny_gemma4_
 
 def test_usage_and_the_apis_count_match_the_worker(tiny_gemma4_video_engine):
     from api.tokens import load
-    from spinf_worker.errors import SpinfError
-    from spinf_worker.protocol import ScoreRequest
-    from spinf_worker.request_limits import check_request
 
     engine = tiny_gemma4_video_engine
     urls = [image_url(30 + k, (40, 28)) for k in range(2)]
@@ -116,13 +114,7 @@ def test_usage_and_the_apis_count_match_the_worker(tiny_gemma4_video_engine):
     tokens = load(str(engine.checkpoint.path))
     for limit, code in ((rows, None), (rows - 1, "request_too_large")):
         limited = {**body, "limits": {"max_processed_tokens": limit}}
-        worker = engine.score_batch([limited])[0]
-        try:
-            check_request(ScoreRequest.parse(limited), {}, tokens=tokens)
-            api = None
-        except SpinfError as err:
-            api = err.code
-        assert (worker.code if isinstance(worker, SpinfError) else None) == api == code
+        assert worker_and_api_codes(engine, limited, tokens) == (code, code)
 
 
 def test_the_frames_cap(tiny_gemma4_video_engine):
