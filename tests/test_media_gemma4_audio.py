@@ -226,7 +226,6 @@ def test_bit_identical_alone_and_packed_among_text_image_and_audio_documents(
         engine.settings.max_pass_tokens = old
 
 
-@pytest.mark.parametrize("parts", ["image", "audio", "both"])
 def worker_and_api_codes(engine, body: dict, tokens) -> tuple[str | None, str | None]:
     """The error code the worker answers ``body`` with, and the API's checks (None: none)."""
     from spinf_worker.errors import SpinfError
@@ -242,6 +241,7 @@ def worker_and_api_codes(engine, body: dict, tokens) -> tuple[str | None, str | 
     return (worker.code if isinstance(worker, SpinfError) else None), api
 
 
+@pytest.mark.parametrize("parts", ["image", "audio", "both"])
 def test_the_api_counts_gemma4_media_tokens_as_the_worker_does(tiny_gemma4_vision_engine,
                                                                parts):
     """With the served model's files (api/tokens.py), the API's checks count each image's and
