@@ -51,6 +51,11 @@ class ServiceSettings(BaseSettings):
                                 "only up to this many rows, so a request waits for a short "
                                 "pass of its own, not a full one. None: a quarter of the "
                                 "pass budget")
+    interactive_window_ms: int = Field(
+        1000, ge=0, description="for this long after an interactive request, a pass of bulk "
+                                "entries alone is queued on the device only when none other "
+                                "is there, so the next request waits for the pass running, "
+                                "not a second one queued behind it. 0: always two deep")
     read_count: int = Field(256, description="stream entries a worker reads per XREADGROUP")
     claim_idle_ms: int = Field(
         120_000, description="an entry a worker has held this long is reclaimed by another "

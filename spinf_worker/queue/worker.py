@@ -142,6 +142,7 @@ class Worker:
         self._history: dict[str, str | None] = {s: "0-0" for s in keys.streams}
         self._claim_cursor: dict[str, str] = {s: "0-0" for s in keys.streams}
         self._need_groups = True
+        self._interactive_seen = -math.inf    # when an interactive entry was last admitted
 
     @property
     def budget(self) -> int:
@@ -186,10 +187,21 @@ class Worker:
     def _may_start(self) -> bool:
         """A pass may start when the previous one has launched, at most one other is on
         the device (a third would only wait there, and so would a request put in it) and
-        the stores keep up."""
+        the stores keep up. While interactive requests come (``interactive_window_ms``), a
+        pass of bulk entries alone waits for the device to be free: a request arriving then
+        waits for one pass, not two."""
         on_device = (self._launched is not None) + len(self._reading)
-        return (self._starting is None and on_device < ON_DEVICE
+        depth = 1 if self._single_file() else ON_DEVICE
+        return (self._starting is None and on_device < depth
                 and len(self._finishing) < MAX_FINISHING)
+
+    def _single_file(self) -> bool:
+        """Whether bulk passes go on the device one at a time now: interactive requests came
+        within ``interactive_window_ms`` and none is waiting (a pass holding one may queue)."""
+        recent = (time.monotonic() - self._interactive_seen) * 1000 \
+            < self.settings.interactive_window_ms
+        interactive = self.keys.interactive
+        return recent and not any(e.stream == interactive for e in self._ready)
 
     async def _create_groups(self) -> None:
         for stream in self.keys.streams:
@@ -264,8 +276,8 @@ class Worker:
             await self._take_interactive()
             self._dispatch()
             return
-        if self._starting is None and not due:   # no pass follows now: read the last back
-            self._read_back()
+        if self._starting is None and (not due or self._single_file()):
+            self._read_back()       # no pass follows now (or only once the device is free)
         busy = self._busy()
         if full and busy:   # the next pass is complete: wait until it may start
             await asyncio.wait({*busy, stopped}, return_when=asyncio.FIRST_COMPLETED)
@@ -392,6 +404,8 @@ class Worker:
                 answered.append((entry, JobResult.expired(), "expired"))
             else:
                 self._ready.append(entry)
+                if entry.stream == self.keys.interactive:
+                    self._interactive_seen = time.monotonic()
         await self._ack(gone)
         if dead:
             await self._bury(dead)

@@ -437,6 +437,33 @@ async def test_an_interactive_request_joins_the_next_pass_ahead_of_bulk(redis, k
     assert 0 < sum(r is not None for r in answered) < len(bulk_jobs)
 
 
+@pytest.mark.asyncio
+async def test_bulk_passes_go_one_at_a_time_while_requests_come(redis, keys, settings,
+                                                                tiny_engine):
+    """Within ``interactive_window_ms`` of an interactive request, a pass of bulk entries
+    alone starts only once the device is free (a request then waits for one pass, not two);
+    a pass holding a request may still queue behind the one running; outside the window
+    passes go two deep."""
+    settings = settings.model_copy(update={"interactive_window_ms": 60_000})
+    producer = Producer(redis, keys, settings)
+    worker = Worker(tiny_engine, redis, keys, settings)
+    for i in range(3):
+        await producer.submit(Submission(body(i), priority="bulk"))
+    await worker._create_groups()
+    await _read_until(worker, 1)
+    worker._launched = object()          # a pass on the device, not read back
+    assert worker._may_start()           # no request came: two deep
+    request, _ = await producer.submit(Submission(body(99)))
+    raw, redelivered = await worker._read(64, None)
+    await worker._admit(raw, redelivered)
+    assert worker._may_start()           # the request waits: its pass may queue
+    worker._ready = [e for e in worker._ready if e.stream != keys.interactive]
+    assert not worker._may_start()       # bulk alone after it: one at a time
+    worker._interactive_seen -= 61.0     # the window has passed
+    assert worker._may_start()
+    worker._launched = None
+
+
 async def _read_until(worker: Worker, rows: int) -> None:
     """Read and parse entries until the ready ones hold at least ``rows`` rows."""
     while sum(e.rows for e in worker._ready) < rows:
