@@ -52,10 +52,11 @@ class ServiceSettings(BaseSettings):
                                 "pass of its own, not a full one. None: a quarter of the "
                                 "pass budget")
     interactive_window_ms: int = Field(
-        1000, ge=0, description="for this long after an interactive request, a pass of bulk "
-                                "entries alone is queued on the device only when none other "
-                                "is there, so the next request waits for the pass running, "
-                                "not a second one queued behind it. 0: always two deep")
+        0, ge=0, description="for this long after an interactive request, a pass of bulk "
+                             "entries alone is queued on the device only when none other is "
+                             "there, so the next request waits for the pass running, not a "
+                             "second one queued behind it (bulk passes then are not laid out "
+                             "while the device runs). 0: always two deep")
     read_count: int = Field(256, description="stream entries a worker reads per XREADGROUP")
     claim_idle_ms: int = Field(
         120_000, description="an entry a worker has held this long is reclaimed by another "

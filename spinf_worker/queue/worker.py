@@ -187,9 +187,9 @@ class Worker:
     def _may_start(self) -> bool:
         """A pass may start when the previous one has launched, at most one other is on
         the device (a third would only wait there, and so would a request put in it) and
-        the stores keep up. While interactive requests come (``interactive_window_ms``), a
-        pass of bulk entries alone waits for the device to be free: a request arriving then
-        waits for one pass, not two."""
+        the stores keep up. With ``interactive_window_ms`` set, while interactive requests
+        come a pass of bulk entries alone waits for the device to be free: a request arriving
+        then waits for one pass, not two."""
         on_device = (self._launched is not None) + len(self._reading)
         depth = 1 if self._single_file() else ON_DEVICE
         return (self._starting is None and on_device < depth
