@@ -17,7 +17,7 @@ from . import media_oracle
 from .conftest import TINY_BOS, TINY_GEMMA4_AUDIO_TOKENS, TINY_GEMMA4_IMAGE_TOKENS
 from .test_media_gemma3 import QUERIES, option_logprobs, scores_and_residuals
 from .test_media_gemma4 import oracle_inputs
-from .test_media_requests import image_part, image_url
+from .test_media_requests import image_part, image_url, worker_and_api_codes
 
 
 def tone(seed: int, seconds: float, rate: int = 16_000) -> np.ndarray:
@@ -224,21 +224,6 @@ def test_bit_identical_alone_and_packed_among_text_image_and_audio_documents(
             assert scores_and_residuals(packed[position]) == alone, position
     finally:
         engine.settings.max_pass_tokens = old
-
-
-def worker_and_api_codes(engine, body: dict, tokens) -> tuple[str | None, str | None]:
-    """The error code the worker answers ``body`` with, and the API's checks (None: none)."""
-    from spinf_worker.errors import SpinfError
-    from spinf_worker.protocol import ScoreRequest
-    from spinf_worker.request_limits import check_request
-
-    worker = engine.score_batch([body])[0]
-    try:
-        check_request(ScoreRequest.parse(body), {}, tokens=tokens)
-        api = None
-    except SpinfError as err:
-        api = err.code
-    return (worker.code if isinstance(worker, SpinfError) else None), api
 
 
 @pytest.mark.parametrize("parts", ["image", "audio", "both"])

@@ -21,8 +21,7 @@ import torch
 from . import media_oracle
 from .conftest import TINY_BOS, TINY_GEMMA4_IMAGE_TOKENS, TINY_GEMMA4_PATCH, TINY_GEMMA4_VIDEO_TOKEN
 from .test_media_gemma3 import QUERIES, option_logprobs, other_requests, scores_and_residuals
-from .test_media_gemma4_audio import worker_and_api_codes
-from .test_media_requests import image_url
+from .test_media_requests import image_url, worker_and_api_codes
 
 
 def video_part(urls: list[str], times: list[float]) -> dict:

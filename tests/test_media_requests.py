@@ -78,6 +78,21 @@ def parse_error(body) -> InvalidRequestError:
     return caught.value
 
 
+def worker_and_api_codes(engine, body: dict, tokens) -> tuple[str | None, str | None]:
+    """The error code the worker answers ``body`` with, and the API's checks (None: none)."""
+    from spinf_worker.errors import SpinfError
+    from spinf_worker.protocol import ScoreRequest
+    from spinf_worker.request_limits import check_request
+
+    worker = engine.score_batch([body])[0]
+    try:
+        check_request(ScoreRequest.parse(body), {}, tokens=tokens)
+        api = None
+    except SpinfError as err:
+        api = err.code
+    return (worker.code if isinstance(worker, SpinfError) else None), api
+
+
 def test_spinf_client_parts_parse_unmodified():
     image = spinf_client.image(pil_image(), detail="low")
     video = spinf_client.video([(0.0, jpeg_bytes(1)), (0.5, jpeg_bytes(2)),
@@ -273,8 +288,6 @@ def test_the_api_counts_an_images_tokens_as_the_worker_does(tiny_vision_engine):
     tokens in the processed tokens as the worker lays them out, and leave them out of the
     content limit, as the worker does: the same request passes or fails both alike."""
     from api.tokens import load
-    from spinf_worker.errors import SpinfError
-    from spinf_worker.request_limits import check_request
 
     from .conftest import TINY_MM_TOKENS
     from .test_media_gemma3 import media_request
@@ -286,14 +299,7 @@ def test_the_api_counts_an_images_tokens_as_the_worker_does(tiny_vision_engine):
     rows = doc.flat.tokens
 
     def both(limits: dict) -> tuple:
-        body = {**base, "limits": limits}
-        worker = tiny_vision_engine.score_batch([body])[0]
-        try:
-            check_request(ScoreRequest.parse(body), {}, tokens=tokens)
-            api = None
-        except SpinfError as err:
-            api = err.code
-        return (worker.code if isinstance(worker, SpinfError) else None), api
+        return worker_and_api_codes(tiny_vision_engine, {**base, "limits": limits}, tokens)
 
     assert both({"max_processed_tokens": rows}) == (None, None)
     assert both({"max_processed_tokens": rows - 1}) == ("request_too_large",) * 2
