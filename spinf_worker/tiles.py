@@ -59,11 +59,11 @@ class PassRows:
         if key is not None:
             self.roots[key] = self.roots.get(key, doc.root) + doc.tokens - doc.root
 
-    def cost_of(self, parts: Sequence[RowPart]) -> int:
-        """Rows a request's documents add, merged where they can be."""
+    def with_parts(self, parts: Sequence[RowPart]) -> PassRows:
+        """This pass with a request's documents added, merged where they can be (a copy)."""
         trial = PassRows(self.rows, dict(self.roots))
         trial.add_parts(parts)
-        return trial.rows - self.rows
+        return trial
 
     def add_parts(self, parts: Sequence[RowPart]) -> None:
         for part in parts:

@@ -450,9 +450,10 @@ class Worker:
         batch, rest, fill = [], [], PassRows()
         for entry in ordered:
             limit = self.budget if entry.stream == interactive else bulk_budget
-            if not batch or fill.rows + fill.cost_of(entry.parts) <= limit:
+            trial = fill.with_parts(entry.parts)
+            if not batch or trial.rows <= limit:
                 batch.append(entry)
-                fill.add_parts(entry.parts)
+                fill = trial
             else:
                 rest.append(entry)
         self._ready = rest
