@@ -144,49 +144,44 @@ class WorkerPool:
                  pid=child.process.pid, restarts=child.restarts)
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Run and supervise every child until ``stop`` is set; then stop them all."""
-        for child in self.children:
-            await self._start(child)
+        """Run and supervise every child until ``stop`` is set; then stop them all. A child
+        that cannot run (exit 2) stops the pool with its error."""
+        keepers = [asyncio.create_task(self._keep(child, stop)) for child in self.children]
         try:
-            await self._supervise(stop)
+            await asyncio.gather(*keepers)
         finally:
+            for keeper in keepers:
+                keeper.cancel()
+            await asyncio.gather(*keepers, return_exceptions=True)
             await self._stop_all()
 
-    async def _supervise(self, stop: asyncio.Event) -> None:
-        stopping = asyncio.ensure_future(stop.wait())
-        waits = {asyncio.ensure_future(c.process.wait()): c for c in self.children}
-        try:
-            while not stop.is_set():
-                done, _ = await asyncio.wait([stopping, *waits],
-                                             return_when=asyncio.FIRST_COMPLETED)
-                for finished in done - {stopping}:
-                    child = waits.pop(finished)
-                    code = finished.result()
-                    if stop.is_set():
-                        continue
-                    if code == USAGE_EXIT:
-                        raise PoolError(f"worker {child.name} ({child.device}) exited "
-                                           f"{code}: a restart would fail the same way")
-                    await self._restart(child, code, stop)
-                    if child.process is not None and child.process.returncode is None:
-                        waits[asyncio.ensure_future(child.process.wait())] = child
-        finally:
-            stopping.cancel()
-            for wait in waits:
-                wait.cancel()
-
-    async def _restart(self, child: Child, code: int, stop: asyncio.Event) -> None:
-        if time.monotonic() - child.started >= STEADY_S:
-            child.pause_s = FIRST_PAUSE_S
-        log.error("worker process exited; starting it again", name=child.name,
-                  device=child.device, code=code, in_s=child.pause_s)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), child.pause_s)
-        if stop.is_set():
-            return
-        child.pause_s = min(MAX_PAUSE_S, child.pause_s * 2)
-        child.restarts += 1
+    async def _keep(self, child: Child, stop: asyncio.Event) -> None:
+        """One child, started again after each exit until ``stop`` (each child on its own, so
+        one's pause before a restart holds up no other)."""
         await self._start(child)
+        while True:
+            stopping = asyncio.ensure_future(stop.wait())
+            exited = asyncio.ensure_future(child.process.wait())
+            await asyncio.wait([stopping, exited], return_when=asyncio.FIRST_COMPLETED)
+            stopping.cancel()
+            if stop.is_set():
+                exited.cancel()
+                return
+            code = exited.result()
+            if code == USAGE_EXIT:
+                raise PoolError(f"worker {child.name} ({child.device}) exited {code}: a "
+                                "restart would fail the same way")
+            if time.monotonic() - child.started >= STEADY_S:
+                child.pause_s = FIRST_PAUSE_S
+            log.error("worker process exited; starting it again", name=child.name,
+                      device=child.device, code=code, in_s=child.pause_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), child.pause_s)
+            if stop.is_set():
+                return
+            child.pause_s = min(MAX_PAUSE_S, child.pause_s * 2)
+            child.restarts += 1
+            await self._start(child)
 
     async def _stop_all(self) -> None:
         """SIGTERM to every running child (each stops gracefully), SIGKILL past the grace."""
