@@ -15,9 +15,10 @@ from pathlib import Path
 from .errors import InvalidRequestError, SpinfError
 
 CHUNK_DOCS = 64   # documents handed to the engine at once: enough to fill passes
-QUANT_SCHEMES = ("auto", "fp32", "bf16", "fp8", "int8")
-QUANT_HELP = ("weights at load: fp32, bf16 / fp8 (CUDA), int8 weight-only (default auto: "
-              "fp32 on the CPU, fp8 or bf16 on a GPU; $SPINF_QUANT for the service)")
+QUANT_SCHEMES = ("auto", "fp32", "bf16", "fp8", "int8", "int4")
+QUANT_HELP = ("weights at load: fp32, bf16 / fp8 (CUDA), int8 weight-only, int4 (a GPTQ "
+              "checkpoint kept packed, CUDA) (default auto: fp32 on the CPU, fp8 or bf16 on a "
+              "GPU, int4 for GPTQ; $SPINF_QUANT for the service)")
 
 
 def _load_scoring(path: str | None) -> dict | None:

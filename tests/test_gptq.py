@@ -150,6 +150,38 @@ def test_gptq_weights_dequantised_exactly(case):
         assert torch.equal(gptq.weights[name], tensor), name
 
 
+def test_gptq_packed_layers_give_every_body_layer(case):
+    """The packed weights the int4 scheme serves (CUDA: kernels/int4_matmul.py, held equal to
+    the bf16 GEMM on these dense weights in tests/gpu): every body layer of the built model,
+    fused projections joined in the model's column order, dequantises to exactly the weight the
+    model holds; the LM head and embeddings have none."""
+    from spinf_worker.models.build import build_model
+    from spinf_worker.models.loader import load_checkpoint
+
+    ckpt = load_checkpoint(str(case["gptq_dir"]))
+    model = build_model(ckpt, "cpu", "fp32").model
+    names = {module: name for name, module in model.named_modules()}
+    body = model.body_linears()
+    assert body
+    for module in body:
+        packed = model.int4_weight(ckpt.int4, names[module])
+        assert packed is not None, names[module]
+        assert packed.shape == tuple(module.weight.shape)
+        assert torch.equal(packed.dense(), module.weight), names[module]
+    assert model.int4_weight(ckpt.int4, "lm_head") is None
+
+
+def test_int4_scheme_refused_where_it_cannot_run():
+    from spinf_worker.models.build import pick_scheme
+
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match="int4 runs on CUDA only"):
+        pick_scheme("int4", cpu, "gptq int4 g128 sym gptq")
+    with pytest.raises(ValueError, match="serves GPTQ int4 checkpoints"):
+        pick_scheme("int4", cpu, None)
+    assert pick_scheme("int4", cpu.__class__("cuda"), None, random=True) == "int4"
+
+
 def test_gptq_scores_equal_dequantised_oracle(case, monkeypatch):
     """|Δlogprob| <= 1e-4 against transformers on the dequantised weights, and the same bits
     as the engine on the dense checkpoint."""

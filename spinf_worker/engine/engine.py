@@ -76,7 +76,8 @@ class EngineSettings:
                "template for an instruct model that has one, else the raw text)"})
     scheme: str = field(default="auto", metadata={
         "doc": "`auto` | `fp32` | `bf16` | `fp8` (W8A8; GPUs with fp8 tensor cores) | `int8` "
-               "(weight-only, per-channel scales; CPU or CUDA)"})
+               "(weight-only, per-channel scales; CPU or CUDA) | `int4` (a GPTQ checkpoint "
+               "kept packed, W4A16; CUDA; auto there for GPTQ)"})
     cuda_graphs: bool = field(default=True, metadata={
         "doc": "CUDA: replay passes as captured graphs (engine/cuda_graphs.py)"})
     fuse: bool = field(default=True, metadata={

@@ -7,9 +7,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ..quant.gptq import Int4Weight
 from .loader import Checkpoint
 
-SCHEMES = ("fp32", "bf16", "fp8", "int8")
+SCHEMES = ("fp32", "bf16", "fp8", "int8", "int4")
+INT4_RANDOM_GROUP = 128     # the group size of random int4 weights (speed runs)
 
 
 @dataclass
@@ -17,7 +19,7 @@ class BuiltModel:
     model: torch.nn.Module
     config: object        # the family's config dataclass
     device: torch.device
-    scheme: str           # fp32 | bf16 | fp8 | int8
+    scheme: str           # fp32 | bf16 | fp8 | int8 | int4
     dtype: torch.dtype    # activations
 
 
@@ -27,21 +29,27 @@ def pick_device(device: str | None) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def pick_scheme(scheme: str, device: torch.device, stored: str | None = None) -> str:
+def pick_scheme(scheme: str, device: torch.device, stored: str | None = None,
+                random: bool = False) -> str:
     """``auto``: fp8 on GPUs with fp8 tensor cores, bf16 on other GPUs, fp32 on the CPU.
-    ``stored``: the checkpoint's own quantisation (GPTQ int4), whose dequantised weights are
-    served as they are (fp32 / bf16): quantising them again would only lose more."""
+    ``stored``: the checkpoint's own quantisation (GPTQ int4), served as it is: its packed
+    weights through the W4A16 GEMM on CUDA (int4), dequantised on the CPU (fp32), or
+    dequantised in bf16 when asked; quantising them again would only lose more. ``random``:
+    random weights, which int4 draws as random codes."""
     if scheme == "auto":
         if device.type != "cuda":
             return "fp32"
         if stored:
-            return "bf16"
+            return "int4"
         return "fp8" if torch.cuda.get_device_capability(device) >= (8, 9) else "bf16"
     if scheme not in SCHEMES:
         raise ValueError(f"unknown quantisation scheme {scheme!r} ({', '.join(SCHEMES)})")
     if stored and scheme in ("fp8", "int8"):
         raise ValueError(f"scheme {scheme} does not apply to a {stored} checkpoint "
-                         "(its weights are already quantised): use auto, fp32 or bf16")
+                         "(its weights are already quantised): use auto, int4, fp32 or bf16")
+    if scheme == "int4" and not (stored or random):
+        raise ValueError("scheme int4 serves GPTQ int4 checkpoints (or random weights); "
+                         "this checkpoint is not quantised: use auto, bf16, fp8 or int8")
     if scheme not in ("fp32", "int8") and device.type != "cuda":
         raise ValueError(f"scheme {scheme} runs on CUDA only; the CPU runs fp32")
     return scheme
@@ -80,20 +88,47 @@ def random_filler(model: torch.nn.Module, device: torch.device, seed: int = 0):
     return fill
 
 
-def materialize(model: torch.nn.Module, device: torch.device, fill, scheme: str) -> None:
+def materialize(model: torch.nn.Module, device: torch.device, fill, scheme: str,
+                int4=None) -> None:
     """Give a meta-built model its tensors module by module, each directly in the model's
     dtype on ``device``, filled (``fill(name, param)``) and, for fp8 / int8, the body's
     linear layers quantised at once: only one layer's full-precision weight exists at a time,
-    so loading peaks near the served size, not at the full-precision model's."""
-    quantised = set(model.body_linears()) if scheme in ("fp8", "int8") else set()
+    so loading peaks near the served size, not at the full-precision model's. int4:
+    ``int4(prefix, module)`` gives a body layer's packed weight (None: the layer is dense)."""
+    quantised = set(model.body_linears()) if scheme in ("fp8", "int8", "int4") else set()
     for prefix, module in model.named_modules():
         if next(module.parameters(recurse=False), None) is None:
             continue
+        if module in quantised and scheme == "int4":
+            packed = int4(prefix, module)
+            if packed is not None:      # a layer the checkpoint keeps dense stays dense
+                module.to_empty(device=device, recurse=False)
+                module.to_int4(packed)
+                if module.bias is not None:
+                    fill(f"{prefix}.bias", module.bias)
+                continue
         module.to_empty(device=device, recurse=False)
         for name, param in module.named_parameters(recurse=False):
             fill(f"{prefix}.{name}" if prefix else name, param)
-        if module in quantised:
+        if module in quantised and scheme != "int4":
             module.to_fp8() if scheme == "fp8" else module.to_int8()
+
+
+def int4_source(model: torch.nn.Module, checkpoint: Checkpoint, device: torch.device):
+    """``int4(prefix, module)``: a GPTQ checkpoint's packed weight of a layer on ``device``,
+    or random codes of its shape for random weights."""
+    if checkpoint.weights is None:
+        gen = torch.Generator(device=device).manual_seed(0)
+
+        def random_int4(prefix: str, module) -> Int4Weight:
+            out, d_in = module.weight.shape
+            return Int4Weight.random(out, d_in, INT4_RANDOM_GROUP, device, gen)
+        return random_int4
+
+    def packed(prefix: str, module) -> Int4Weight | None:
+        found = model.int4_weight(checkpoint.int4 or {}, prefix)
+        return None if found is None else found.to(device)
+    return packed
 
 
 def build_model(checkpoint: Checkpoint, device: str | None = None, scheme: str = "auto"
@@ -102,7 +137,7 @@ def build_model(checkpoint: Checkpoint, device: str | None = None, scheme: str =
     from .registry import family_for
 
     where = pick_device(device)
-    scheme = pick_scheme(scheme, where, checkpoint.quantization)
+    scheme = pick_scheme(scheme, where, checkpoint.quantization, checkpoint.weights is None)
     dtype = activation_dtype(scheme, where)
     family = family_for(checkpoint.config)
     config = family.config(checkpoint.config)
@@ -118,7 +153,7 @@ def build_model(checkpoint: Checkpoint, device: str | None = None, scheme: str =
                 missing.append(name)
 
     with torch.no_grad():
-        materialize(model, where, fill, scheme)
+        materialize(model, where, fill, scheme, int4_source(model, checkpoint, where))
     if checkpoint.weights is not None and missing:
         raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
     return BuiltModel(model.eval(), config, where, scheme, dtype)

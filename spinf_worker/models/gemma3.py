@@ -173,7 +173,7 @@ class Gemma3Model(PackedLM):
 
     @property
     def fusable(self) -> bool:
-        return True   # the fused forward takes every scheme (int8: gate|up then gelu_mul)
+        return True   # the fused forward takes every scheme (int8, int4: gate|up then gelu_mul)
 
     @property
     def capturable(self) -> bool:

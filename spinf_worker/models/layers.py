@@ -10,6 +10,7 @@ from torch import nn
 
 from ..kernels.matmul import linear
 from ..quant.fp8 import quantize_weight
+from ..quant.gptq import Int4Weight
 from ..quant.int8 import int8_linear, quantize_weight_int8
 from ..tiles import READOUT_TILE
 
@@ -41,6 +42,7 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(d_out, d_in))
         self.weight_scale: torch.Tensor | None = None
+        self.int4: Int4Weight | None = None
         self.bias = nn.Parameter(torch.empty(d_out)) if bias else None
 
     def to_fp8(self) -> None:
@@ -55,10 +57,22 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(w8, requires_grad=False)
         self.weight_scale = scale
 
+    def to_int4(self, packed: Int4Weight) -> None:
+        """A GPTQ int4 weight kept packed (W4A16, CUDA): ``weight`` holds its codes."""
+        if packed.shape != tuple(self.weight.shape):
+            raise ValueError(f"int4 weight of shape {packed.shape}, layer {tuple(self.weight.shape)}")
+        self.weight = nn.Parameter(packed.qweight, requires_grad=False)
+        self.int4 = packed
+
     def forward(self, x: torch.Tensor, x_scale: torch.Tensor | None = None) -> torch.Tensor:
         """``x_scale``: ``x`` is already fp8, quantised per row with these scales."""
         if self.weight.dtype == torch.int8:
             y = int8_linear(x, self.weight, self.weight_scale)
+        elif self.weight.dtype == torch.int32:
+            from ..kernels.int4_matmul import int4_matmul
+
+            p = self.int4
+            y = int4_matmul(x, p.qweight, p.zeros, p.scales, p.group_size)
         else:
             y = linear(x, self.weight, self.weight_scale, x_scale=x_scale)
         return y if self.bias is None else y + self.bias   # row-wise: still batch-invariant
@@ -234,6 +248,20 @@ class PackedLM(nn.Module):
                              f"model shape {tuple(param.shape)}")
         param.copy_(src)
         return True
+
+    def int4_weight(self, packed: dict[str, Int4Weight], linear: str) -> Int4Weight | None:
+        """The packed weight of the linear layer named ``linear`` (a fused projection's from
+        its parts'), or None when the checkpoint keeps that layer dense."""
+        def find(key: str) -> Int4Weight | None:
+            return packed.get("model." + key, packed.get(key))
+
+        src = find(linear)
+        parent, _, projection = linear.rpartition(".")
+        if src is None and projection in FUSED_PROJECTIONS:
+            names, interleave = FUSED_PROJECTIONS[projection]
+            parts = [find(f"{parent}.{part}") for part in names]
+            src = None if any(p is None for p in parts) else Int4Weight.join(parts, interleave)
+        return src
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Copy every weight of an already materialised model from HF-named tensors."""

@@ -32,7 +32,7 @@ from spinf_worker.manifest import Manifest
 from spinf_worker.manifest import load as load_manifest
 from spinf_worker.model_names import DEFAULT_MODEL, is_default
 from spinf_worker.models.cache import CONVERSION_MARKER, DEFAULT_DIR, cache_root
-from spinf_worker.quant.gptq import dequantize_weights
+from spinf_worker.quant.gptq import Int4Weight, dequantize_weights, packed_layers
 from spinf_worker.quant.gptq_config import gptq_format
 
 logger = logging.getLogger(__name__)
@@ -61,6 +61,9 @@ class Checkpoint:
     weights_digest: str
     path: Path
     quantization: str | None = None   # how the checkpoint's own weights are stored (GPTQ)
+    # a GPTQ checkpoint's linear layers still packed, by ``text_weights`` name less ".weight"
+    # (the int4 scheme serves these; the others the dequantised ``weights``)
+    int4: dict[str, Int4Weight] | None = None
     # what it is as /v1/models lists it: its spinf-manifest.json over what config.json says
     manifest: Manifest | None = None
 
@@ -218,7 +221,7 @@ def load_hf_dir(path: Path, *, name: str, cache_dir: Path | None = None,
             or None)
         if full.get("audio_seq_length"):
             config["audio_seq_length"] = full["audio_seq_length"]
-    weights = None
+    weights, int4 = None, None
     if dummy:
         weights_digest = _dummy_digest(config)
     else:
@@ -227,7 +230,11 @@ def load_hf_dir(path: Path, *, name: str, cache_dir: Path | None = None,
         for file in files:
             weights.update(load_file(file))
         if gptq is not None:
-            weights = dequantize_weights(weights, gptq)
+            dense = dequantize_weights(weights, gptq)      # checks every layer's tensors
+            int4 = {text_key(prefix + ".weight", "vision_config" in config): packed
+                    for prefix, packed in packed_layers(weights, gptq).items()}
+            int4 = {key.removesuffix(".weight"): packed for key, packed in int4.items() if key}
+            weights = dense
         weights = text_weights(weights, tied=config.get("tie_word_embeddings", True),
                                vision="vision_config" in config)
 
@@ -243,7 +250,8 @@ def load_hf_dir(path: Path, *, name: str, cache_dir: Path | None = None,
                       bos_token_id=bos, eos_token_id=eos,
                       chat_template=_chat_template(path, tokenizer_config),
                       weights_digest=weights_digest, path=path,
-                      quantization=gptq.describe() if gptq else None, manifest=manifest)
+                      quantization=gptq.describe() if gptq else None, int4=int4,
+                      manifest=manifest)
 
 
 def text_config(raw: dict) -> dict:
@@ -332,22 +340,27 @@ def text_weights(weights: dict[str, torch.Tensor], *, tied: bool,
     4's embedder under ``embed_vision.``)."""
     out = {}
     for name, tensor in weights.items():
-        if any(part in name for part in _NOT_TEXT):
-            if vision and any(part in name for part in _NOT_TEXT):
-                for old, new in _VISION_RENAMES:
-                    if name.startswith(old):
-                        name = new + name[len(old):]
-                        break
-                out[name] = tensor if tensor.dtype == torch.float32 else tensor.float()
-            continue
-        for old, new in _PREFIX_RENAMES:
-            if name.startswith(old):
-                name = new + name[len(old):]
-                break
-        out[name] = tensor if tensor.dtype == torch.float32 else tensor.float()
+        key = text_key(name, vision)
+        if key is not None:
+            out[key] = tensor if tensor.dtype == torch.float32 else tensor.float()
     if tied:
         out.pop("lm_head.weight", None)
     return out
+
+
+def text_key(name: str, vision: bool = False) -> str | None:
+    """A checkpoint tensor's name as ``text_weights`` keys it (None: not kept)."""
+    if any(part in name for part in _NOT_TEXT):
+        if not vision:
+            return None
+        for old, new in _VISION_RENAMES:
+            if name.startswith(old):
+                return new + name[len(old):]
+        return name
+    for old, new in _PREFIX_RENAMES:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
 
 
 def _safetensors_files(path: Path) -> list[Path]:

@@ -1,4 +1,5 @@
-"""GPTQ int4 checkpoints (transformers / optimum / GPTQModel layout), dequantised at load.
+"""GPTQ int4 checkpoints (transformers / optimum / GPTQModel layout): dequantised at load, and
+kept packed for the int4 scheme (``Int4Weight``, kernels/int4_matmul.py).
 
 Per quantised linear layer ``X`` of ``in`` inputs and ``out`` outputs a checkpoint holds:
 
@@ -19,6 +20,8 @@ dequantised model's weights (the reference the int4 GPU kernel is held to).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .gptq_config import BITS, GptqFormat, unsupported
@@ -30,7 +33,7 @@ V1_ZERO_OFFSET = 0x11111111            # +1 in each nibble: v1 zeros -> v2
 def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
     """``[n, m]`` words -> codes ``[8 n, m]`` of the same dtype: word ``i`` holds rows
     ``8i .. 8i + 7`` (a negative int32 shifts in ones, which the mask drops)."""
-    shifts = torch.arange(0, 32, BITS, dtype=packed.dtype)
+    shifts = torch.arange(0, 32, BITS, dtype=packed.dtype, device=packed.device)
     codes = (packed[:, None, :] >> shifts[None, :, None]) & (2 ** BITS - 1)
     return codes.reshape(-1, packed.shape[1])
 
@@ -43,9 +46,61 @@ def unpack_zeros(qzeros: torch.Tensor, out: int, v2: bool) -> torch.Tensor:
     return unpack_rows(words.T).T[:, :out].to(torch.int32)
 
 
-def dequantize(name: str, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
-               g_idx: torch.Tensor | None, fmt: GptqFormat) -> torch.Tensor:
-    """One layer's fp32 weight ``[out, in]`` (``name`` for the errors)."""
+@dataclass(frozen=True)
+class Int4Weight:
+    """One layer's packed weight as the W4A16 GEMM takes it (kernels/int4_matmul.py)."""
+
+    qweight: torch.Tensor     # int32 [in / 8, out], as stored
+    zeros: torch.Tensor       # int32 [groups, out], unpacked (v2: the zeros themselves)
+    scales: torch.Tensor      # fp32 [groups, out]
+    group_size: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``[out, in]``, the dense weight's."""
+        return self.qweight.shape[1], self.qweight.shape[0] * PACK
+
+    def dense(self) -> torch.Tensor:
+        """The fp32 weight ``[out, in]``: ``scale * (code - zero)`` of each input's group, exact."""
+        d_in = self.qweight.shape[0] * PACK
+        group = torch.arange(d_in, dtype=torch.int64, device=self.qweight.device) // self.group_size
+        codes = unpack_rows(self.qweight)                                # [in, out]
+        return (self.scales[group] * (codes - self.zeros[group]).float()).T.contiguous()
+
+    def to(self, device: torch.device) -> Int4Weight:
+        return Int4Weight(self.qweight.to(device), self.zeros.to(device),
+                          self.scales.to(device), self.group_size)
+
+    @classmethod
+    def join(cls, parts: list[Int4Weight], interleave: bool) -> Int4Weight:
+        """A fused projection's packed weight from its parts': their output columns
+        concatenated, or interleaved (g0 u0 g1 u1 ...) as ``join_parts`` does a dense one's rows."""
+        def cols(tensors: list[torch.Tensor]) -> torch.Tensor:
+            return (torch.stack(tensors, dim=2).flatten(1, 2) if interleave
+                    else torch.cat(tensors, dim=1))
+        if len({p.group_size for p in parts}) != 1:
+            raise unsupported("the parts of a fused projection have different group sizes")
+        return cls(cols([p.qweight for p in parts]), cols([p.zeros for p in parts]),
+                   cols([p.scales for p in parts]), parts[0].group_size)
+
+    @classmethod
+    def random(cls, out: int, d_in: int, group_size: int, device: torch.device,
+               gen: torch.Generator) -> Int4Weight:
+        """Random codes, zeros and scales of the shapes (speed runs: values don't matter);
+        weights of about the scale of ``random_filler``'s N(0, 0.02)."""
+        groups = -(-d_in // group_size)
+        words = torch.randint(-2 ** 31, 2 ** 31, (d_in // PACK, out), generator=gen,
+                              device=device, dtype=torch.int64).to(torch.int32)
+        zeros = torch.randint(0, 16, (groups, out), generator=gen, device=device,
+                              dtype=torch.int32)
+        scales = torch.full((groups, out), 0.004, device=device)
+        return cls(words, zeros, scales, group_size)
+
+
+def packed_layer(name: str, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                 g_idx: torch.Tensor | None, fmt: GptqFormat) -> Int4Weight:
+    """One layer's tensors checked and unpacked where the kernel needs it (``name`` for the
+    errors)."""
     d_in, out = qweight.shape[0] * PACK, qweight.shape[1]
     groups = -(-d_in // fmt.group_size)
     if (qweight.dtype != torch.int32 or tuple(scales.shape) != (groups, out)
@@ -56,9 +111,13 @@ def dequantize(name: str, qweight: torch.Tensor, qzeros: torch.Tensor, scales: t
     in_order = torch.arange(d_in, dtype=torch.int64) // fmt.group_size
     if g_idx is not None and not torch.equal(g_idx.to(torch.int64), in_order):
         raise unsupported(f"GPTQ g_idx of {name} is not in input order (act-order)")
-    codes = unpack_rows(qweight)                                     # [in, out]
-    zeros = unpack_zeros(qzeros, out, fmt.v2)[in_order]              # [in, out]
-    return (scales.float()[in_order] * (codes - zeros).float()).T.contiguous()
+    return Int4Weight(qweight, unpack_zeros(qzeros, out, fmt.v2), scales.float(), fmt.group_size)
+
+
+def dequantize(name: str, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+               g_idx: torch.Tensor | None, fmt: GptqFormat) -> torch.Tensor:
+    """One layer's fp32 weight ``[out, in]`` (``name`` for the errors)."""
+    return packed_layer(name, qweight, qzeros, scales, g_idx, fmt).dense()
 
 
 def dequantize_weights(weights: dict[str, torch.Tensor], fmt: GptqFormat
@@ -74,3 +133,11 @@ def dequantize_weights(weights: dict[str, torch.Tensor], fmt: GptqFormat
             raise unsupported(f"GPTQ layer {prefix} lacks qzeros or scales")
         out[f"{prefix}.weight"] = dequantize(prefix, fmt=fmt, **parts)
     return out
+
+
+def packed_layers(weights: dict[str, torch.Tensor], fmt: GptqFormat) -> dict[str, Int4Weight]:
+    """Every ``X.qweight`` group of a checkpoint's tensors as its packed weight, by ``X``."""
+    return {prefix: packed_layer(prefix, weights[f"{prefix}.qweight"],
+                                 weights[f"{prefix}.qzeros"], weights[f"{prefix}.scales"],
+                                 weights.get(f"{prefix}.g_idx"), fmt)
+            for prefix in (k.removesuffix(".qweight") for k in weights if k.endswith(".qweight"))}
