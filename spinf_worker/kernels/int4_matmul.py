@@ -23,28 +23,43 @@ CODES_PER_WORD = 8
 
 
 @triton.jit
-def _int4_matmul_kernel(a_ptr, q_ptr, z_ptr, s_ptr, out_ptr, M, N, K, group_size,
-                        stride_am, stride_om,
+def _group_rows(ptr, k, K, N, offs_n, n_ok, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """The zeros or scales of a K step's rows, ``[BLOCK_K, BLOCK_N]``, each group's row loaded
+    once and repeated over its inputs."""
+    if GROUP >= BLOCK_K:        # the step lies in one group (BLOCK_K divides the group size)
+        row = tl.load(ptr + (k // GROUP) * N + offs_n, mask=n_ok, other=0)
+        return tl.broadcast_to(row[None, :], (BLOCK_K, BLOCK_N))
+    R: tl.constexpr = BLOCK_K // GROUP
+    g = k // GROUP + tl.arange(0, R)
+    rows = tl.load(ptr + g[:, None] * N + offs_n[None, :],
+                   mask=(g[:, None] < K // GROUP) & n_ok[None, :], other=0)
+    return tl.reshape(tl.broadcast_to(rows[:, None, :], (R, GROUP, BLOCK_N)), (BLOCK_K, BLOCK_N))
+
+
+@triton.jit
+def _int4_matmul_kernel(a_ptr, q_ptr, z_ptr, s_ptr, out_ptr, M, N, K,
+                        stride_am, stride_om, GROUP: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         GROUP_M: tl.constexpr):
     pid_m, pid_n = tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
+    offs_w = tl.arange(0, BLOCK_K // 8)             # the step's words along K
+    nibbles = tl.arange(0, 8) * 4
     a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :]
-    shifts = (offs_k % 8) * 4                       # a row's nibble in its word
     n_ok = offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
-        rows = k + offs_k                           # the weight's input rows of this step
-        k_ok = rows < K
-        a = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & k_ok[None, :], other=0.0)
-        w_ok = k_ok[:, None] & n_ok[None, :]
-        words = tl.load(q_ptr + (rows // 8)[:, None] * N + offs_n[None, :], mask=w_ok, other=0)
-        codes = (words >> shifts[:, None]) & 15
-        group = rows // group_size
-        zeros = tl.load(z_ptr + group[:, None] * N + offs_n[None, :], mask=w_ok, other=0)
-        scales = tl.load(s_ptr + group[:, None] * N + offs_n[None, :], mask=w_ok, other=0.0)
+        a = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < K - k), other=0.0)
+        word_rows = k // 8 + offs_w
+        words = tl.load(q_ptr + word_rows[:, None] * N + offs_n[None, :],
+                        mask=(word_rows[:, None] < K // 8) & n_ok[None, :], other=0)
+        # word i, nibble j -> input row 8 i + j (GPTQ's order: lowest bits first)
+        codes = tl.reshape((words[:, None, :] >> nibbles[None, :, None]) & 15, (BLOCK_K, BLOCK_N))
+        zeros = _group_rows(z_ptr, k, K, N, offs_n, n_ok, GROUP, BLOCK_K, BLOCK_N)
+        scales = _group_rows(s_ptr, k, K, N, offs_n, n_ok, GROUP, BLOCK_K, BLOCK_N)
         w = (scales * (codes - zeros).to(tl.float32)).to(tl.bfloat16)      # [BLOCK_K, BLOCK_N]
         acc = tl.dot(a, w, acc)
         a_ptrs += BLOCK_K
@@ -61,16 +76,17 @@ def int4_matmul(a: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor,
     m, k = a.shape
     n = qweight.shape[1]
     assert qweight.shape[0] * CODES_PER_WORD == k and k % group_size == 0
+    bm, bn, bk, gm, warps, stages = CONFIGS[torch.bfloat16]
+    assert group_size % bk == 0 or bk % group_size == 0
     assert tuple(zeros.shape) == tuple(scales.shape) == (k // group_size, n)
     assert zeros.dtype == torch.int32 and scales.dtype == torch.float32
     a = a.contiguous()
     out = torch.empty(m, n, dtype=out_dtype or a.dtype, device=a.device)
     if m == 0:
         return out
-    bm, bn, bk, gm, warps, stages = CONFIGS[torch.bfloat16]
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     _int4_matmul_kernel[grid](a, qweight.contiguous(), zeros.contiguous(), scales.contiguous(),
-                              out, m, n, k, group_size, a.stride(0), out.stride(0),
+                              out, m, n, k, a.stride(0), out.stride(0), GROUP=group_size,
                               BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm,
                               num_warps=warps, num_stages=stages)
     return out
