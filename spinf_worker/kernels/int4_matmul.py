@@ -23,23 +23,21 @@ CODES_PER_WORD = 8
 
 
 @triton.jit
-def _group_rows(ptr, k, K, N, offs_n, n_ok, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
-                BLOCK_N: tl.constexpr):
-    """The zeros or scales of a K step's rows, ``[BLOCK_K, BLOCK_N]``, each group's row loaded
-    once and repeated over its inputs."""
-    if GROUP >= BLOCK_K:        # the step lies in one group (BLOCK_K divides the group size)
-        row = tl.load(ptr + (k // GROUP) * N + offs_n, mask=n_ok, other=0)
-        return tl.broadcast_to(row[None, :], (BLOCK_K, BLOCK_N))
-    R: tl.constexpr = BLOCK_K // GROUP
-    g = k // GROUP + tl.arange(0, R)
+def _group_rows(ptr, k, K, N, offs_n, n_ok, GROUP: tl.constexpr, ROWS: tl.constexpr,
+                BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The zeros or scales of a K step's rows, ``[BLOCK_K, BLOCK_N]``: the ``ROWS`` groups the
+    step spans (1 when BLOCK_K divides the group size), each loaded once and repeated over its
+    inputs."""
+    g = k // GROUP + tl.arange(0, ROWS)
     rows = tl.load(ptr + g[:, None] * N + offs_n[None, :],
                    mask=(g[:, None] < K // GROUP) & n_ok[None, :], other=0)
-    return tl.reshape(tl.broadcast_to(rows[:, None, :], (R, GROUP, BLOCK_N)), (BLOCK_K, BLOCK_N))
+    return tl.reshape(tl.broadcast_to(rows[:, None, :], (ROWS, BLOCK_K // ROWS, BLOCK_N)),
+                      (BLOCK_K, BLOCK_N))
 
 
 @triton.jit
 def _int4_matmul_kernel(a_ptr, q_ptr, z_ptr, s_ptr, out_ptr, M, N, K,
-                        stride_am, stride_om, GROUP: tl.constexpr,
+                        stride_am, stride_om, GROUP: tl.constexpr, ROWS: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         GROUP_M: tl.constexpr):
     pid_m, pid_n = tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -58,8 +56,8 @@ def _int4_matmul_kernel(a_ptr, q_ptr, z_ptr, s_ptr, out_ptr, M, N, K,
                         mask=(word_rows[:, None] < K // 8) & n_ok[None, :], other=0)
         # word i, nibble j -> input row 8 i + j (GPTQ's order: lowest bits first)
         codes = tl.reshape((words[:, None, :] >> nibbles[None, :, None]) & 15, (BLOCK_K, BLOCK_N))
-        zeros = _group_rows(z_ptr, k, K, N, offs_n, n_ok, GROUP, BLOCK_K, BLOCK_N)
-        scales = _group_rows(s_ptr, k, K, N, offs_n, n_ok, GROUP, BLOCK_K, BLOCK_N)
+        zeros = _group_rows(z_ptr, k, K, N, offs_n, n_ok, GROUP, ROWS, BLOCK_K, BLOCK_N)
+        scales = _group_rows(s_ptr, k, K, N, offs_n, n_ok, GROUP, ROWS, BLOCK_K, BLOCK_N)
         w = (scales * (codes - zeros).to(tl.float32)).to(tl.bfloat16)      # [BLOCK_K, BLOCK_N]
         acc = tl.dot(a, w, acc)
         a_ptrs += BLOCK_K
@@ -87,6 +85,7 @@ def int4_matmul(a: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor,
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     _int4_matmul_kernel[grid](a, qweight.contiguous(), zeros.contiguous(), scales.contiguous(),
                               out, m, n, k, a.stride(0), out.stride(0), GROUP=group_size,
+                              ROWS=max(bk // group_size, 1),
                               BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm,
                               num_warps=warps, num_stages=stages)
     return out
