@@ -85,7 +85,8 @@ def materialize(model: torch.nn.Module, device: torch.device, fill, scheme: str)
     dtype on ``device``, filled (``fill(name, param)``) and, for fp8 / int8, the body's
     linear layers quantised at once: only one layer's full-precision weight exists at a time,
     so loading peaks near the served size, not at the full-precision model's."""
-    quantised = set(model.body_linears()) if scheme in ("fp8", "int8") else set()
+    quantised = (set(model.fp8_linears()) if scheme == "fp8" else
+                 set(model.body_linears()) if scheme == "int8" else set())
     for prefix, module in model.named_modules():
         if next(module.parameters(recurse=False), None) is None:
             continue
