@@ -240,7 +240,6 @@ def run(name: str, ckpt: Checkpoint, scheme: str, device: str, requests: list[di
     }
     if cuda:
         row[f"{key}_peak_gpu_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
-    del engine
     return row
 
 
