@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import gc
 import io
 import json
 import random
@@ -200,6 +201,7 @@ def run(name: str, ckpt: Checkpoint, scheme: str, device: str, requests: list[di
         repeat: int) -> dict:
     cuda = device == "cuda"
     if cuda:
+        gc.collect()              # the previous scheme's engine
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     engine = Engine(ckpt, device=device, settings=EngineSettings(scheme=scheme))
