@@ -278,6 +278,8 @@ def main() -> None:
            "case_insensitive": False}
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{row['date']}-media-{name}-{commit}.json"
+    if path.is_file():    # schemes run one call each (--schemes) fill one file
+        row = {**json.loads(path.read_text()), **row}
     for scheme in schemes:
         figures = run(name, ckpt, scheme, device, requests, args.repeat)
         row.update(figures)
