@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_mask
 
-from spinf_worker.engine.layout import Branch, DocTree
-from spinf_worker.engine.runner import pass_rows
+from spinf_worker.engine.layout import Branch, DocTree, ImageRows
+from spinf_worker.engine.runner import doc_span, pass_rows
 from spinf_worker.kernels.flex_tree import BLOCK, TreeTokens, root_blocks, root_mask, tree_mask
 
 WINDOW = 96
@@ -48,7 +48,9 @@ def _visible(t: TreeTokens, window: int | None, rule=tree_mask) -> torch.Tensor:
 def test_pass_rows_place_each_document_and_pad_the_rest():
     docs = _docs(4, n=3)
     rows = sum(d.length for d in docs) + BLOCK
-    ids, pos, doc, end, root_end, parent = torch.from_numpy(pass_rows(docs, rows, 5)).long()
+    ids, pos, doc, end, root_end, parent, group = torch.from_numpy(
+        pass_rows(docs, rows, 5)).long()
+    assert (group == -1).all()       # no media
     start = 0
     for i, d in enumerate(docs):
         here = slice(start, start + d.length)
@@ -210,3 +212,106 @@ def test_a_branch_row_visits_its_roots_blocks_alike_whatever_else_is_asked(seed,
                          [[rng.choice((11, 12))] for _ in range(rng.randint(1, 3))])
                   for _ in range(rng.randint(1, 40))]
         assert visits(others) == alone
+
+
+# Media: one image's soft tokens (root rows) see each other both ways.
+
+def _media_docs(seed: int, n: int = 4) -> list:
+    """Documents whose roots hold images (and an audio, which stays causal) of several
+    sizes, some longer than a block or the window, some crossing block boundaries."""
+    rng = random.Random(seed)
+    docs = []
+    for tree in _trees(seed, n):
+        media, at = [], 1 + rng.randint(0, 60)
+        for kind in rng.sample(["image", "image", "audio", "image"], rng.randint(1, 4)):
+            size = rng.choice((5, 16, 130, 256))
+            media.append(ImageRows(at, at + size, None, kind=kind))
+            at += size + rng.randint(0, 40)
+        tree.root = [2] + [7] * (at - 1) + [8] * rng.randint(0, 30)
+        flat = tree.flatten(0)
+        flat.media = media
+        docs.append(flat)
+    return docs
+
+
+def _media_rule(mode: str, sliding: bool):
+    """flex_tree's root rule for a model whose images see each other both ways on ``mode``'s
+    layers (``sliding``: a sliding-window layer)."""
+    return lambda t, window: root_mask(t, window, mode == "all" or (mode == "sliding"
+                                                                     and sliding))
+
+
+def test_pass_rows_give_an_images_rows_its_first_row_and_audio_none():
+    docs = _media_docs(0)
+    t = _tokens(docs)
+    start = 0
+    for d in docs:
+        want = torch.full((d.length,), -1)
+        for m in d.media:
+            if m.kind == "image":
+                want[m.start:m.end] = start + m.start
+        assert torch.equal(t.group[start:start + d.length].long(), want)
+        start += d.length
+    assert (t.group[start:] == -1).all()
+
+
+@pytest.mark.parametrize("mode", ["all", "sliding"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_media_rule_is_the_cpu_attentions_root_masks(seed, mode):
+    """Each document's root rows see, on CUDA, what the CPU attention's root masks let them
+    see (engine/runner.doc_span: transformers' rule, tests/test_media_*.py): an image's rows
+    both ways, the window cutting them on sliding layers, audio and text causal."""
+    docs = _media_docs(seed)
+    t = _tokens(docs)
+    start = 0
+    for d in docs:
+        span = doc_span(d, start, WINDOW, torch.device("cpu"), mode)
+        causal = torch.ones(d.root, d.root, dtype=torch.bool).tril()
+        full_rule = span.root_mask if span.root_mask is not None else causal
+        sliding_rule = span.root_window if span.root_window is not None else full_rule
+        root = slice(start, start + d.root)
+        for sliding, want in ((False, full_rule), (True, sliding_rule)):
+            seen = _visible(t, WINDOW if sliding else None, _media_rule(mode, sliding))
+            assert torch.equal(seen[root, root], want), (sliding, start)
+        start += d.length
+
+
+@pytest.mark.parametrize("window", [None, WINDOW])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_kept_blocks_cover_every_pair_an_image_sees(seed, window):
+    t = _tokens(_media_docs(seed) + _docs(seed, n=2))
+    kept, full = root_blocks(t, window, media=True)
+    n = t.doc.shape[0]
+    blocks = _visible(t, window, _media_rule("all", True)).view(n // BLOCK, BLOCK,
+                                                                n // BLOCK, BLOCK)
+    exact, exact_full = blocks.any(3).any(1), blocks.all(3).all(1)
+    assert not (exact & ~kept).any()
+    assert kept.sum() <= 1.6 * exact.sum()
+    assert not (full & ~exact_full).any()
+    # a text-only pass keeps the text rule's blocks exactly
+    text = _tokens(_docs(seed))
+    assert all(torch.equal(a, b) for a, b in zip(root_blocks(text, window, media=True),
+                                                 root_blocks(text, window), strict=True))
+
+
+def test_a_document_with_images_keeps_the_same_blocks_wherever_it_lands():
+    docs = _media_docs(5) + _docs(5, n=2)
+    # one whose image's rows cross a block boundary
+    target = next(d for d in docs if any(m.kind == "image" and m.start // BLOCK
+                                         < (m.end - 1) // BLOCK for m in d.media))
+    nb = target.length // BLOCK
+
+    def own(docs_in_pass: list) -> tuple[torch.Tensor, torch.Tensor]:
+        at = next(i for i, d in enumerate(docs_in_pass) if d is target)
+        start = sum(d.length for d in docs_in_pass[:at]) // BLOCK
+        kept, full = root_blocks(_tokens(docs_in_pass), WINDOW, media=True)
+        assert not kept[start:start + nb, :start].any()
+        assert not kept[start:start + nb, start + nb:].any()
+        mine = slice(start, start + nb)
+        return kept[mine, mine], full[mine, mine]
+
+    alone = own([target])
+    assert alone[0].triu(1).any()       # an image's first rows visit its later blocks
+    for order in (docs, docs[::-1]):
+        kept, full = own(order)
+        assert torch.equal(kept, alone[0]) and torch.equal(full, alone[1])

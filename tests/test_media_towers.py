@@ -134,3 +134,18 @@ def test_wide_towers_are_batch_invariant(family):
             out = tower([media[i] for i in order])
             for i, o in zip(order, out, strict=True):
                 assert torch.equal(o, alone[i]), (count, i)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gemma4"])
+def test_fp8_leaves_the_towers_and_projectors_in_the_engines_dtype(request, family):
+    """fp8 is the text stack's scheme: the linear layers it converts are the body's but the
+    media modules' (towers, projector, embedders), which keep the engine's dtype on CUDA."""
+    from spinf_worker.models.layers import Linear
+
+    model = engine_for(request, family).model
+    media = {m for name in model.MEDIA_MODULES if getattr(model, name, None) is not None
+             for m in getattr(model, name).modules() if isinstance(m, Linear)}
+    assert media and len(model.MEDIA_MODULES) == (2 if family == "gemma3" else 4)
+    kept = set(model.fp8_linears())
+    assert kept == set(model.body_linears()) - media
+    assert all(m in kept for m in model.layers.modules() if isinstance(m, Linear))

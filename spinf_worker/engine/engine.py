@@ -112,7 +112,7 @@ class Engine:
                                    self.pad_id)
         mode = choose_mode(self.settings.presentation, checkpoint.name, checkpoint.chat_template)
         tok = checkpoint.tokenizer
-        media = MediaLayout.for_model(self.model, tok, self.device)
+        media = MediaLayout.for_model(self.model, tok)
         self.manifest = served_manifest(checkpoint, media.kinds if media is not None else ())
         decision = self.manifest.decision
         if decision is not None:

@@ -25,8 +25,10 @@ video soft tokens + ``<eoi>``, frames joined by a space, N from the frame's size
 video processor's budget (models/gemma4_video.py); a frame's tokens see each other as an
 image's do.
 
-Only the CPU engine reads images for now: the CUDA attention has no bidirectional image
-blocks, so there a media part is ``media_not_supported``.
+The CPU and CUDA engines read media alike: on CUDA the root's FlexAttention rule takes each
+row's media group (kernels/flex_tree.py), the towers run through the same batch-invariant
+linear layers (the Triton GEMM, bf16 under every scheme: fp8 is the text stack's), and a pass
+with media runs eagerly, outside the captured CUDA graphs (engine/cuda_graphs.py).
 """
 
 from __future__ import annotations
@@ -87,10 +89,9 @@ class MediaLayout:
     video: object = None          # models.gemma4_video.Gemma4VideoProcessing
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module, tokenizer, device: torch.device
-                  ) -> MediaLayout | None:
+    def for_model(cls, model: torch.nn.Module, tokenizer) -> MediaLayout | None:
         kinds = getattr(model, "MEDIA", ())
-        if not kinds or device.type != "cpu":
+        if not kinds:
             return None
         cfg = model.cfg
         boi, eoi, image = (tokenizer.id_to_token(i) for i in (

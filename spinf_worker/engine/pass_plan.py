@@ -12,7 +12,16 @@ import torch
 from ..kernels.attention import AttentionPlan
 from .layout import FlatDoc
 
-PASS_ROWS = 6    # the rows of pass_rows' array
+PASS_ROWS = 7    # the rows of pass_rows' array
+
+
+def media_attention(model: torch.nn.Module) -> str:
+    """The layers on which one image's soft tokens see each other both ways: "all" (Gemma 3
+    multimodal), "sliding" (the sliding-window layers) or "none" (a text model, or Gemma 4
+    without bidirectional vision: its masks are a text model's)."""
+    if not getattr(model, "MEDIA", ()):
+        return "none"
+    return getattr(model, "media_attention", "all")
 
 
 def cuda_pass_plan(model: torch.nn.Module, inputs: torch.Tensor,
@@ -21,7 +30,8 @@ def cuda_pass_plan(model: torch.nn.Module, inputs: torch.Tensor,
     ``real_rows``: compute only those (None: every row, padding too)."""
     from ..kernels.flex_tree import TreeTokens, build_flex_plan
 
-    flex = build_flex_plan(TreeTokens.of_pass(inputs), model.cfg.sliding_window)
+    flex = build_flex_plan(TreeTokens.of_pass(inputs), model.cfg.sliding_window,
+                           media_attention(model))
     return AttentionPlan([], flex=flex, rows=real_rows or inputs.shape[1])
 
 
@@ -30,10 +40,12 @@ def pass_rows(docs: list[FlatDoc], rows: int, pad_id: int) -> np.ndarray:
     positions, and the tree tensors of kernels/flex_tree.TreeTokens: the document (-1 for
     padding); the end of each row's subtree as a pass row (k is on q's path iff
     k <= q < end[k]); the end of the row's root (a branch row is one at or past it; a padding
-    row's root is empty, it ends at the row itself); and a branch row's parent on its own
-    path (-1 at its first branch token, and for root and padding rows)."""
+    row's root is empty, it ends at the row itself); a branch row's parent on its own path
+    (-1 at its first branch token, and for root and padding rows); and each row's media
+    group: an image's (a video frame's) soft tokens hold the pass row of its first one, every
+    other row -1 (audio stays causal)."""
     out = np.empty((PASS_ROWS, rows), dtype=np.int32)
-    out[0], out[1], out[2], out[5] = pad_id, 0, -1, -1
+    out[0], out[1], out[2], out[5], out[6] = pad_id, 0, -1, -1, -1
     # a padding row: its subtree is itself, and so is its path (its root is empty)
     out[3], out[4] = np.arange(1, rows + 1), np.arange(rows)
     start = 0
@@ -47,5 +59,8 @@ def pass_rows(docs: list[FlatDoc], rows: int, pad_id: int) -> np.ndarray:
         parent = doc.block.parent
         out[5, start + doc.root:start + doc.tokens] = np.where(parent >= 0,
                                                                parent + start + doc.root, -1)
+        for image in doc.media:
+            if image.kind == "image":
+                out[6, start + image.start:start + image.end] = start + image.start
         start = end
     return out

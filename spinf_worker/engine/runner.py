@@ -113,6 +113,14 @@ class ModelRunner:
             return t
         return t.pin_memory().to(self.device, non_blocking=True)
 
+    def _upload_media(self, payload):
+        """A medium's pixels (or an audio's features and mask) on the device, queued like the
+        pass's rows."""
+        if isinstance(payload, tuple):
+            return tuple(self._upload(p) if isinstance(p, torch.Tensor) else p
+                         for p in payload)
+        return self._upload(payload)
+
     def run(self, docs: list[FlatDoc]) -> list[DocScores]:
         """Run the documents as one packed pass."""
         return self.finish(self.launch(docs))
@@ -135,12 +143,17 @@ class ModelRunner:
             # A few fixed pass sizes, so compiled kernels and captured graphs are reused.
             rows = -(-start // PASS_BUCKET) * PASS_BUCKET
             inputs = torch.from_numpy(pass_rows(docs, rows, self.pad_id))
-            if self.graphs is not None and not keep:
+            media = any(doc.media for doc in docs)
+            # a pass with media runs eagerly: its towers and their features are not captured
+            if self.graphs is not None and not keep and not media:
                 hidden = self.graphs.run(inputs)
                 return self._readouts(docs, starts, hidden)
             inputs = self._upload(inputs)
             ids, pos = inputs[0].long(), inputs[1].long()
             plan = cuda_pass_plan(self.model, inputs, real_rows=start)
+            if media:
+                plan.media = [(s + image.start, self._upload_media(image.pixels), image.kind)
+                              for d, s in zip(docs, starts, strict=True) for image in d.media]
         else:
             ids = torch.cat([d.input_ids for d in docs])
             pos = torch.cat([d.positions for d in docs])

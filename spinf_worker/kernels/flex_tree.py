@@ -11,7 +11,11 @@ is attended by kernels/branch_paths.py and merged in through the log-sum-exps: i
 a row's path keys would share key blocks with other branches, and its bits would depend on the
 other questions asked. For the same reason a query block holding branch rows has no full
 blocks: its rows visit their root's blocks in block order, whatever rows share the block.
-Passes are padded to a few fixed sizes so the compiled kernels are reused.
+One image's (one video frame's) soft tokens, root rows of one document, see each other both
+ways where the model reads images so (``media``: every layer, the sliding-window layers only,
+or none): the rule is then causal-or-window OR the same media group, and the key blocks of
+an image's later rows are visited too. Passes are padded to a few fixed sizes so the
+compiled kernels are reused.
 """
 
 from __future__ import annotations
@@ -38,12 +42,13 @@ class TreeTokens:
     pos: torch.Tensor
     root_end: torch.Tensor  # end of the row's root: rows at or past it are branch rows
     parent: torch.Tensor    # a branch row's parent on its own path; -1 past its first token
+    group: torch.Tensor     # an image's soft tokens: the pass row of its first one; else -1
 
     @classmethod
     def of_pass(cls, inputs: torch.Tensor) -> TreeTokens:
         """From a pass's rows (engine/pass_plan.pass_rows): ids, positions, document, subtree
-        end, root end, parent."""
-        return cls(inputs[2], inputs[3], inputs[1], inputs[4], inputs[5])
+        end, root end, parent, media group."""
+        return cls(inputs[2], inputs[3], inputs[1], inputs[4], inputs[5], inputs[6])
 
 
 @dataclass
@@ -54,29 +59,46 @@ class FlexPlan:
     window_size: int
 
 
-def build_flex_plan(tokens: TreeTokens, window: int) -> FlexPlan:
-    return FlexPlan(_block_mask(tokens, root_mask(tokens, None), None),
-                    _block_mask(tokens, root_mask(tokens, window), window), tokens, window)
+MEDIA_RULES = ("none", "sliding", "all")   # where an image's tokens see each other both ways
 
 
-def tree_mask(tokens: TreeTokens, window: int | None):
-    """The ``mask_mod`` of the tree rule (and the window, if any) over the pass's rows."""
-    end, pos = tokens.end, tokens.pos
+def build_flex_plan(tokens: TreeTokens, window: int, media: str = "none") -> FlexPlan:
+    """``media``: the layers on which one image's soft tokens see each other both ways
+    ("all": Gemma 3; "sliding": the sliding-window layers, Gemma 4 with bidirectional
+    vision; "none": causal everywhere, a text model's masks exactly)."""
+    if media not in MEDIA_RULES:
+        raise ValueError(f"media rule {media!r} is not one of {MEDIA_RULES}")
+    full_media, window_media = media == "all", media != "none"
+    return FlexPlan(_block_mask(tokens, root_mask(tokens, None, full_media), None, full_media),
+                    _block_mask(tokens, root_mask(tokens, window, window_media), window,
+                                window_media), tokens, window)
+
+
+def tree_mask(tokens: TreeTokens, window: int | None, media: bool = False):
+    """The ``mask_mod`` of the tree rule (and the window, if any) over the pass's rows;
+    ``media``: the rows of one media group see each other both ways."""
+    end, pos, group = tokens.end, tokens.pos, tokens.group
 
     def visible(b, h, q, k):
         # Rows follow the tree depth first, so q's ancestors are the rows k before it whose
         # subtree reaches it; a padding row's subtree is itself only.
         return (k <= q) & (q < end[k])
 
+    def visible_or_same_image(b, h, q, k):
+        # an image's rows are root rows of one document: the rest of the rule holds for them
+        return visible(b, h, q, k) | ((group[q] == group[k]) & (group[q] >= 0))
+
+    rule = visible_or_same_image if media else visible
+
     def visible_in_window(b, h, q, k):
-        return visible(b, h, q, k) & (pos[q] - pos[k] < window)
+        return rule(b, h, q, k) & (pos[q] - pos[k] < window)
 
-    return visible if window is None else visible_in_window
+    return rule if window is None else visible_in_window
 
 
-def root_mask(tokens: TreeTokens, window: int | None):
+def root_mask(tokens: TreeTokens, window: int | None, media: bool = False):
     """The ``mask_mod`` of the tree rule restricted to root keys: what FlexAttention computes."""
-    tree, root_end = tree_mask(tokens, window), tokens.root_end
+    tree, root_end = tree_mask(tokens, window, media), tokens.root_end
 
     def visible_in_root(b, h, q, k):
         return tree(b, h, q, k) & (k < root_end[q])
@@ -84,11 +106,11 @@ def root_mask(tokens: TreeTokens, window: int | None):
     return visible_in_root
 
 
-def _block_mask(tokens: TreeTokens, mask_mod, window: int | None) -> BlockMask:
+def _block_mask(tokens: TreeTokens, mask_mod, window: int | None, media: bool) -> BlockMask:
     """Each query block visits its partial key blocks, then its full ones (no ``mask_mod``
     there), each list in block order."""
     n = tokens.doc.shape[0]
-    keep, full = root_blocks(tokens, window)
+    keep, full = root_blocks(tokens, window, media)
     partial = keep & ~full
 
     def listed(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,11 +123,14 @@ def _block_mask(tokens: TreeTokens, mask_mod, window: int | None) -> BlockMask:
                                     compute_q_blocks=False)
 
 
-def root_blocks(tokens: TreeTokens, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+def root_blocks(tokens: TreeTokens, window: int | None, media: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Two [blocks, blocks] bool tensors over (query block, key block) pairs of ``root_mask``:
     ``keep``, the pairs where some query may see some key (a superset of the exact rule that
     depends only on the document's own blocks), and ``full``, those where every query sees
-    every key, only in query blocks of root rows alone."""
+    every key, only in query blocks of root rows alone. ``media``: rows of one media group
+    see each other both ways, so a block holding an image's first rows keeps the blocks of
+    its later rows (``full`` stays the causal rule's: a subset of what is fully visible)."""
     n = tokens.doc.shape[0]
     nb = n // BLOCK
     doc, end, pos, root_end = (t.view(nb, BLOCK) for t in (tokens.doc, tokens.end, tokens.pos,
@@ -127,6 +152,15 @@ def root_blocks(tokens: TreeTokens, window: int | None) -> tuple[torch.Tensor, t
     keep = ((block_doc[q] == block_doc[k]) & (block_doc[q] >= 0)
             & (row_lo[k] <= row_hi[q]) & (hi(end)[k] > row_lo[q])
             & (row_lo[k] < block_root_end[q]))
+    if media:
+        # A group is a run of rows, its id its first row, so ids grow with the rows: two
+        # blocks share a group iff their ranges of ids overlap (ids compared, never their
+        # values, so a document keeps its blocks wherever it lands).
+        group = tokens.group.view(nb, BLOCK)
+        imaged = group >= 0
+        g_lo = torch.where(imaged, group, big).amin(1)
+        g_hi = torch.where(imaged, group, -1).amax(1)
+        keep |= (g_lo[q] <= g_hi[k]) & (g_lo[k] <= g_hi[q])
     all_real = real.all(1)
     all_root = all_real & (row_hi < block_root_end)
     full = (keep & all_root[q] & all_root[k]

@@ -95,7 +95,8 @@ def materialize(model: torch.nn.Module, device: torch.device, fill, scheme: str,
     linear layers quantised at once: only one layer's full-precision weight exists at a time,
     so loading peaks near the served size, not at the full-precision model's. int4:
     ``int4(prefix, module)`` gives a body layer's packed weight (None: the layer is dense)."""
-    quantised = set(model.body_linears()) if scheme in ("fp8", "int8", "int4") else set()
+    quantised = (set(model.fp8_linears()) if scheme == "fp8" else
+                 set(model.body_linears()) if scheme in ("int8", "int4") else set())
     for prefix, module in model.named_modules():
         if next(module.parameters(recurse=False), None) is None:
             continue

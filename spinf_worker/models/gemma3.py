@@ -184,7 +184,7 @@ class Gemma3Model(PackedLM):
         """The same stack with the elementwise work fused (models/fused_stack.py)."""
         cfg, rows = self.cfg, input_ids.shape[0]
         m = real_rows(plan, rows)
-        x = self._embed(input_ids[:m])
+        x = self._embed_inputs(input_ids[:m], plan)
         ropes = {sliding: tuple(t[:, 0].contiguous() for t in pair)
                  for sliding, pair in self._ropes(positions[:m], x.dtype).items()}
         style = FusedStyle(norm_offset=1.0, act="gelu_tanh", qk_norm=True, sandwich=True,

@@ -189,6 +189,7 @@ class Gemma3VisionModel(Gemma3Model):
     lists (pass row of an image's first soft token, its pixels)."""
 
     MEDIA = ("image", "video")     # a video: its frames, each an image after its timestamp
+    MEDIA_MODULES = ("vision_tower", "multi_modal_projector")
 
     def __init__(self, cfg: Gemma3VisionConfig):
         super().__init__(cfg)

@@ -304,6 +304,7 @@ class Gemma4VisionModel(Gemma4Model):
     lists (pass row of an image's first soft token, its patches)."""
 
     MEDIA = ("image",)
+    MEDIA_MODULES = ("vision_tower", "embed_vision", "audio_tower", "embed_audio")
 
     def __init__(self, cfg: Gemma4VisionConfig):
         super().__init__(cfg)

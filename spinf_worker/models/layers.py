@@ -208,9 +208,21 @@ class PackedLM(nn.Module):
         """The linear layers a quantised scheme converts: all but the LM head."""
         return [m for m in self.modules() if isinstance(m, Linear) and m is not self.lm_head]
 
+    # A multimodal stack's media modules (its towers, projector, embedders), by attribute:
+    # fp8 is the text stack's scheme; these keep the engine's dtype (bf16), a small share of
+    # the weights, their features read by every soft token.
+    MEDIA_MODULES: tuple[str, ...] = ()
+
+    def fp8_linears(self) -> list[Linear]:
+        """The linear layers fp8 converts: the body's, the media modules' aside."""
+        media = {m for name in self.MEDIA_MODULES if getattr(self, name, None) is not None
+                 for m in getattr(self, name).modules()}
+        return [m for m in self.body_linears() if m not in media]
+
     def to_fp8(self) -> None:
-        """W8A8 for every linear layer of the body; embeddings and the LM head stay as they are."""
-        for module in self.body_linears():
+        """W8A8 for every linear layer of the body but the media modules'; embeddings and the
+        LM head stay as they are."""
+        for module in self.fp8_linears():
             module.to_fp8()
 
     def to_int8(self) -> None:

@@ -1,0 +1,385 @@
+"""Media on the CUDA engine (skipped without CUDA): the tiny random Gemma 3 multimodal and
+Gemma 4 (vision + audio, and one with video tokens) checkpoints of tests/conftest.py served on
+the GPU in bf16 and fp8, against transformers' ...ForConditionalGeneration in fp32 on the
+same processed inputs (the CPU media tests' oracles, tests/test_media_*.py), with the GPU
+parity tests' tolerances (tests/gpu/test_gpu_engine.py); bit-identical alone and packed
+among text-only and media documents, with CUDA graphs on and off (a pass with media runs
+eagerly, the text-only passes of the same model replay their graphs); a text-only document
+scored by the multimodal model gives the bits of its text stack alone; FlexAttention with
+media groups against the CPU attention. The Gemma 4 checkpoints are the CPU tests' with their
+text layers' q/k norms scaled down (``tamed``), as tests/gpu/test_gpu_families.py does."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ..conftest import (
+    TINY_GEMMA4_AUDIO_TOKENS,
+    TINY_GEMMA4_IMAGE_TOKENS,
+    TINY_IMAGE_TOKENS,
+    write_tiny_gemma4_vision,
+)
+from ..test_batch_invariance import other_request
+from ..test_media_gemma3 import (
+    QUERIES,
+    media_request,
+    option_logprobs,
+    other_requests,
+    scores_and_residuals,
+)
+from ..test_media_gemma3 import oracle_scores as gemma3_oracle
+from ..test_media_gemma4 import oracle_scores as gemma4_scores
+from ..test_media_gemma4_audio import audio_part, audio_request, tone, wav_b64
+from ..test_media_gemma4_audio import oracle_scores as audio_oracle
+from ..test_media_gemma4_video import oracle_scores as video_oracle
+from ..test_media_gemma4_video import video_request
+from ..test_media_requests import image_part, image_url
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+if torch.cuda.is_available():
+    from spinf_worker.engine import Engine
+    from spinf_worker.engine.engine import EngineSettings
+    from spinf_worker.engine.runner import ModelRunner, doc_span, pass_rows
+    from spinf_worker.kernels.attention import AttentionPlan, packed_tree_attention
+    from spinf_worker.kernels.flex_tree import TreeTokens, build_flex_plan, flex_tree_attention
+    from spinf_worker.models.gemma3 import Gemma3Config, Gemma3Model
+    from spinf_worker.models.layers import Linear
+
+# |Δ logprob| against transformers in fp32: tests/gpu/test_gpu_engine.py's bounds, plus a
+# share of the logprob, since rounding errors grow with the logits and the tiny checkpoints'
+# long options sum to about -33 (on the CPU, the same weights rounded to bf16, and to fp8 by
+# quant/fp8.py's rule, move the Gemma 4 ones by up to 0.14 and 0.48)
+TOLERANCE = {"bf16": (0.15, 0.01), "fp8": (0.4, 0.03)}
+
+
+def tamed(path: Path) -> Path:
+    """Gemma 4's text layers attend unscaled after their q/k norms, which the tiny
+    checkpoint draws around 1: nearly one-hot attention, too brittle to compare precisions
+    on (tests/gpu/test_gpu_families.py scales them too). A quarter of them here."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(path / "model.safetensors")
+    for name, tensor in weights.items():
+        if "language_model" in name and name.endswith(("q_norm.weight", "k_norm.weight")):
+            weights[name] = tensor * 0.25
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+def _oracle(path: Path):
+    from transformers import Gemma4ForConditionalGeneration
+
+    return Gemma4ForConditionalGeneration.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+@pytest.fixture(scope="module")
+def gemma4_dir(tmp_path_factory, tiny_tokenizer_dir) -> Path:
+    return tamed(write_tiny_gemma4_vision(tmp_path_factory.mktemp("gpu-gemma4"),
+                                          tiny_tokenizer_dir))
+
+
+@pytest.fixture(scope="module")
+def gemma4_oracle(gemma4_dir):
+    return _oracle(gemma4_dir)
+
+
+@pytest.fixture(scope="module")
+def gemma4_video_dir(tmp_path_factory, tiny_tokenizer_dir) -> Path:
+    return tamed(write_tiny_gemma4_vision(tmp_path_factory.mktemp("gpu-gemma4-video"),
+                                          tiny_tokenizer_dir, seed=3, video=True))
+
+
+@pytest.fixture(scope="module")
+def gemma4_video_oracle(gemma4_video_dir):
+    return _oracle(gemma4_video_dir)
+
+
+class Engines:
+    """One CUDA engine per (checkpoint, scheme, CUDA graphs), loaded on first use."""
+
+    def __init__(self):
+        self.loaded: dict[tuple, Engine] = {}
+
+    def __call__(self, path, scheme: str, graphs: bool = True) -> Engine:
+        key = (str(path), scheme, graphs)
+        if key not in self.loaded:
+            self.loaded[key] = Engine.load(str(path), device="cuda", settings=EngineSettings(
+                scheme=scheme, cuda_graphs=graphs))
+        return self.loaded[key]
+
+
+@pytest.fixture(scope="module")
+def engines():
+    return Engines()
+
+
+def assert_close(ours: dict, theirs: dict, scheme: str, what: str = "") -> None:
+    """Every option's logprob within the scheme's bound of transformers'."""
+    assert ours.keys() == theirs.keys()
+    bound, share = TOLERANCE[scheme]
+    gaps = {k: abs(ours[k] - theirs[k]) for k in ours}
+    print(f"{what} {scheme}: max |Δlogprob| vs transformers fp32 {max(gaps.values()):.4f}")
+    assert all(gaps[k] < bound + share * abs(theirs[k]) for k in ours), (gaps, theirs)
+
+
+def assert_packed_equals_alone(engine, request: dict, others_of, positions=(0, 5, 12)):
+    """``request``'s logprobs and residuals, bit for bit, alone and in one pass among
+    ``others_of(position)``'s documents at each position."""
+    alone = scores_and_residuals(engine.score(request))
+    old = engine.settings.max_pass_tokens
+    engine.settings.max_pass_tokens = 1 << 20       # every document in one pass
+    try:
+        for position in positions:
+            others = others_of(position)
+            batch = others[:position] + [request] + others[position:]
+            packed = engine.score_batch(batch)
+            assert not any(isinstance(r, Exception) for r in packed), packed
+            assert scores_and_residuals(packed[position]) == alone, position
+    finally:
+        engine.settings.max_pass_tokens = old
+
+
+@pytest.mark.parametrize("window", [4096, 64])
+@pytest.mark.parametrize("mode", ["all", "sliding"])
+def test_flex_attention_with_images_equals_cpu_tree_attention(mode, window):
+    """FlexAttention with each row's media group (images of 5 to 256 rows, across blocks and
+    the window; an audio, causal) against the CPU attention's per-document root masks."""
+    from ..test_flex_blocks import _media_docs
+
+    docs = _media_docs(1) + _media_docs(2)
+    rows = sum(d.length for d in docs)
+    inputs = torch.from_numpy(pass_rows(docs, -(-rows // 4096) * 4096, 0))
+    torch.manual_seed(0)
+    q = torch.randn(inputs.shape[1], 4, 64)
+    k, v = torch.randn(2, inputs.shape[1], 2, 64).unbind(0)
+    starts = [sum(d.length for d in docs[:i]) for i in range(len(docs))]
+    cpu_plan = AttentionPlan([doc_span(d, s, window, torch.device("cpu"), mode)
+                              for d, s in zip(docs, starts, strict=True)])
+    plan = build_flex_plan(TreeTokens.of_pass(inputs.cuda()), window, mode)
+    real = torch.cat([torch.arange(s, s + d.tokens) for d, s in zip(docs, starts, strict=True)])
+    for sliding in (False, True):
+        want = packed_tree_attention(q[:rows], k[:rows], v[:rows], cpu_plan, sliding=sliding,
+                                     scale=0.125)
+        got = flex_tree_attention(q.cuda(), k.cuda(), v.cuda(), plan, sliding=sliding,
+                                  scale=0.125)
+        err = float((got.cpu()[real].double() - want[real].double()).norm()
+                    / want[real].double().norm())
+        assert err < 1e-2, (sliding, err)
+
+
+# Gemma 3 multimodal: the fused forward; CUDA graphs for its text-only passes.
+
+@pytest.mark.parametrize("graphs", [True, False])
+@pytest.mark.parametrize("scheme", ["bf16", "fp8"])
+def test_gemma3_image_and_text_score_like_transformers(engines, tiny_vision_dir,
+                                                       tiny_vision_oracle, scheme, graphs):
+    engine = engines(tiny_vision_dir, scheme, graphs)
+    assert engine.model.use_fused and (engine.runner.graphs is not None) == graphs
+    url = image_url(7)
+    ours = option_logprobs(engine.score(media_request(url)))
+    theirs = gemma3_oracle(tiny_vision_oracle, engine, url,
+                           f"Product photo:{TINY_IMAGE_TOKENS[0]} A red kettle.", QUERIES)
+    assert_close(ours, theirs, scheme, "gemma3 image")
+
+
+@pytest.mark.parametrize("scheme", ["bf16", "fp8"])
+def test_gemma3_two_images_and_a_window_shorter_than_an_image(engines, tiny_vision_dir,
+                                                              tiny_vision_oracle, scheme):
+    """Window 8 < 16 soft tokens: the image's both-ways block cut by the window on the
+    sliding layers, as transformers cuts it."""
+    engine = engines(tiny_vision_dir, scheme)
+    first, second = image_url(3, (30, 30)), image_url(4, (64, 16))
+    request = {"messages": [{"role": "user", "content": [
+        image_part(first), {"type": "text", "text": "and"}, image_part(second)]}],
+        "scoring": {"queries": QUERIES, "case_insensitive": False}}
+    ours = option_logprobs(engine.score(request))
+    boi = TINY_IMAGE_TOKENS[0]
+    theirs = gemma3_oracle(tiny_vision_oracle, engine, [first, second], f"{boi}and{boi}",
+                           QUERIES)
+    assert_close(ours, theirs, scheme, "gemma3 two images")
+
+
+def test_gemma3_video_frames_score_like_transformers(engines, tiny_vision_dir,
+                                                     tiny_vision_oracle):
+    import base64
+
+    import spinf_client
+
+    engine = engines(tiny_vision_dir, "bf16")
+    frames = [image_url(30 + k, (40, 30), fmt="JPEG") for k in range(3)]
+    video = spinf_client.video([(t, base64.b64decode(u.split(",", 1)[1]))
+                                for t, u in zip((0.0, 2.5, 65.25), frames, strict=True)])
+    request = {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "Clip:"}, video, {"type": "text", "text": " The end."}]}],
+        "scoring": {"queries": QUERIES, "case_insensitive": False}}
+    ours = option_logprobs(engine.score(request))
+    boi = TINY_IMAGE_TOKENS[0]
+    theirs = gemma3_oracle(tiny_vision_oracle, engine, frames,
+                           f"Clip:00:00 {boi} 00:02 {boi} 01:05 {boi} The end.", QUERIES)
+    assert_close(ours, theirs, "bf16", "gemma3 video")
+
+
+@pytest.mark.parametrize("target", ["image", "text"])
+@pytest.mark.parametrize("graphs", [True, False])
+@pytest.mark.parametrize("scheme", ["bf16", "fp8"])
+def test_gemma3_bit_identical_alone_and_packed(engines, tiny_vision_dir, scheme, graphs,
+                                               target):
+    """A document alone (a text-only one: a graph replay when graphs are on) and among text
+    and image documents (an eager pass): the same bits."""
+    from ..test_engine_parity import NEWS
+
+    engine = engines(tiny_vision_dir, scheme, graphs)
+    rng = random.Random(5)
+    request = (media_request(image_url(9)) if target == "image" else
+               {"text": NEWS, "scoring": {"queries": QUERIES, "case_insensitive": False}})
+    assert_packed_equals_alone(engine, request, lambda _: other_requests(rng, 12))
+
+
+@pytest.mark.parametrize("scheme", ["bf16", "fp8"])
+def test_gemma3_graphs_and_eager_passes_agree(engines, tiny_vision_dir, scheme):
+    """The same documents with CUDA graphs on and off: text-only passes (replayed, with the
+    media rule's masks) and passes with images (eager either way) give the same bits."""
+    rng = random.Random(9)
+    requests = [other_request(rng) for _ in range(3)] + other_requests(rng, 4)
+    text_only, mixed = requests[:3], requests[3:]
+    graphed, eager = engines(tiny_vision_dir, scheme, True), engines(tiny_vision_dir, scheme,
+                                                                    False)
+    for batch in (text_only, mixed):
+        want = [scores_and_residuals(r) for r in eager.score_batch(batch)]
+        assert [scores_and_residuals(r) for r in graphed.score_batch(batch)] == want
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+@pytest.mark.parametrize("scheme", ["bf16", "fp8"])
+def test_gemma3_text_documents_keep_the_text_stacks_bits(engines, tiny_vision_dir, scheme,
+                                                         graphs):
+    """Text-only documents through the multimodal model (its masks read the media groups,
+    all -1 here) give exactly the bits of its text stack served as a text model."""
+    from dataclasses import fields
+
+    engine = engines(tiny_vision_dir, scheme, graphs)
+    model = engine.model
+    with torch.device("meta"):
+        text = Gemma3Model(Gemma3Config(**{f.name: getattr(model.cfg, f.name)
+                                           for f in fields(Gemma3Config)}))
+    text.embed_tokens, text.layers, text.norm = model.embed_tokens, model.layers, model.norm
+    if model.lm_head is not None:
+        text.lm_head = model.lm_head
+    runner = ModelRunner(text.eval(), engine.device, engine.dtype, engine.pad_id,
+                         cuda_graphs=graphs)
+    rng = random.Random(3)
+    prepared = engine.preparer.prepare_batch([other_request(rng) for _ in range(6)])
+    docs = [d.flat for p in prepared for d in p.docs]
+    assert not any(d.media for d in docs)
+    for ours, theirs in zip(engine.runner.run(docs), runner.run(docs), strict=True):
+        assert np.array_equal(ours.option_logprobs, theirs.option_logprobs)
+        assert np.array_equal(ours.residual, theirs.residual)
+
+
+def test_gemma3_extraction_after_an_image(engines, tiny_vision_dir):
+    """An extraction slot's beams read the root's kept keys, image rows included: the same
+    answers alone and packed (passes with slots run eagerly)."""
+    engine = engines(tiny_vision_dir, "bf16")
+    query = {"id": "what", "template": "\nWhat is it? \"{*}\"", "max_tokens": 4}
+    request = media_request(image_url(12), queries=[query, QUERIES[0]])
+    alone = engine.score(request).results[0].queries[0]
+    assert alone.combinations[0].answers
+    packed = engine.score_batch([media_request(image_url(13)), request])[1]
+    assert packed.results[0].queries[0] == alone
+
+
+@pytest.mark.parametrize("scheme", ["bf16", "fp8"])
+def test_towers_stay_bf16_under_every_scheme(engines, tiny_vision_dir, gemma4_dir, scheme):
+    for path, media in ((tiny_vision_dir, ("vision_tower", "multi_modal_projector")),
+                        (gemma4_dir, ("vision_tower", "embed_vision",
+                                                  "audio_tower", "embed_audio"))):
+        model = engines(path, scheme).model
+        inside = {m for name in media for m in getattr(model, name).modules()}
+        for m in model.modules():
+            if isinstance(m, Linear) and m is not getattr(model, "lm_head", None):
+                want = torch.bfloat16 if m in inside or scheme == "bf16" else torch.float8_e4m3fn
+                assert m.weight.dtype == want
+
+
+# Gemma 4: the module forward (no fused forward, no graphs); images both ways on the
+# sliding layers only, audio causal.
+
+@pytest.mark.parametrize("scheme", ["bf16", "fp8"])
+@pytest.mark.parametrize("size", [(45, 30), (20, 64)])
+def test_gemma4_image_and_text_score_like_transformers(engines, gemma4_dir, gemma4_oracle,
+                                                       size, scheme):
+    engine = engines(gemma4_dir, scheme)
+    url = image_url(7, size)
+    ours = option_logprobs(engine.score(media_request(url)))
+    theirs = gemma4_scores(gemma4_oracle, engine, [url],
+                           f"Product photo:{TINY_GEMMA4_IMAGE_TOKENS[0]} A red kettle.", QUERIES)
+    assert_close(ours, theirs, scheme, f"gemma4 image {size}")
+
+
+@pytest.mark.parametrize("scheme", ["bf16", "fp8"])
+def test_gemma4_audio_and_an_image_score_like_transformers(engines, gemma4_dir, gemma4_oracle,
+                                                           scheme):
+    engine = engines(gemma4_dir, scheme)
+    samples = tone(3, 1.3)
+    ours = option_logprobs(engine.score(audio_request(wav_b64(samples))))
+    theirs = audio_oracle(gemma4_oracle, engine, [samples], [],
+                          f"Voice message:{TINY_GEMMA4_AUDIO_TOKENS[0]} Thanks.", QUERIES)
+    assert_close(ours, theirs, scheme, "gemma4 audio")
+    samples, url = tone(4, 0.6), image_url(5, (40, 24))
+    request = {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "Listing:"}, image_part(url),
+        {"type": "text", "text": " and the seller said"}, audio_part(wav_b64(samples))]}],
+        "scoring": {"queries": QUERIES, "case_insensitive": False}}
+    ours = option_logprobs(engine.score(request))
+    boi, boa = TINY_GEMMA4_IMAGE_TOKENS[0], TINY_GEMMA4_AUDIO_TOKENS[0]
+    theirs = audio_oracle(gemma4_oracle, engine, [samples], [url],
+                          f"Listing:{boi} and the seller said{boa}", QUERIES)
+    assert_close(ours, theirs, scheme, "gemma4 image and audio")
+
+
+@pytest.mark.parametrize("scheme", ["bf16", "fp8"])
+def test_gemma4_video_scores_like_transformers(engines, gemma4_video_dir, gemma4_video_oracle,
+                                               scheme):
+    engine = engines(gemma4_video_dir, scheme)
+    urls, times = [image_url(20 + k, (45, 30)) for k in range(3)], [0.0, 1.5, 75.2]
+    ours = option_logprobs(engine.score(video_request(urls, times)))
+    theirs = video_oracle(gemma4_video_oracle, engine, urls, times)
+    assert_close(ours, theirs, scheme, "gemma4 video")
+
+
+@pytest.mark.parametrize("scheme", ["bf16", "fp8"])
+@pytest.mark.parametrize("target", ["image", "audio", "text"])
+def test_gemma4_bit_identical_alone_and_packed(engines, gemma4_dir, target, scheme):
+    engine = engines(gemma4_dir, scheme)
+    rng = random.Random(8)
+    request = {"image": lambda: media_request(image_url(9, (50, 30))),
+               "audio": lambda: audio_request(wav_b64(tone(9, 0.8))),
+               "text": lambda: other_request(rng)}[target]()
+
+    def others(position: int) -> list[dict]:
+        out = other_requests(rng, 8, max_side=90)
+        out[1] = audio_request(wav_b64(tone(10 + position, rng.uniform(0.2, 1.5))))
+        return out
+
+    assert_packed_equals_alone(engine, request, others, positions=(0, 3, 8))
+
+
+@pytest.mark.parametrize("scheme", ["bf16", "fp8"])
+def test_gemma4_video_bit_identical_alone_and_packed(engines, gemma4_video_dir, scheme):
+    engine = engines(gemma4_video_dir, scheme)
+    rng = random.Random(12)
+    request = video_request([image_url(50 + k, (36, 24)) for k in range(2)], [0, 3])
+
+    def others(position: int) -> list[dict]:
+        out = other_requests(rng, 6, max_side=90)
+        out[2] = video_request([image_url(60 + position, (50, 30))], [1])
+        return out
+
+    assert_packed_equals_alone(engine, request, others, positions=(0, 3, 6))
