@@ -124,8 +124,9 @@ def _engine(tokenizer_dir: Path, scheme: str) -> Engine:
 
 def _documents() -> list[str]:
     rng = random.Random(3)
-    words = ("the company reported 12 sales in May and 30 dollars of profit while the minister "
-             "said the vote in September would be close and 7 teams played").split()
+    text = ("the company reported 12 sales in May and 30 dollars of profit while the minister "
+            "said the vote in September would be close and 7 teams played")
+    words = text.split()
     # some longer than the window, one of a few words
     return [" ".join(rng.choice(words) for _ in range(rng.randint(3, 150))) for _ in range(9)]
 
