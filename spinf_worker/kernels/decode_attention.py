@@ -53,12 +53,12 @@ def _decode_kernel(q_ptr, kk_ptr, kv_ptr, gk_ptr, gv_ptr, o_ptr, ctx_rows_ptr, c
     m = tl.full([GROUP_P2], float("-inf"), tl.float32)
     total = tl.zeros([GROUP_P2], tl.float32)
     acc = tl.zeros([GROUP_P2, DIM_P2], tl.float32)
-    start = 0
-    while start < n_ctx:                        # the slot's root and template branch
-        key_ok = start + j < n_ctx
-        rows = tl.load(ctx_rows_ptr + slot * ctx_st + start + j, mask=key_ok, other=0)
+    at = n_ctx * 0     # a tensor, not a constant: it changes in the loop
+    while at < n_ctx:                           # the slot's root and template branch
+        key_ok = at + j < n_ctx
+        rows = tl.load(ctx_rows_ptr + slot * ctx_st + at + j, mask=key_ok, other=0)
         if WINDOWED:
-            pos = tl.load(ctx_pos_ptr + slot * ctx_st + start + j, mask=key_ok, other=0)
+            pos = tl.load(ctx_pos_ptr + slot * ctx_st + at + j, mask=key_ok, other=0)
             key_ok = key_ok & (q_pos - pos < window)
         tile_ok = key_ok[:, None] & d_ok[None, :]
         k = tl.load(kk_ptr + rows[:, None] * kk_st + head * kk_sh + d[None, :], mask=tile_ok,
@@ -66,10 +66,10 @@ def _decode_kernel(q_ptr, kk_ptr, kv_ptr, gk_ptr, gv_ptr, o_ptr, ctx_rows_ptr, c
         v = tl.load(kv_ptr + rows[:, None] * kv_st + head * kv_sh + d[None, :], mask=tile_ok,
                     other=0.0).to(tl.float32)
         m, total, acc = _attend_block(q, k, v, key_ok, m, total, acc, scale)
-        start += BLOCK
-    start = 0
-    while start < n_gen:                        # the beam's own tokens, this step's last
-        t = start + j
+        at += BLOCK
+    t0 = beam * 0
+    while t0 < n_gen:                           # the beam's own tokens, this step's last
+        t = t0 + j
         key_ok = t < n_gen
         if WINDOWED:
             pos = tl.load(gen_pos_ptr + beam * gen_pos_st + t, mask=key_ok, other=0)
@@ -80,7 +80,7 @@ def _decode_kernel(q_ptr, kk_ptr, kv_ptr, gk_ptr, gv_ptr, o_ptr, ctx_rows_ptr, c
         v = tl.load(gv_ptr + beam * gv_sb + t[:, None] * gv_st + head * gv_sh + d[None, :],
                     mask=tile_ok, other=0.0).to(tl.float32)
         m, total, acc = _attend_block(q, k, v, key_ok, m, total, acc, scale)
-        start += BLOCK
+        t0 += BLOCK
     out = acc / total[:, None]
     tl.store(o_ptr + beam * o_st + q_heads[:, None] * o_sh + d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=(g < GROUP)[:, None] & d_ok[None, :])
