@@ -23,8 +23,8 @@ on one H200), on random weights of the models' shapes (as ``--load-format dummy`
 
 Each writes ``<date>-gpu-<job>-<commit>.json`` under ``--out`` and prints a summary. fp8 by
 default (``--scheme``). ``--tiny``: the same code on the CPU with a tiny random Gemma 3 (fp32,
-short lengths; seconds to a minute), to run a job end to end without a GPU; its figures mean
-nothing (``<date>-cpu-tiny-<job>-<commit>.json``).
+two articles, short lengths; a few minutes on two cores), to run a job end to end without a
+GPU; its figures mean nothing (``<date>-cpu-tiny-<job>-<commit>.json``).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ TINY = dict(GEMMA_12B, hidden_size=64, intermediate_size=128, num_hidden_layers=
 TINY_27B = dict(TINY, hidden_size=96, num_hidden_layers=3,
                 layer_types=["sliding_attention", "sliding_attention", "full_attention"])
 
-LONG_LENGTHS, TINY_LONG_LENGTHS = [512, 2048, 8192, 32768], [128, 512, 1024]
+LONG_LENGTHS, TINY_LONG_LENGTHS = [512, 2048, 8192, 32768], [256, 1024]
 SWEEP_QUESTIONS = [7, 14, 28, 56, 112, 224]
 SWEEP_LENGTHS, TINY_SWEEP_LENGTHS = [256, 512, 1024, 2048, 4096, 8192], [64, 256]
 
@@ -230,7 +230,8 @@ def job_long(bench: Bench) -> None:
     config = TINY if bench.tiny else GEMMA_12B
     # content up to the longest document (the hosted default stops at 4,096 tokens); the
     # context (max_position_embeddings) bounds content plus the longest question
-    engine = bench.engine(config, max_content_tokens=max(lengths) + 1024)
+    engine = bench.engine(config, max_content_tokens=max(lengths) + 1024,
+                          max_pass_tokens=bench.args.max_pass_tokens)
     bench.row.update({"lengths": lengths, "max_pass_tokens": engine.settings.max_pass_tokens,
                       "context": config["max_position_embeddings"],
                       "questions_per_doc": len(bench.questions["queries"])})
@@ -348,7 +349,9 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="*", default=None,
                         help="long / sweeps: document lengths in tokens")
     parser.add_argument("--long-tokens", type=int, default=None,
-                        help="long: content tokens per length (default 65536; tiny 2048)")
+                        help="long: content tokens per length (default 65536; tiny 1024)")
+    parser.add_argument("--max-pass-tokens", type=int, default=None,
+                        help="long: rows of a pass (default: the engine's, 16384 on CUDA)")
     parser.add_argument("--sweep-tokens", type=int, default=None,
                         help="sweeps: content tokens per length, at least 4 documents "
                              "(default 11280, the news job's; tiny 512)")
@@ -365,7 +368,9 @@ def main() -> None:
     if args.tiny:
         args.docs, args.repeat = min(args.docs, 2), 1
         args.question_counts = args.question_counts or [7, 56, 112]
-    args.long_tokens = args.long_tokens or (2048 if args.tiny else 65536)
+    args.long_tokens = args.long_tokens or (1024 if args.tiny else 65536)
+    if args.tiny and args.job == "long":   # the longest document larger than a pass, as 32k is
+        args.max_pass_tokens = args.max_pass_tokens or 1024
     args.sweep_tokens = args.sweep_tokens or (512 if args.tiny else 11280)
     JOBS[args.job](Bench(args))
 
