@@ -75,10 +75,11 @@ class Found:
 class DecodePlan:
     """Attention for decoding steps (the model calls ``attend`` once per layer)."""
 
-    ctx_k: dict[int, torch.Tensor]   # per layer [slots, L, Hkv, D]
-    ctx_v: dict[int, torch.Tensor]
-    ctx_pos: torch.Tensor            # [slots, L]
-    ctx_ok: torch.Tensor             # [slots, L]
+    kept: dict[int, tuple[torch.Tensor, torch.Tensor]]   # per layer the pass's kept K/V [R, Hkv, D]
+    ctx_rows: torch.Tensor           # [slots, L]: each slot's context, rows into ``kept``
+    ctx_pos: torch.Tensor            # [slots, L]: their positions
+    ctx_ok: torch.Tensor             # [slots, L]: real entries (a slot's first ctx_len)
+    ctx_len: torch.Tensor            # [slots]
     window: int
     beam_slot: torch.Tensor = None   # [beams]
     q_pos: torch.Tensor = None       # [beams]: positions of this step's tokens
@@ -92,9 +93,20 @@ class DecodePlan:
         gk = torch.cat((self.gen_k[layer], k[:, None]), 1) if layer in self.gen_k else k[:, None]
         gv = torch.cat((self.gen_v[layer], v[:, None]), 1) if layer in self.gen_v else v[:, None]
         self.gen_k[layer], self.gen_v[layer] = gk, gv
-        keys = torch.cat((self.ctx_k[layer][self.beam_slot], gk), 1)
-        values = torch.cat((self.ctx_v[layer][self.beam_slot], gv), 1)
-        pos = torch.cat((self.ctx_pos[self.beam_slot], self.gen_pos, self.q_pos[:, None]), 1)
+        kept_k, kept_v = self.kept[layer]
+        out = q.new_zeros(-(-n // ROW_TILE) * ROW_TILE, *q.shape[1:])
+        gen_pos = torch.cat((self.gen_pos, self.q_pos[:, None]), 1)
+        if q.is_cuda:   # each beam from its own keys alone (kernels/decode_attention.py)
+            from ..kernels.decode_attention import decode_attention
+
+            decode_attention(q, kept_k, kept_v, gk, gv, self.ctx_rows, self.ctx_pos,
+                             self.ctx_len, gen_pos, self.beam_slot, self.q_pos,
+                             self.window if sliding else None, scale, out)
+            return out
+        rows = self.ctx_rows[self.beam_slot]
+        keys = torch.cat((kept_k[rows], gk), 1)
+        values = torch.cat((kept_v[rows], gv), 1)
+        pos = torch.cat((self.ctx_pos[self.beam_slot], gen_pos), 1)
         ok = torch.cat((self.ctx_ok[self.beam_slot],
                         torch.ones(n, gk.shape[1], dtype=torch.bool, device=q.device)), 1)
         if sliding:
@@ -104,7 +116,6 @@ class DecodePlan:
         s = torch.einsum("nkgd,nlkd->nkgl", qg, keys) * scale
         s = s.masked_fill(~ok[:, None, None, :], float("-inf"))
         o = torch.einsum("nkgl,nlkd->nkgd", torch.softmax(s, -1), values).reshape(q.shape)
-        out = q.new_zeros(-(-n // ROW_TILE) * ROW_TILE, *q.shape[1:])
         out[:n] = o
         return out
 
@@ -115,6 +126,15 @@ class DecodePlan:
         self.gen_v = {layer: t[parents] for layer, t in self.gen_v.items()}
         self.beam_slot = self.beam_slot[parents]
         self.q_pos = self.q_pos[parents] + 1
+
+
+@dataclass
+class _Read:
+    """A searched beam's step, read back from the device: log P(the answer ends here) and
+    its most likely continuations (logprob, token, the grammar's state after it)."""
+
+    end: float
+    top: list[tuple[float, int, int]]
 
 
 @dataclass
@@ -146,9 +166,10 @@ class _Vocabulary:
         self.special[special] = True
         # tokens that add no text (pieces past the tokenizer's): never a continuation
         self.empty = torch.tensor([p == "" for p in self.pieces], device=device) & ~self.special
-        self._ends: dict[tuple[str, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._ends: dict[tuple[str, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._value_pieces: dict[ValueGrammar, dict[str, list[tuple[int, str]]]] = {}
-        self._extensions: dict[tuple[ValueGrammar, int], tuple[torch.Tensor, list[int]]] = {}
+        self._extensions: dict[tuple[ValueGrammar, int],
+                               tuple[torch.Tensor, list[int], list[int]]] = {}
 
     def ends(self, stops: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         """Masks over the vocabulary: the tokens that end a text answer right here (a special
@@ -158,12 +179,19 @@ class _Vocabulary:
             starts = tuple(stop for stop in stops if stop)
             mask = torch.tensor([bool(starts) and p.startswith(starts) for p in self.pieces],
                                 device=self.device) | self.special
-            self._ends[stops] = mask, mask | self.empty
-        return self._ends[stops]
+            self._ends[stops] = mask, mask | self.empty, mask.nonzero()[:, 0]
+        return self._ends[stops][:2]
 
-    def extensions(self, grammar: ValueGrammar, state: int) -> tuple[torch.Tensor, list[int]]:
-        """The tokens whose text continues a value from ``state`` and the states they lead
-        to. A DFA's state says all that matters of the text so far, so this is computed once
+    def end_ids(self, stops: tuple[str, ...]) -> torch.Tensor:
+        """The tokens of ``ends``' first mask as indices, in order: ``lp[end_ids]`` holds what
+        ``lp[mask]`` does without the host waiting for the device to count them."""
+        self.ends(stops)
+        return self._ends[stops][2]
+
+    def extensions(self, grammar: ValueGrammar, state: int
+                   ) -> tuple[torch.Tensor, list[int], list[int]]:
+        """The tokens whose text continues a value from ``state`` (on the device and as a
+        list) and the states they lead to. A DFA's state says all that matters of the text so far, so this is computed once
         per state and reused by every beam and every slot."""
         key = (grammar, state)
         if key not in self._extensions:
@@ -181,7 +209,7 @@ class _Vocabulary:
                         ids.append(token)
                         states.append(following)
             self._extensions[key] = (torch.tensor(ids, dtype=torch.long, device=self.device),
-                                     states)
+                                     ids, states)
         return self._extensions[key]
 
 
@@ -233,17 +261,15 @@ class SlotDecoder:
             rows[i, :n], ok[i, :n], pos[i, :n] = j.context_rows, True, j.context_pos
         dev = next(self.model.parameters()).device
         rows, ok, pos = rows.to(dev), ok.to(dev), pos.to(dev)
-        plan = DecodePlan({layer: k[rows] for layer, (k, _) in kept.items()},
-                          {layer: v[rows] for layer, (_, v) in kept.items()},
-                          pos, ok, self.model.cfg.sliding_window)
+        lengths = torch.tensor([j.context_rows.shape[0] for j in jobs], device=dev)
+        plan = DecodePlan(kept, rows, pos, ok, lengths, self.model.cfg.sliding_window)
         vocab = self._vocab(int(jobs[0].first_logprobs.shape[-1]), dev)
         found: list[list[Found]] = [[] for _ in jobs]
-        beams: list[_Beam] = []
-        for s, job in enumerate(jobs):   # the first step reads the pass's own logprobs
-            starts = self._starts(s, job)
-            first = job.first_logprobs.to(dev)
-            beams += [b for _, b in self._grow(job, starts, [first] * len(starts), found[s],
-                                               vocab)]
+        starts = [b for s, job in enumerate(jobs) for b in self._starts(s, job)]
+        firsts = [job.first_logprobs.to(dev) for job in jobs]
+        # the first step reads the pass's own logprobs
+        beams = [b for _, b in self._next(jobs, starts, [firsts[b.slot] for b in starts],
+                                          found, vocab)]
         next_pos = [int(j.context_pos.max()) + 1 for j in jobs]
         plan.gen_pos = torch.zeros(len(beams), 0, dtype=torch.long, device=dev)
         plan.beam_slot = torch.tensor([b.slot for b in beams], dtype=torch.long, device=dev)
@@ -251,13 +277,7 @@ class SlotDecoder:
                                   device=dev)
         while beams:
             logprobs = self._step(beams, plan)
-            survivors: list[tuple[int, _Beam]] = []
-            for s, job in enumerate(jobs):
-                mine = [i for i, b in enumerate(beams) if b.slot == s]
-                if mine:
-                    grown = self._grow(job, [beams[i] for i in mine],
-                                       [logprobs[i] for i in mine], found[s], vocab)
-                    survivors += [(mine[parent], child) for parent, child in grown]
+            survivors = self._next(jobs, beams, list(logprobs), found, vocab)
             beams = [b for _, b in survivors]
             if beams:
                 plan.advance(torch.tensor([i for i, _ in survivors], dtype=torch.long,
@@ -277,19 +297,100 @@ class SlotDecoder:
         return [_Beam(slot, [], 0.0, "", sequence=j, stream=_stream(job.sample.seed, j))
                 for j in range(job.sample.n)]
 
-    def _grow(self, job: SlotJob, beams: list[_Beam], logprobs: list[torch.Tensor],
-              found: list[Found], vocab: _Vocabulary) -> list[tuple[int, _Beam]]:
-        """One step of one slot: its finished answers go to ``found``; the beams that live on
-        come back with their parents' indices into ``beams``."""
-        if job.sample is not None:
-            return self._grow_generated(job, beams, logprobs, found, vocab)
+    def _next(self, jobs: list[SlotJob], beams: list[_Beam], logprobs: list[torch.Tensor],
+              found: list[list[Found]], vocab: _Vocabulary) -> list[tuple[int, _Beam]]:
+        """One step of every slot: finished answers go to ``found``; the beams that live on
+        come back, slot by slot, with their parents' indices into ``beams``."""
+        reads = self._reads(jobs, beams, logprobs, vocab)
+        mine: dict[int, list[int]] = {}
+        for i, beam in enumerate(beams):
+            mine.setdefault(beam.slot, []).append(i)
+        survivors: list[tuple[int, _Beam]] = []
+        for s, job in enumerate(jobs):
+            if s not in mine:
+                continue
+            own = [beams[i] for i in mine[s]]
+            if job.sample is not None:
+                grown = self._grow_generated(job, own, [logprobs[i] for i in mine[s]],
+                                             found[s], vocab)
+            else:
+                grown = self._grow(job, own, [reads[i] for i in mine[s]], found[s], vocab)
+            survivors += [(mine[s][parent], child) for parent, child in grown]
+        return survivors
+
+    def _reads(self, jobs: list[SlotJob], beams: list[_Beam], logprobs: list[torch.Tensor],
+               vocab: _Vocabulary) -> list[_Read | None]:
+        """What each searched beam's step needs of its next-token logprobs: log P(end) and
+        its best continuations, worked out on the device for every beam and read back in one
+        transfer (beam by beam, the host would wait on the device several times per beam).
+        None for the beams of generated slots."""
+        parts: list[torch.Tensor] = []
+        pending = []    # per beam: (end or None when read back, top size, tokens, states)
+        for beam, lp in zip(beams, logprobs, strict=True):
+            job = jobs[beam.slot]
+            if job.sample is not None:
+                pending.append(None)
+                continue
+            end: float | None = None
+            tokens = states = None
+            top = None
+            grows = len(beam.tokens) < job.max_tokens
+            if job.grammar is None:
+                parts.append(torch.logsumexp(lp[vocab.end_ids(job.stops)], 0).reshape(1))
+                if grows:
+                    _, blocked = vocab.ends(job.stops)
+                    top = torch.topk(lp.masked_fill(blocked, -math.inf),
+                                     min(job.beam_width, lp.shape[0]))
+            else:
+                ids, tokens, states = vocab.extensions(job.grammar, beam.state)
+                if not job.grammar.accepts(beam.state):
+                    end = -math.inf
+                elif not tokens:
+                    end = 0.0
+                else:
+                    parts.append(torch.logsumexp(lp[ids], 0).reshape(1))
+                if grows and tokens:
+                    top = torch.topk(lp[ids], min(job.beam_width, len(tokens)))
+            if top is not None:
+                parts += [top.values, top.indices]
+            pending.append((end, 0 if top is None else top.values.shape[0], tokens, states))
+        # fp32 logprobs and token indices are exact in float64
+        values = torch.cat([p.double() for p in parts]).tolist() if parts else []
+        reads: list[_Read | None] = []
+        at = 0
+        for beam, entry in zip(beams, pending, strict=True):
+            if entry is None:
+                reads.append(None)
+                continue
+            end, k, tokens, states = entry
+            grammar = jobs[beam.slot].grammar
+            if end is None:
+                end = values[at]
+                at += 1
+                if grammar is not None:
+                    end = _log1mexp(min(end, 0.0))
+            picks = [int(i) for i in values[at + k:at + 2 * k]]
+            top_values = values[at:at + k]
+            at += 2 * k
+            if grammar is None:
+                reads.append(_Read(end, [(v, t, 0) for v, t in zip(top_values, picks,
+                                                                    strict=True)]))
+            else:
+                reads.append(_Read(end, [(v, tokens[i], states[i])
+                                         for v, i in zip(top_values, picks, strict=True)]))
+        return reads
+
+    def _grow(self, job: SlotJob, beams: list[_Beam], reads: list[_Read], found: list[Found],
+              vocab: _Vocabulary) -> list[tuple[int, _Beam]]:
+        """One step of one searched slot: its finished answers go to ``found``; the beams
+        that live on come back with their parents' indices into ``beams``."""
         children: list[tuple[int, _Beam]] = []
-        for i, (beam, lp) in enumerate(zip(beams, logprobs, strict=True)):
-            end = self._end_logprob(job, beam, lp, vocab)
-            if end > -math.inf and (job.grammar is not None or beam.text.strip()):
-                found.append(Found(beam.text, beam.logprob + end, beam.tokens))
+        for i, (beam, read) in enumerate(zip(beams, reads, strict=True)):
+            if read.end > -math.inf and (job.grammar is not None or beam.text.strip()):
+                found.append(Found(beam.text, beam.logprob + read.end, beam.tokens))
             if len(beam.tokens) < job.max_tokens:
-                children += [(i, c) for c in self._continuations(job, beam, lp, found, vocab)]
+                children += [(i, c) for c in self._continuations(job, beam, read.top, found,
+                                                                 vocab)]
         children.sort(key=lambda item: -item[1].logprob)
         # A beam only loses probability as it grows: one below the `candidates`-th answer
         # found cannot put an answer among the top ones.
@@ -297,37 +398,17 @@ class SlotDecoder:
         floor = ranked[job.candidates - 1] if len(ranked) >= job.candidates else -math.inf
         return [(i, c) for i, c in children[:job.beam_width] if c.logprob > floor]
 
-    def _end_logprob(self, job: SlotJob, beam: _Beam, lp: torch.Tensor,
-                     vocab: _Vocabulary) -> float:
-        """log P(the answer ends after ``beam``)."""
-        if job.grammar is None:
-            ends, _ = vocab.ends(job.stops)
-            return float(torch.logsumexp(lp[ends], 0))
-        if not job.grammar.accepts(beam.state):
-            return -math.inf
-        ids, _ = vocab.extensions(job.grammar, beam.state)
-        if ids.numel() == 0:
-            return 0.0
-        return _log1mexp(min(float(torch.logsumexp(lp[ids], 0)), 0.0))
-
-    def _continuations(self, job: SlotJob, beam: _Beam, lp: torch.Tensor, found: list[Found],
-                       vocab: _Vocabulary) -> list[_Beam]:
-        """The ``beam_width`` most likely ways ``beam`` goes on. A text token that holds a
-        stop after some text of its own (`September".`: no, it starts with the quote;
-        `Sept.\n`: yes) ends the answer there."""
+    def _continuations(self, job: SlotJob, beam: _Beam, top: list[tuple[float, int, int]],
+                       found: list[Found], vocab: _Vocabulary) -> list[_Beam]:
+        """``beam``'s ``beam_width`` most likely ways on (``top``: logprob, token, grammar
+        state). A text token that holds a stop after some text of its own (`September".`:
+        no, it starts with the quote; `Sept.\n`: yes) ends the answer there."""
         if job.grammar is not None:
-            ids, states = vocab.extensions(job.grammar, beam.state)
-            if ids.numel() == 0:
-                return []
-            top = torch.topk(lp[ids], min(job.beam_width, ids.numel()))
-            return [_Beam(beam.slot, [*beam.tokens, int(ids[k])], beam.logprob + value,
-                          beam.text + vocab.pieces[int(ids[k])], state=states[k])
-                    for value, k in zip(top.values.tolist(), top.indices.tolist(),
-                                        strict=True)]
-        _, blocked = vocab.ends(job.stops)
-        top = torch.topk(lp.masked_fill(blocked, -math.inf), min(job.beam_width, lp.shape[0]))
+            return [_Beam(beam.slot, [*beam.tokens, token], beam.logprob + value,
+                          beam.text + vocab.pieces[token], state=state)
+                    for value, token, state in top]
         out = []
-        for value, token in zip(top.values.tolist(), top.indices.tolist(), strict=True):
+        for value, token, _ in top:
             if value == -math.inf:
                 break
             child = self._child(job, beam, token, value)
