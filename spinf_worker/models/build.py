@@ -9,7 +9,7 @@ import torch
 
 from .loader import Checkpoint
 
-SCHEMES = ("fp32", "bf16", "fp8", "int8")
+SCHEMES = ("fp32", "bf16", "fp8", "fp8-static", "int8")
 
 
 @dataclass
@@ -17,7 +17,7 @@ class BuiltModel:
     model: torch.nn.Module
     config: object        # the family's config dataclass
     device: torch.device
-    scheme: str           # fp32 | bf16 | fp8 | int8
+    scheme: str           # fp32 | bf16 | fp8 | fp8-static | int8
     dtype: torch.dtype    # activations
 
 
@@ -39,17 +39,19 @@ def pick_scheme(scheme: str, device: torch.device, stored: str | None = None) ->
         return "fp8" if torch.cuda.get_device_capability(device) >= (8, 9) else "bf16"
     if scheme not in SCHEMES:
         raise ValueError(f"unknown quantisation scheme {scheme!r} ({', '.join(SCHEMES)})")
-    if stored and scheme in ("fp8", "int8"):
+    if stored and scheme in ("fp8", "fp8-static", "int8"):
         raise ValueError(f"scheme {scheme} does not apply to a {stored} checkpoint "
                          "(its weights are already quantised): use auto, fp32 or bf16")
-    if scheme not in ("fp32", "int8") and device.type != "cuda":
-        raise ValueError(f"scheme {scheme} runs on CUDA only; the CPU runs fp32")
+    if scheme not in ("fp32", "int8", "fp8-static") and device.type != "cuda":
+        raise ValueError(f"scheme {scheme} runs on CUDA only; the CPU runs fp32, int8 and "
+                         "fp8-static")
     return scheme
 
 
 def activation_dtype(scheme: str, device: torch.device) -> torch.dtype:
-    # int8 is weight-only: activations in fp32 on the CPU, bf16 on CUDA.
-    if scheme == "fp32" or (scheme == "int8" and device.type != "cuda"):
+    # int8 is weight-only and fp8-static's CPU path multiplies the fp8 values in fp32: their
+    # activations are fp32 on the CPU, bf16 on CUDA.
+    if scheme == "fp32" or (scheme in ("int8", "fp8-static") and device.type != "cuda"):
         return torch.float32
     return torch.bfloat16
 
@@ -80,12 +82,21 @@ def random_filler(model: torch.nn.Module, device: torch.device, seed: int = 0):
     return fill
 
 
-def materialize(model: torch.nn.Module, device: torch.device, fill, scheme: str) -> None:
+def materialize(model: torch.nn.Module, device: torch.device, fill, scheme: str,
+                input_scales: dict[str, torch.Tensor] | None = None) -> None:
     """Give a meta-built model its tensors module by module, each directly in the model's
     dtype on ``device``, filled (``fill(name, param)``) and, for fp8 / int8, the body's
     linear layers quantised at once: only one layer's full-precision weight exists at a time,
-    so loading peaks near the served size, not at the full-precision model's."""
-    quantised = set(model.body_linears()) if scheme in ("fp8", "int8") else set()
+    so loading peaks near the served size, not at the full-precision model's. fp8-static:
+    ``input_scales`` (module name -> static activation scale) has one for every such layer."""
+    quantised = (set(model.body_linears()) if scheme in ("fp8", "fp8-static", "int8")
+                 else set())
+    if scheme == "fp8-static":
+        names = {m: name for name, m in model.named_modules()}
+        lacking = sorted(names[m] for m in quantised if names[m] not in (input_scales or {}))
+        if lacking:
+            raise ValueError(f"the fp8 scales lack {len(lacking)} of the model's "
+                             f"{len(quantised)} linear layers, e.g. {lacking[:3]}")
     for prefix, module in model.named_modules():
         if next(module.parameters(recurse=False), None) is None:
             continue
@@ -93,12 +104,16 @@ def materialize(model: torch.nn.Module, device: torch.device, fill, scheme: str)
         for name, param in module.named_parameters(recurse=False):
             fill(f"{prefix}.{name}" if prefix else name, param)
         if module in quantised:
-            module.to_fp8() if scheme == "fp8" else module.to_int8()
+            if scheme == "int8":
+                module.to_int8()
+            else:
+                module.to_fp8(input_scales[prefix] if scheme == "fp8-static" else None)
 
 
-def build_model(checkpoint: Checkpoint, device: str | None = None, scheme: str = "auto"
-                ) -> BuiltModel:
-    """``checkpoint.weights = None`` builds random weights with the real shapes."""
+def build_model(checkpoint: Checkpoint, device: str | None = None, scheme: str = "auto",
+                input_scales: dict[str, torch.Tensor] | None = None) -> BuiltModel:
+    """``checkpoint.weights = None`` builds random weights with the real shapes;
+    ``input_scales``: fp8-static's activation scales (quant/fp8_static.load_scales)."""
     from .registry import family_for
 
     where = pick_device(device)
@@ -118,7 +133,7 @@ def build_model(checkpoint: Checkpoint, device: str | None = None, scheme: str =
                 missing.append(name)
 
     with torch.no_grad():
-        materialize(model, where, fill, scheme)
+        materialize(model, where, fill, scheme, input_scales)
     if checkpoint.weights is not None and missing:
         raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
     return BuiltModel(model.eval(), config, where, scheme, dtype)
