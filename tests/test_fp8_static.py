@@ -207,3 +207,20 @@ def test_quantize_bad_input_is_one_line(tiny_dir, tmp_path):
                "--quant", "fp8-static", "--fp8-scales", str(tmp_path / "none.safetensors"))
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
     assert "does not exist" in bad.stderr
+
+
+def test_scales_flag_reaches_the_service_and_its_worker_processes(monkeypatch):
+    from spinf_worker.cli import _service_settings, build_parser
+    from spinf_worker.worker_pool import WorkerPool
+
+    monkeypatch.delenv("SPINF_FP8_SCALES", raising=False)
+    parse = build_parser().parse_args
+    assert _service_settings(parse(["worker", "--redis", "redis://x"])).fp8_scales is None
+    settings = _service_settings(parse(["worker", "--redis", "redis://x", "--quant",
+                                        "fp8-static", "--fp8-scales", "s.safetensors"]))
+    assert (settings.quant, settings.fp8_scales) == ("fp8-static", "s.safetensors")
+    pool = WorkerPool(settings, ["cpu"], None)
+    _, env = pool._command(pool.children[0])
+    assert env["SPINF_QUANT"] == "fp8-static" and env["SPINF_FP8_SCALES"] == "s.safetensors"
+    monkeypatch.setenv("SPINF_FP8_SCALES", "t.safetensors")
+    assert _service_settings(parse(["serve"])).fp8_scales == "t.safetensors"
