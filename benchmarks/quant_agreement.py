@@ -8,6 +8,12 @@ and |Δfloor_p|, and writes them as JSON (the calibration record of a quantisati
 
     python benchmarks/quant_agreement.py --docs 8 --scheme int8 \
         --out quantizations/google--gemma-3-270m/calibration.json
+    python benchmarks/quant_agreement.py --docs 8 --scheme fp8-static \
+        --fp8-scales quantizations/google--gemma-3-270m/fp8-static-scales.safetensors \
+        --out quantizations/google--gemma-3-270m/calibration-fp8-static.json
+
+fp8-static runs its exact CPU reference path (quant/fp8_static.py): fp8 values multiplied
+in fp32, the same quantised arithmetic as the GPU kernels up to the order of the sums.
 
 Options are scored exactly as given (``"case_insensitive": false``, as the recorded
 calibrations were) unless ``--case-insensitive`` (the hosted default); the JSON says which.
@@ -38,6 +44,8 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="default: the packaged Gemma 3 270M")
     parser.add_argument("--docs", type=int, default=8)
     parser.add_argument("--scheme", default="int8")
+    parser.add_argument("--fp8-scales", default=None,
+                        help="fp8-static: the activation scales file (spinf-serve quantize)")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--case-insensitive", action="store_true",
                         help="the hosted default: options over their case spellings")
@@ -45,7 +53,8 @@ def main() -> None:
 
     ckpt = load_checkpoint(args.model)
     ref = Engine(ckpt, device="cpu", settings=EngineSettings(scheme="fp32"))
-    quant = Engine(ckpt, device="cpu", settings=EngineSettings(scheme=args.scheme))
+    quant = Engine(ckpt, device="cpu", settings=EngineSettings(scheme=args.scheme,
+                                                               fp8_scales=args.fp8_scales))
     lines = ARTICLES.read_text(encoding="utf-8").splitlines()[: args.docs]
     docs = [ckpt.tokenizer.decode(list(ref.presenter.encode(json.loads(x)["text"])[:DOC_TOKENS]))
             for x in lines]
@@ -80,6 +89,7 @@ def main() -> None:
         "model": ckpt.name,
         "scheme": args.scheme,
         "reference": "fp32",
+        **({"fp8_scales": Path(args.fp8_scales).name} if args.fp8_scales else {}),
         "device": "cpu",
         "threads": torch.get_num_threads(),
         "job": {"documents": len(docs), "doc_tokens": DOC_TOKENS,

@@ -1,5 +1,5 @@
 """``spinf-serve`` command line: offline scoring, the service (serve, api, worker, dispatcher)
-and the tools (parity, bench, models)."""
+and the tools (parity, bench, models, quantize)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,14 @@ from pathlib import Path
 from .errors import InvalidRequestError, SpinfError
 
 CHUNK_DOCS = 64   # documents handed to the engine at once: enough to fill passes
-QUANT_SCHEMES = ("auto", "fp32", "bf16", "fp8", "int8", "int4")
-QUANT_HELP = ("weights at load: fp32, bf16 / fp8 (CUDA), int8 weight-only, int4 (a GPTQ "
-              "checkpoint kept packed, CUDA) (default auto: fp32 on the CPU, fp8 or bf16 on a "
-              "GPU, int4 for GPTQ; $SPINF_QUANT for the service)")
+QUANT_SCHEMES = ("auto", "fp32", "bf16", "fp8", "fp8-static", "int8", "int4")
+QUANT_HELP = ("weights at load: fp32, bf16 / fp8 (CUDA), fp8-static (calibrated activation "
+              "scales: --fp8-scales; CUDA, or the CPU's reference path), int8 weight-only, int4 "
+              "(a GPTQ checkpoint kept packed, CUDA) (default auto: fp32 on the CPU, fp8 or bf16 "
+              "on a GPU, int4 for GPTQ; $SPINF_QUANT for the service)")
+FP8_SCALES_HELP = ("fp8-static: the activation scales file from `spinf-serve quantize "
+                   "fp8-static` (default: fp8-static-scales.safetensors beside the checkpoint; "
+                   "$SPINF_FP8_SCALES for the service)")
 
 
 def _load_scoring(path: str | None) -> dict | None:
@@ -72,7 +76,7 @@ EXTRA_MODULES = {   # the extra that installs each module a command imports (pyp
 }
 COMMAND_EXTRAS = {"serve": ("server",), "worker": ("server",), "ingest": ("server",),
                   "score": ("server",), "calibrate": ("server", "calibrate"),
-                  "parity": ("server",), "bench": ("server",),
+                  "parity": ("server",), "bench": ("server",), "quantize": ("server",),
                   "api": ("api",), "dispatcher": ("api",)}
 
 
@@ -117,10 +121,14 @@ def cmd_score(args: argparse.Namespace) -> int:
     except PackError as err:
         print(f"spinf-serve: {err}", file=sys.stderr)
         return 2
-    settings = EngineSettings(scheme=args.quant or "auto")
+    settings = EngineSettings(scheme=args.quant or "auto", fp8_scales=args.fp8_scales)
     if args.max_pass_tokens:
         settings.max_pass_tokens = args.max_pass_tokens
-    engine = Engine.load(args.model, device=args.device, settings=settings, packs=packs)
+    try:
+        engine = Engine.load(args.model, device=args.device, settings=settings, packs=packs)
+    except ValueError as err:    # a scheme off its device, a bad scales file
+        print(f"spinf-serve: cannot load the model: {str(err).splitlines()[0]}", file=sys.stderr)
+        return 2
     freeze_heap()
     total = None if args.input == "-" else sum(1 for _ in _read_lines(args.input))
     sink = (contextlib.nullcontext(sys.stdout) if args.output == "-"
@@ -176,6 +184,7 @@ def _service_settings(args: argparse.Namespace):
 
     flags = {"redis_url": args.redis, "prefix": args.prefix, "packs": args.packs or None,
              "quant": getattr(args, "quant", None),
+             "fp8_scales": getattr(args, "fp8_scales", None),
              "load_format": getattr(args, "load_format", None),
              "api_workers": getattr(args, "workers", None)}
     settings = ServiceSettings(**{k: v for k, v in flags.items() if v is not None})
@@ -266,7 +275,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
         scorer = cal.engine_scorer(Engine.load(
             args.model, device=args.device,
-            settings=EngineSettings(scheme=getattr(args, "quant", None) or "auto"),
+            settings=EngineSettings(scheme=getattr(args, "quant", None) or "auto",
+                                    fp8_scales=getattr(args, "fp8_scales", None)),
             load_format=getattr(args, "load_format", None) or "auto"))
     context = args.context or next(iter(pack.contexts))
     normal_results = (cal.read_scores(Path(args.scores)) if args.scores else
@@ -429,6 +439,12 @@ def cmd_models(args: argparse.Namespace) -> int:
     return model_cache.run(args)
 
 
+def cmd_quantize(args: argparse.Namespace) -> int:
+    from .tools import fp8_calibrate
+
+    return fp8_calibrate.run(args)
+
+
 def _tool_parsers(sub) -> None:
     parity = sub.add_parser("parity", help="score the public parity fixture; compare with a "
                                            "recorded reference (bits, else tolerances)")
@@ -485,6 +501,39 @@ def _tool_parsers(sub) -> None:
     models.add_argument("--json", action="store_true", help="one JSON object")
     models.set_defaults(func=cmd_models)
 
+    quantize = sub.add_parser("quantize", help="calibrate a quantisation scheme offline: "
+                                               "fp8-static's activation scales")
+    quantize.add_argument("scheme", choices=("fp8-static",),
+                          help="fp8-static: one fp8 scale per linear layer's input, "
+                               "max |x| / 448 over the calibration rows")
+    quantize.add_argument("model_arg", nargs="?", default=None, metavar="MODEL",
+                          help="model id, HF directory or .gguf path (default: the packaged "
+                               "Gemma 3 270M)")
+    quantize.add_argument("--data", required=True, metavar="FILE",
+                          help="JSONL calibration texts (text, else title + description)")
+    quantize.add_argument("--out", required=True, metavar="DIR",
+                          help="writes fp8-static-scales.safetensors and "
+                               "recipe-fp8-static.json there")
+    quantize.add_argument("--queries", default=None, metavar="FILE",
+                          help="scoring block: each text is asked these questions, so the "
+                               "question rows are calibrated too (default: each text alone "
+                               "as a prompt)")
+    quantize.add_argument("--text-field", default=None,
+                          help="the text's field (default: text, else title + description)")
+    quantize.add_argument("--skip", type=int, default=0, metavar="N",
+                          help="leave out the first N texts (e.g. those an agreement is "
+                               "measured on)")
+    quantize.add_argument("--max-docs", type=_positive_int, default=None, metavar="N",
+                          help="calibrate on at most N texts")
+    quantize.add_argument("--doc-tokens", type=_positive_int, default=None, metavar="T",
+                          help="cut each text to its first T tokens (the news job: 470)")
+    quantize.add_argument("--device", default=None,
+                          help="cpu, cuda, cuda:1 (default: cuda if present); the reference "
+                               "runs fp32 on the CPU, bf16 on CUDA")
+    quantize.add_argument("--threads", type=_positive_int, default=None, metavar="N",
+                          help="torch's CPU threads (default: torch's own choice)")
+    quantize.set_defaults(func=cmd_quantize)
+
 
 def _service_options(redis_help: str) -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
@@ -513,6 +562,7 @@ def _model_options(parser: argparse.ArgumentParser) -> None:
                                                       "(default: the packaged Gemma 3 270M)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if present)")
     parser.add_argument("--quant", default=None, choices=QUANT_SCHEMES, help=QUANT_HELP)
+    parser.add_argument("--fp8-scales", default=None, metavar="FILE", help=FP8_SCALES_HELP)
     parser.add_argument("--load-format", default=None, choices=("auto", "dummy"),
                         help="dummy: random weights of the model's shapes, for capacity and "
                              "speed runs (default: $SPINF_LOAD_FORMAT or auto)")
@@ -626,6 +676,7 @@ def build_parser() -> argparse.ArgumentParser:
     score.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if present)")
     score.add_argument("--max-pass-tokens", type=int, default=None)
     score.add_argument("--quant", default=None, choices=QUANT_SCHEMES, help=QUANT_HELP)
+    score.add_argument("--fp8-scales", default=None, metavar="FILE", help=FP8_SCALES_HELP)
     score.add_argument("--packs", action="append", default=[], metavar="SOURCE",
                        help="also load the packs of a directory or git+URL[@rev][#subdir] "
                             "(repeatable)")

@@ -251,7 +251,7 @@ def load_engine(spec: WorkerSpec, settings: ServiceSettings):
     from .pack_sources import load_sources
 
     packs = load_sources(settings.packs)      # before the model: a bad pack fails fast
-    engine_settings = EngineSettings(scheme=settings.quant,
+    engine_settings = EngineSettings(scheme=settings.quant, fp8_scales=settings.fp8_scales,
                                      max_content_tokens=settings.max_content_tokens)
     if settings.max_pass_tokens:
         engine_settings.max_pass_tokens = settings.max_pass_tokens

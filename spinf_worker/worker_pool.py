@@ -121,6 +121,8 @@ class WorkerPool:
         env = {**os.environ, "SPINF_REDIS_URL": settings.redis_url or "",
                "SPINF_PREFIX": settings.prefix, "SPINF_PACKS": json.dumps(settings.packs),
                "SPINF_QUANT": settings.quant, "SPINF_LOAD_FORMAT": settings.load_format}
+        if settings.fp8_scales:
+            env["SPINF_FP8_SCALES"] = settings.fp8_scales
         device = child.device
         if device.startswith("cuda:"):
             env["CUDA_VISIBLE_DEVICES"] = device[5:]

@@ -23,6 +23,7 @@ from ..models.build import build_model
 from ..models.loader import Checkpoint, load_checkpoint
 from ..packs import official_packs
 from ..protocol import DEFAULT_LIMITS, ScoreRequest, ScoreResponse
+from ..quant.fp8_static import load_scales, scales_path
 from ..tiles import RowPart
 from .batch import ScoringBatch
 from .completion import PreparedCompletion
@@ -75,9 +76,14 @@ class EngineSettings:
         "doc": "`auto` | `raw` | `chat`: how content is shown to the model (auto: the chat "
                "template for an instruct model that has one, else the raw text)"})
     scheme: str = field(default="auto", metadata={
-        "doc": "`auto` | `fp32` | `bf16` | `fp8` (W8A8; GPUs with fp8 tensor cores) | `int8` "
+        "doc": "`auto` | `fp32` | `bf16` | `fp8` (W8A8, per-token activation scales; GPUs "
+               "with fp8 tensor cores) | `fp8-static` (W8A8, activation scales calibrated "
+               "offline: `fp8_scales`; CUDA, or the CPU's exact reference path) | `int8` "
                "(weight-only, per-channel scales; CPU or CUDA) | `int4` (a GPTQ checkpoint "
                "kept packed, W4A16; CUDA; auto there for GPTQ)"})
+    fp8_scales: str | None = field(default=None, metadata={
+        "doc": "`fp8-static`: the activation scales file (`spinf-serve quantize fp8-static`). "
+               "None: `fp8-static-scales.safetensors` beside the checkpoint"})
     cuda_graphs: bool = field(default=True, metadata={
         "doc": "CUDA: replay passes as captured graphs (engine/cuda_graphs.py)"})
     fuse: bool = field(default=True, metadata={
@@ -100,7 +106,13 @@ class Engine:
         the prompt packs requests may name (default: the official ones)."""
         self.checkpoint = checkpoint
         self.settings = replace(settings) if settings else EngineSettings()
-        built = build_model(checkpoint, device, self.settings.scheme)
+        self.scales_digest = None
+        input_scales = None
+        if self.settings.scheme == "fp8-static":
+            path = scales_path(self.settings.fp8_scales, checkpoint.path)
+            input_scales, _ = load_scales(path, checkpoint.weights_digest)
+            self.scales_digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        built = build_model(checkpoint, device, self.settings.scheme, input_scales)
         self.model, self.config = built.model, built.config
         self.device, self.scheme, self.dtype = built.device, built.scheme, built.dtype
         if self.settings.max_pass_tokens is None:
@@ -169,6 +181,8 @@ class Engine:
         parts = [self.checkpoint.weights_digest, self.scheme, __version__, KERNEL_VERSION,
                  f"threads={torch.get_num_threads()}", f"fused={fused}",
                  device_class, self.presenter.mode]
+        if self.scales_digest:   # fp8-static: other scales, other bits
+            parts.append(self.scales_digest)
         return "fp_" + hashlib.sha256("|".join(parts).encode()).hexdigest()[:10]
 
     # ---- public API -------------------------------------------------------------------

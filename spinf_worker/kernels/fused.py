@@ -2,13 +2,14 @@
 what the unfused torch ops would have written in several passes over memory.
 
 - ``residual_norm``: ``x += post_norm(y)``, then the next pre-norm of ``x`` (optionally fp8
-  quantised per row for the next linear layer);
+  quantised for the next linear layer: per row, or with its static scale);
 - ``qk_norm_rope``: per head RMSNorm of q and k, then RoPE; v copied out, from one fused
   q|k|v projection;
 - ``gate_up_act``: the gate|up GEMM (gate and up weight rows interleaved) with
   ``act(gate) * up`` (GELU or SiLU) in its epilogue, so the [rows, 2 I] gate|up activations are never
   written (fp8: each tile's row maxima go out with it, and ``quantize_tiles`` then quantises
-  each row by its maximum);
+  each row by its maximum; with a static scale for the down projection, the tile writes its
+  fp8 values itself);
 - ``gelu_mul``: ``gelu_tanh(gate) * up`` from a gate|up projection computed apart (optionally
   fp8), for weights the Triton GEMM does not take.
 
@@ -41,9 +42,16 @@ def _quantize_store(h, cols, mask, out_ptr, scale_ptr, row, D, INV_FP8_MAX):
 
 
 @triton.jit
+def _quantize_static(h, scale):
+    """quant/fp8_static.py's rule: an IEEE division by the fixed scale, clamped to ±448."""
+    return tl.minimum(tl.maximum(tl.div_rn(h, scale), -448.0), 448.0)
+
+
+@triton.jit
 def _residual_norm_kernel(x_ptr, y_ptr, w_post_ptr, w_pre_ptr, h_ptr, scale_ptr, D, eps,
                           INV_FP8_MAX, HAS_Y: tl.constexpr, POST_NORM: tl.constexpr,
-                          OFFSET: tl.constexpr, QUANT: tl.constexpr, BLOCK: tl.constexpr):
+                          OFFSET: tl.constexpr, QUANT: tl.constexpr, STATIC: tl.constexpr,
+                          BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
@@ -59,26 +67,33 @@ def _residual_norm_kernel(x_ptr, y_ptr, w_post_ptr, w_pre_ptr, h_ptr, scale_ptr,
     w_pre = tl.load(w_pre_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     h = x * tl.rsqrt(tl.sum(x * x, axis=0) / D + eps) * (OFFSET + w_pre)
     h = h.to(tl.bfloat16).to(tl.float32)
-    if QUANT:
+    if STATIC:     # the next layer's fixed input scale, read from scale_ptr
+        q = _quantize_static(h, tl.load(scale_ptr))
+        tl.store(h_ptr + row * D + cols, q.to(h_ptr.dtype.element_ty), mask=mask)
+    elif QUANT:
         _quantize_store(h, cols, mask, h_ptr, scale_ptr, row, D, INV_FP8_MAX)
     else:
         tl.store(h_ptr + row * D + cols, h.to(h_ptr.dtype.element_ty), mask=mask)
 
 
 def residual_norm(x: torch.Tensor, y: torch.Tensor | None, w_post: torch.Tensor | None,
-                  w_pre: torch.Tensor, eps: float, *, quant: bool, offset: float = 1.0):
+                  w_pre: torch.Tensor, eps: float, *, quant: bool, offset: float = 1.0,
+                  static_scale: torch.Tensor | None = None):
     """The step between two blocks on ``[rows, D]`` bf16: ``x += norm(y) * (offset + w_post)``
     in place (Gemma's sandwich norm; ``x += y`` when ``w_post`` is None, nothing when ``y``
     is), then returns ``h = norm(x) * (offset + w_pre)``: bf16, or ``(fp8, per-row scale)``
-    when ``quant``. Gemma stores ``w - 1`` (offset 1), Llama and Qwen ``w`` (offset 0)."""
+    when ``quant`` (``(fp8, static_scale)`` with the next layer's static input scale, 0-dim).
+    Gemma stores ``w - 1`` (offset 1), Llama and Qwen ``w`` (offset 0)."""
     rows, d = x.shape
+    static = quant and static_scale is not None
     h = torch.empty(rows, d, dtype=FP8 if quant else x.dtype, device=x.device)
-    scale = torch.empty(rows if quant else 1, dtype=torch.float32, device=x.device)
+    scale = (static_scale if static else
+             torch.empty(rows if quant else 1, dtype=torch.float32, device=x.device))
     if rows:
         _residual_norm_kernel[(rows,)](
             x, x if y is None else y, w_pre if w_post is None else w_post, w_pre, h, scale,
             d, eps, INV_FP8_MAX, HAS_Y=y is not None, POST_NORM=w_post is not None,
-            OFFSET=offset, QUANT=quant, BLOCK=triton.next_power_of_2(d))
+            OFFSET=offset, QUANT=quant, STATIC=static, BLOCK=triton.next_power_of_2(d))
     return (h, scale) if quant else h
 
 
@@ -211,14 +226,16 @@ def gelu_mul(gate_up: torch.Tensor, *, quant: bool, one_read: bool | None = None
 
 @triton.jit
 def _gate_up_act_kernel(a_ptr, w_ptr, h_ptr, amax_ptr, a_scale_ptr, w_scale_ptr, M, N, K,
-                        stride_am, stride_wn, HAS_SCALE: tl.constexpr, AMAX: tl.constexpr,
-                        ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                        stride_am, stride_wn, HAS_SCALE: tl.constexpr, A_SCALAR: tl.constexpr,
+                        AMAX: tl.constexpr, STATIC_OUT: tl.constexpr, ACT: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        GROUP_M: tl.constexpr):
     """The plain GEMM's tile over the interleaved gate|up weight (N = 2 I columns), then
-    act(gate) * up in the epilogue: BLOCK_N / 2 columns of ``h`` [M, I] per tile."""
+    act(gate) * up in the epilogue: BLOCK_N / 2 columns of ``h`` [M, I] per tile, bf16, or
+    fp8 by the down projection's static scale (``STATIC_OUT``: read from ``amax_ptr``)."""
     pid_m, pid_n = tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     acc = tile_product(a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, pid_m, pid_n, M, N, K,
-                       stride_am, stride_wn, HAS_SCALE, BLOCK_M, BLOCK_N, BLOCK_K)
+                       stride_am, stride_wn, HAS_SCALE, A_SCALAR, BLOCK_M, BLOCK_N, BLOCK_K)
     # Columns alternate gate, up: each thread holds both of a pair, so the split is free.
     gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))
     # Rounded where the unfused path stores bf16: the projection, act(gate), the product.
@@ -234,7 +251,10 @@ def _gate_up_act_kernel(a_ptr, w_ptr, h_ptr, amax_ptr, a_scale_ptr, w_scale_ptr,
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_h = pid_n * half + tl.arange(0, half)
     mask = (offs_m[:, None] < M) & (offs_h[None, :] < width)
-    tl.store(h_ptr + offs_m[:, None] * width + offs_h[None, :], h, mask=mask)
+    if STATIC_OUT:   # the bf16 product quantised as quantize_static_fp8 would read it
+        h = _quantize_static(h.to(tl.float32), tl.load(amax_ptr))
+    tl.store(h_ptr + offs_m[:, None] * width + offs_h[None, :],
+             h.to(h_ptr.dtype.element_ty), mask=mask)
     if AMAX:
         amax = tl.max(tl.where(mask, tl.abs(h.to(tl.float32)), 0.0), axis=1)
         tl.store(amax_ptr + offs_m * tl.cdiv(N, BLOCK_N) + pid_n, amax, mask=offs_m < M)
@@ -254,25 +274,33 @@ ACTIVATIONS = {"gelu_tanh": 0, "silu": 1}
 
 
 def gate_up_act(weight: torch.Tensor, weight_scale: torch.Tensor | None, x: torch.Tensor,
-                x_scale: torch.Tensor | None = None, *, act: str = "gelu_tanh"):
+                x_scale: torch.Tensor | None = None, *, act: str = "gelu_tanh",
+                out_scale: torch.Tensor | None = None):
     """``act(x @ gate.T) * (x @ up.T)`` (``act``: gelu_tanh for Gemma, silu for Llama and
     Qwen) for a gate|up ``weight`` [2 I, K] whose rows alternate gate, up
     (layers.FUSED_PROJECTIONS, interleaved): bf16 [m, I], or with fp8 weights (``x`` fp8
-    with per-row ``x_scale``) ``(fp8, per-row scale)`` for the down projection. With GELU,
-    the same bits as the plain GEMM followed by ``gelu_mul``."""
+    with its ``x_scale``: per row, or 0-dim static) ``(fp8, per-row scale)`` for the down
+    projection; ``out_scale`` (the down projection's static input scale, 0-dim):
+    ``(fp8, out_scale)``, quantised in the GEMM's epilogue. With GELU, the same bits as the
+    plain GEMM followed by ``gelu_mul`` (or ``quantize_static_fp8``)."""
     m, k = x.shape
     n = weight.shape[0]
     quant = weight_scale is not None
-    h = torch.empty(m, n // 2, dtype=torch.bfloat16, device=x.device)
+    static_out = quant and out_scale is not None
+    h = torch.empty(m, n // 2, dtype=FP8 if static_out else torch.bfloat16, device=x.device)
     bm, bn, bk, gm, warps, stages = CONFIGS[x.dtype]
     tiles = triton.cdiv(n, bn)
-    amax = torch.empty(m, tiles, dtype=torch.float32, device=x.device) if quant else h
+    amax = (out_scale if static_out else
+            torch.empty(m, tiles, dtype=torch.float32, device=x.device) if quant else h)
     if m:
         _gate_up_act_kernel[(triton.cdiv(m, bm) * tiles,)](
             x, weight, h, amax, x_scale if quant else x, weight_scale if quant else weight,
-            m, n, k, x.stride(0), weight.stride(0), HAS_SCALE=quant, AMAX=quant,
-            ACT=ACTIVATIONS[act], BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm,
-            num_warps=warps, num_stages=stages)
+            m, n, k, x.stride(0), weight.stride(0), HAS_SCALE=quant,
+            A_SCALAR=quant and x_scale.dim() == 0, AMAX=quant and not static_out,
+            STATIC_OUT=static_out, ACT=ACTIVATIONS[act], BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+            GROUP_M=gm, num_warps=warps, num_stages=stages)
+    if static_out:
+        return h, out_scale
     return quantize_tiles(h, amax) if quant else h
 
 

@@ -1,5 +1,6 @@
 """Row-wise kernels for CUDA, one program per row, so a row's reduction never depends on
-how many rows there are (a library reduction may re-split a long row when rows are few)."""
+how many rows there are (a library reduction may re-split a long row when rows are few):
+RMSNorm, fp8 quantisation per token or with a static scale."""
 
 from __future__ import annotations
 
@@ -66,3 +67,25 @@ def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.empty(rows, dtype=torch.float32, device=x.device)
     _quantize_rows_kernel[(rows,)](x, out, scale, d, INV_FP8_MAX, BLOCK=1024, num_warps=4)
     return out, scale
+
+
+@triton.jit
+def _quantize_static_kernel(x_ptr, out_ptr, scale_ptr, D, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    scale = tl.load(scale_ptr)
+    cols = tl.arange(0, BLOCK)
+    for start in range(0, D, BLOCK):
+        mask = start + cols < D
+        x = tl.load(x_ptr + row * D + start + cols, mask=mask, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(tl.div_rn(x, scale), -448.0), 448.0)
+        tl.store(out_ptr + row * D + start + cols, q.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def quantize_static_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp8 e4m3 with one fixed scale (0-dim fp32, quant/fp8_static.py's rule), row by row."""
+    x = x.contiguous()
+    rows, d = x.shape
+    out = torch.empty(rows, d, dtype=torch.float8_e4m3fn, device=x.device)
+    if rows:
+        _quantize_static_kernel[(rows,)](x, out, scale, d, BLOCK=1024, num_warps=4)
+    return out

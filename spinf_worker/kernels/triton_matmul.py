@@ -6,8 +6,10 @@ rows share the pass (cuBLAS picks its algorithm, and sometimes a split-K, from M
 config is fixed, never autotuned per shape: autotuning would make the choice, and so the
 bits, depend on the first shape a process happened to see.
 
-Scales (fp8 W8A8): ``a_scale`` per row (per token: a per-tensor scale would mix documents),
-``w_scale`` per output channel, both fp32, applied in the epilogue on the fp32 accumulator.
+Scales (fp8 W8A8): ``a_scale`` per row (per token: a per-tensor scale computed per pass would
+mix documents) or one static scale fixed before any pass (a 0-dim tensor: ``A_SCALAR``),
+``w_scale`` per output channel, all fp32, applied in the epilogue on the fp32 accumulator:
+``(acc * a_scale) * w_scale``.
 """
 
 from __future__ import annotations
@@ -39,10 +41,10 @@ def tile_of(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl
 
 @triton.jit
 def tile_product(a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, pid_m, pid_n, M, N, K, stride_am,
-                 stride_wn, HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One fp32 output tile of ``(a @ w.T) * a_scale[:, None] * w_scale``, K reduced in
-    BLOCK_K steps from 0 up."""
+                 stride_wn, HAS_SCALE: tl.constexpr, A_SCALAR: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One fp32 output tile of ``(a @ w.T) * a_scale[:, None] * w_scale`` (``A_SCALAR``: one
+    ``a_scale`` for every row), K reduced in BLOCK_K steps from 0 up."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -57,20 +59,23 @@ def tile_product(a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, pid_m, pid_n, M, N, K, 
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if HAS_SCALE:
-        a_scale = tl.load(a_scale_ptr + offs_m, mask=offs_m < M, other=0.0)
         w_scale = tl.load(w_scale_ptr + offs_n, mask=offs_n < N, other=0.0)
-        acc = acc * a_scale[:, None] * w_scale[None, :]
+        if A_SCALAR:
+            acc = acc * tl.load(a_scale_ptr) * w_scale[None, :]
+        else:
+            a_scale = tl.load(a_scale_ptr + offs_m, mask=offs_m < M, other=0.0)
+            acc = acc * a_scale[:, None] * w_scale[None, :]
     return acc
 
 
 @triton.jit
 def _matmul_kernel(a_ptr, w_ptr, out_ptr, a_scale_ptr, w_scale_ptr, M, N, K,
                    stride_am, stride_wn, stride_om,
-                   HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                   HAS_SCALE: tl.constexpr, A_SCALAR: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     pid_m, pid_n = tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     acc = tile_product(a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, pid_m, pid_n, M, N, K,
-                       stride_am, stride_wn, HAS_SCALE, BLOCK_M, BLOCK_N, BLOCK_K)
+                       stride_am, stride_wn, HAS_SCALE, A_SCALAR, BLOCK_M, BLOCK_N, BLOCK_K)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
@@ -81,7 +86,8 @@ def _matmul_kernel(a_ptr, w_ptr, out_ptr, a_scale_ptr, w_scale_ptr, M, N, K,
 def matmul(a: torch.Tensor, w: torch.Tensor, *, a_scale: torch.Tensor | None = None,
            w_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
            ) -> torch.Tensor:
-    """``a``: [M, K] row-major; ``w``: [N, K] row-major (a Linear's weight)."""
+    """``a``: [M, K] row-major; ``w``: [N, K] row-major (a Linear's weight); ``a_scale``:
+    [M] per row, or 0-dim (a static scale)."""
     assert a.dtype == w.dtype and a.shape[1] == w.shape[1]
     a, w = a.contiguous(), w.contiguous()
     m, k = a.shape
@@ -94,6 +100,7 @@ def matmul(a: torch.Tensor, w: torch.Tensor, *, a_scale: torch.Tensor | None = N
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     _matmul_kernel[grid](a, w, out, a_scale if has_scale else a, w_scale if has_scale else w,
                          m, n, k, a.stride(0), w.stride(0), out.stride(0),
-                         HAS_SCALE=has_scale, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm,
+                         HAS_SCALE=has_scale, A_SCALAR=has_scale and a_scale.dim() == 0,
+                         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm,
                          num_warps=warps, num_stages=stages)
     return out

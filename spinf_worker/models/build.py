@@ -10,7 +10,7 @@ import torch
 from ..quant.gptq import Int4Weight
 from .loader import Checkpoint
 
-SCHEMES = ("fp32", "bf16", "fp8", "int8", "int4")
+SCHEMES = ("fp32", "bf16", "fp8", "fp8-static", "int8", "int4")
 INT4_RANDOM_GROUP = 128     # the group size of random int4 weights (speed runs)
 
 
@@ -19,7 +19,7 @@ class BuiltModel:
     model: torch.nn.Module
     config: object        # the family's config dataclass
     device: torch.device
-    scheme: str           # fp32 | bf16 | fp8 | int8 | int4
+    scheme: str           # fp32 | bf16 | fp8 | fp8-static | int8 | int4
     dtype: torch.dtype    # activations
 
 
@@ -44,20 +44,22 @@ def pick_scheme(scheme: str, device: torch.device, stored: str | None = None,
         return "fp8" if torch.cuda.get_device_capability(device) >= (8, 9) else "bf16"
     if scheme not in SCHEMES:
         raise ValueError(f"unknown quantisation scheme {scheme!r} ({', '.join(SCHEMES)})")
-    if stored and scheme in ("fp8", "int8"):
+    if stored and scheme in ("fp8", "fp8-static", "int8"):
         raise ValueError(f"scheme {scheme} does not apply to a {stored} checkpoint "
                          "(its weights are already quantised): use auto, int4, fp32 or bf16")
     if scheme == "int4" and not (stored or random):
         raise ValueError("scheme int4 serves GPTQ int4 checkpoints (or random weights); "
                          "this checkpoint is not quantised: use auto, bf16, fp8 or int8")
-    if scheme not in ("fp32", "int8") and device.type != "cuda":
-        raise ValueError(f"scheme {scheme} runs on CUDA only; the CPU runs fp32")
+    if scheme not in ("fp32", "int8", "fp8-static") and device.type != "cuda":
+        raise ValueError(f"scheme {scheme} runs on CUDA only; the CPU runs fp32, int8 and "
+                         "fp8-static")
     return scheme
 
 
 def activation_dtype(scheme: str, device: torch.device) -> torch.dtype:
-    # int8 is weight-only: activations in fp32 on the CPU, bf16 on CUDA.
-    if scheme == "fp32" or (scheme == "int8" and device.type != "cuda"):
+    # int8 is weight-only and fp8-static's CPU path multiplies the fp8 values in fp32: their
+    # activations are fp32 on the CPU, bf16 on CUDA.
+    if scheme == "fp32" or (scheme in ("int8", "fp8-static") and device.type != "cuda"):
         return torch.float32
     return torch.bfloat16
 
@@ -89,14 +91,22 @@ def random_filler(model: torch.nn.Module, device: torch.device, seed: int = 0):
 
 
 def materialize(model: torch.nn.Module, device: torch.device, fill, scheme: str,
-                int4=None) -> None:
+                input_scales: dict[str, torch.Tensor] | None = None, int4=None) -> None:
     """Give a meta-built model its tensors module by module, each directly in the model's
     dtype on ``device``, filled (``fill(name, param)``) and, for fp8 / int8, the body's
     linear layers quantised at once: only one layer's full-precision weight exists at a time,
-    so loading peaks near the served size, not at the full-precision model's. int4:
-    ``int4(prefix, module)`` gives a body layer's packed weight (None: the layer is dense)."""
-    quantised = (set(model.fp8_linears()) if scheme == "fp8" else
+    so loading peaks near the served size, not at the full-precision model's. fp8-static:
+    ``input_scales`` (module name -> static activation scale) has one for every such layer.
+    int4: ``int4(prefix, module)`` gives a body layer's packed weight (None: the layer is
+    dense)."""
+    quantised = (set(model.fp8_linears()) if scheme in ("fp8", "fp8-static") else
                  set(model.body_linears()) if scheme in ("int8", "int4") else set())
+    if scheme == "fp8-static":
+        names = {m: name for name, m in model.named_modules()}
+        lacking = sorted(names[m] for m in quantised if names[m] not in (input_scales or {}))
+        if lacking:
+            raise ValueError(f"the fp8 scales lack {len(lacking)} of the model's "
+                             f"{len(quantised)} linear layers, e.g. {lacking[:3]}")
     for prefix, module in model.named_modules():
         if next(module.parameters(recurse=False), None) is None:
             continue
@@ -111,8 +121,10 @@ def materialize(model: torch.nn.Module, device: torch.device, fill, scheme: str,
         module.to_empty(device=device, recurse=False)
         for name, param in module.named_parameters(recurse=False):
             fill(f"{prefix}.{name}" if prefix else name, param)
-        if module in quantised and scheme != "int4":
-            module.to_fp8() if scheme == "fp8" else module.to_int8()
+        if module in quantised and scheme == "int8":
+            module.to_int8()
+        elif module in quantised and scheme != "int4":
+            module.to_fp8(input_scales[prefix] if scheme == "fp8-static" else None)
 
 
 def int4_source(model: torch.nn.Module, checkpoint: Checkpoint, device: torch.device):
@@ -132,9 +144,10 @@ def int4_source(model: torch.nn.Module, checkpoint: Checkpoint, device: torch.de
     return packed
 
 
-def build_model(checkpoint: Checkpoint, device: str | None = None, scheme: str = "auto"
-                ) -> BuiltModel:
-    """``checkpoint.weights = None`` builds random weights with the real shapes."""
+def build_model(checkpoint: Checkpoint, device: str | None = None, scheme: str = "auto",
+                input_scales: dict[str, torch.Tensor] | None = None) -> BuiltModel:
+    """``checkpoint.weights = None`` builds random weights with the real shapes;
+    ``input_scales``: fp8-static's activation scales (quant/fp8_static.load_scales)."""
     from .registry import family_for
 
     where = pick_device(device)
@@ -154,7 +167,8 @@ def build_model(checkpoint: Checkpoint, device: str | None = None, scheme: str =
                 missing.append(name)
 
     with torch.no_grad():
-        materialize(model, where, fill, scheme, int4_source(model, checkpoint, where))
+        materialize(model, where, fill, scheme, input_scales,
+                    int4_source(model, checkpoint, where))
     if checkpoint.weights is not None and missing:
         raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
     return BuiltModel(model.eval(), config, where, scheme, dtype)

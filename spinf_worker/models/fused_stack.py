@@ -3,8 +3,8 @@ Gemma 3 (gemma3.py) and Llama / Qwen3 (llama.py).
 
 Per layer: one q|k|v GEMM, one kernel for qk-norm (if any) + RoPE, attention, the
 o-projection, one kernel for the residual add (after Gemma's post-attention norm) and the
-pre-MLP norm (+ the per-token fp8 quantisation the next GEMM wants), the gate|up GEMM with
-``act(gate) * up`` in its epilogue, the down GEMM, and again residual + the next layer's
+pre-MLP norm (+ the fp8 quantisation the next GEMM wants: per token, or by the layer's static
+input scale), the gate|up GEMM with ``act(gate) * up`` in its epilogue, the down GEMM, and again residual + the next layer's
 pre-norm. Only the pass's real rows (``plan.rows``) are computed; attention sees the padded
 pass, whose padding rows are zeros and see only themselves. Every kernel computes a row from
 that row alone, so a row's bits never depend on the other rows.
@@ -51,7 +51,8 @@ def fused_forward(layers, final_norm, x: torch.Tensor, rows: int, plan,
     from ..kernels.fused import gate_up_act, gelu_mul, qk_norm_rope, residual_norm
 
     m, eps, hd, off = x.shape[0], cfg.rms_norm_eps, cfg.head_dim, style.norm_offset
-    # fp8 W8A8: the fused kernels hand the next GEMM its fp8 input (int8 is weight-only)
+    # fp8 W8A8: the fused kernels hand the next GEMM its fp8 input (int8 is weight-only),
+    # quantised per token or, fp8-static, by that GEMM's input_scale
     quant = layers[0].self_attn.qkv_proj.weight.dtype == FP8
 
     def heads(n: int) -> torch.Tensor:
@@ -60,7 +61,7 @@ def fused_forward(layers, final_norm, x: torch.Tensor, rows: int, plan,
         return t
 
     h = residual_norm(x, None, None, layers[0].input_layernorm.weight, eps, quant=quant,
-                      offset=off)
+                      offset=off, static_scale=layers[0].self_attn.qkv_proj.input_scale)
     for i, layer in enumerate(layers):
         att, mlp = layer.self_attn, layer.mlp
         qkv = att.qkv_proj(*_as_args(h))
@@ -73,10 +74,12 @@ def fused_forward(layers, final_norm, x: torch.Tensor, rows: int, plan,
             attn_out, mlp_in = layer.post_attention_layernorm, layer.pre_feedforward_layernorm
         else:
             attn_out, mlp_in = None, layer.post_attention_layernorm
-        h = residual_norm(x, a, _weight(attn_out), mlp_in.weight, eps, quant=quant, offset=off)
         gate_up = mlp.gate_up_proj
+        h = residual_norm(x, a, _weight(attn_out), mlp_in.weight, eps, quant=quant, offset=off,
+                          static_scale=gate_up.input_scale)
         if gate_up.weight.dtype in (torch.bfloat16, FP8):
-            act = gate_up_act(gate_up.weight, gate_up.weight_scale, *_as_args(h), act=style.act)
+            act = gate_up_act(gate_up.weight, gate_up.weight_scale, *_as_args(h), act=style.act,
+                              out_scale=mlp.down_proj.input_scale)
         else:   # Gemma with int8 weights (gelu_mul: GELU only)
             act = gelu_mul(gate_up(*_as_args(h)), quant=quant)
         d = mlp.down_proj(*_as_args(act))
@@ -84,7 +87,8 @@ def fused_forward(layers, final_norm, x: torch.Tensor, rows: int, plan,
         pre = final_norm if last else layers[i + 1].input_layernorm
         mlp_out = layer.post_feedforward_layernorm if style.sandwich else None
         h = residual_norm(x, d, _weight(mlp_out), pre.weight, eps, quant=quant and not last,
-                          offset=off)
+                          offset=off, static_scale=None if last else
+                          layers[i + 1].self_attn.qkv_proj.input_scale)
     return h
 
 

@@ -10,6 +10,7 @@ from torch import nn
 
 from ..kernels.matmul import linear
 from ..quant.fp8 import quantize_weight
+from ..quant.fp8_static import fp8_static_linear
 from ..quant.gptq import Int4Weight
 from ..quant.int8 import int8_linear, quantize_weight_int8
 from ..tiles import READOUT_TILE
@@ -36,20 +37,27 @@ class RMSNorm(nn.Module):
 
 class Linear(nn.Module):
     """Linear layer through the batch-invariant matmul (bf16/fp32, fp8 W8A8 or int8 weights);
-    bias-free unless asked (Llama-style ``attention_bias`` / ``mlp_bias``)."""
+    bias-free unless asked (Llama-style ``attention_bias`` / ``mlp_bias``).
+
+    fp8 activations are quantised per token, or with a static ``input_scale`` (0-dim fp32,
+    calibrated offline: quant/fp8_static.py) when the layer has one."""
 
     def __init__(self, d_in: int, d_out: int, bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(d_out, d_in))
         self.weight_scale: torch.Tensor | None = None
         self.int4: Int4Weight | None = None
+        self.input_scale: torch.Tensor | None = None
         self.bias = nn.Parameter(torch.empty(d_out)) if bias else None
 
-    def to_fp8(self) -> None:
-        """Per-output-channel fp8 weights, computed once at load."""
+    def to_fp8(self, input_scale: torch.Tensor | None = None) -> None:
+        """Per-output-channel fp8 weights, computed once at load; ``input_scale``: the
+        activations' static scale (else per token)."""
         w8, scale = quantize_weight(self.weight.data)
         self.weight = nn.Parameter(w8, requires_grad=False)
         self.weight_scale = scale
+        if input_scale is not None:
+            self.input_scale = input_scale.to(torch.float32).reshape(()).to(w8.device)
 
     def to_int8(self) -> None:
         """int8 weights with per-output-channel scales (weight-only), computed once at load."""
@@ -65,7 +73,8 @@ class Linear(nn.Module):
         self.int4 = packed
 
     def forward(self, x: torch.Tensor, x_scale: torch.Tensor | None = None) -> torch.Tensor:
-        """``x_scale``: ``x`` is already fp8, quantised per row with these scales."""
+        """``x_scale``: ``x`` is already fp8, quantised with these scales (per row, or the
+        static ``input_scale``)."""
         if self.weight.dtype == torch.int8:
             y = int8_linear(x, self.weight, self.weight_scale)
         elif self.weight.dtype == torch.int32:
@@ -73,8 +82,11 @@ class Linear(nn.Module):
 
             p = self.int4
             y = int4_matmul(x, p.qweight, p.zeros, p.scales, p.group_size)
+        elif self.input_scale is not None and not x.is_cuda:
+            y = fp8_static_linear(x, self.weight, self.weight_scale, self.input_scale)
         else:
-            y = linear(x, self.weight, self.weight_scale, x_scale=x_scale)
+            y = linear(x, self.weight, self.weight_scale, x_scale=x_scale,
+                       input_scale=self.input_scale)
         return y if self.bias is None else y + self.bias   # row-wise: still batch-invariant
 
 
@@ -219,11 +231,13 @@ class PackedLM(nn.Module):
                  for m in getattr(self, name).modules()}
         return [m for m in self.body_linears() if m not in media]
 
-    def to_fp8(self) -> None:
+    def to_fp8(self, input_scales: dict[str, torch.Tensor] | None = None) -> None:
         """W8A8 for every linear layer of the body but the media modules'; embeddings and the
-        LM head stay as they are."""
+        LM head stay as they are. ``input_scales``: module name -> static activation scale
+        (fp8-static), one for every layer."""
+        names = {m: name for name, m in self.named_modules()}
         for module in self.fp8_linears():
-            module.to_fp8()
+            module.to_fp8(None if input_scales is None else input_scales[names[module]])
 
     def to_int8(self) -> None:
         """int8 weight-only for every linear layer of the body; the embeddings, the LM head

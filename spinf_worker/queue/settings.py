@@ -40,7 +40,10 @@ class ServiceSettings(BaseSettings):
         4096, description="content tokens per input (the hosted limit); a server may raise "
                           "it up to the model's context, a request's `limits` only lower it")
     quant: str = Field("auto", description="the engine's scheme (`--quant`): `auto`, `fp32`, "
-                                           "`bf16`, `fp8`, `int8`, `int4`")
+                                           "`bf16`, `fp8`, `fp8-static`, `int8`, `int4`")
+    fp8_scales: str | None = Field(
+        None, description="`fp8-static`'s activation scales file (`--fp8-scales`). None: "
+                          "`fp8-static-scales.safetensors` beside the checkpoint")
     load_format: Literal["auto", "dummy"] = Field(
         "auto", description="`dummy` (`--load-format`): the model's config and tokenizer with "
                             "random weights of its shapes, for capacity and speed runs")

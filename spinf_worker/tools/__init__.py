@@ -1,5 +1,6 @@
-"""Operator tools behind ``spinf-serve parity | bench | models``: a parity check against
-recorded references, the news-job benchmark on any model and device, the model cache.
+"""Operator tools behind ``spinf-serve parity | bench | models | quantize``: a parity check
+against recorded references, the news-job benchmark on any model and device, the model cache,
+fp8-static's offline calibration.
 
 Torch is imported only by the functions that load an engine, so the listing of cached
 models (and this package's import) stays light.
@@ -35,7 +36,8 @@ def load_engine(args: argparse.Namespace) -> Engine:
         raise ToolError(f"--device {args.device}: no CUDA device on this machine")
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
-    settings = EngineSettings(scheme=args.quant or "auto")
+    settings = EngineSettings(scheme=args.quant or "auto",
+                              fp8_scales=getattr(args, "fp8_scales", None))
     try:
         return Engine.load(args.model, device=args.device, settings=settings,
                            load_format=args.load_format or "auto")

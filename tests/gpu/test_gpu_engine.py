@@ -108,7 +108,9 @@ def test_flex_tree_attention_equals_cpu_tree_attention(window):
 
 
 def _runner(device: str, dtype: torch.dtype, fp8: bool = False, fuse: bool = True,
-            cuda_graphs: bool = True, int8: bool = False) -> ModelRunner:
+            cuda_graphs: bool = True, int8: bool = False,
+            input_scales: dict | None = None) -> ModelRunner:
+    """The random Gemma 3 of CFG; ``input_scales``: fp8 with these static activation scales."""
     torch.manual_seed(0)
     with torch.device("meta"):
         model = Gemma3Model(Gemma3Config(**CFG))
@@ -119,8 +121,8 @@ def _runner(device: str, dtype: torch.dtype, fp8: bool = False, fuse: bool = Tru
             if "norm" in name:
                 p.normal_(0, 0.2)
     model = model.to(device=device, dtype=dtype)
-    if fp8:
-        model.to_fp8()
+    if fp8 or input_scales is not None:
+        model.to_fp8(input_scales)
     if int8:
         model.to_int8()
     return ModelRunner(model.eval(), torch.device(device), dtype, 0, fuse=fuse,
