@@ -192,8 +192,7 @@ class Engine:
         """``rows`` per document, with what lets documents of the same content share a
         root in a pass (the queue fills passes by these, as the packer does)."""
         if isinstance(request, CompletionRequest):
-            rows = PreparedCompletion.rows(self, request)
-            return [RowPart(None, rows, rows)]
+            return PreparedCompletion.row_parts(self, request)
         return self.preparer.row_parts(request)
 
     def rows(self, request: dict | ScoreRequest | CompletionRequest) -> int:
