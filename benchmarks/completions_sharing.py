@@ -57,8 +57,9 @@ OPTIONS = [" World", " Sports", " Business", " Science"]
 
 def items(tokenizer, n: int, context_tokens: int) -> list[str]:
     """n contexts of ``context_tokens`` tokens, evenly spaced over the articles' tokens."""
-    texts = [json.loads(line)["text"] for name in ("news_articles.jsonl", "ag_news_sample.jsonl")
-             for line in (DATA / name).read_text(encoding="utf-8").splitlines()]
+    texts = [row.get("text") or f"{row['title']}\n{row['description']}"
+             for name in ("news_articles.jsonl", "ag_news_sample.jsonl")
+             for row in map(json.loads, (DATA / name).read_text(encoding="utf-8").splitlines())]
     stream = [t for text in texts for t in tokenizer.encode(text + "\n\n",
                                                             add_special_tokens=False).ids]
     step = max(1, (len(stream) - context_tokens) // max(1, n - 1))
