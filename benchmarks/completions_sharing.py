@@ -152,10 +152,12 @@ def main() -> None:
                     help="the service's device and the transformers baseline's")
     ap.add_argument("--model", default=None, help="default: the packaged one")
     ap.add_argument("--tree", choices=("head", "worktree"), default="head")
+    ap.add_argument("--rev", default="HEAD",
+                    help="the revision measured with --tree head (another one: a comparison)")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
-    commit = sh("git rev-parse --short HEAD")
+    commit = sh(f"git rev-parse --short {args.rev}")
     load_at_start = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="spinf-completions-bench-") as tmp:
         src = Path(tmp) / "src"
