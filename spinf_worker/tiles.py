@@ -7,6 +7,8 @@ rows padded to READOUT_TILE. All are fixed: changing one moves scores' bits.
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
@@ -16,6 +18,9 @@ READOUT_TILE = 32   # LM-head rows: each document's readouts are padded to this
 # a power of two of at least PATH_MIN, so a row's shapes depend on its own path alone
 BRANCH_TILE = 32
 PATH_MIN = 8
+# a completion prompt's block: its rows are laid out and attended block by block, and prompts
+# of a pass whose leading blocks hold the same tokens read them once (engine/prompt_blocks.py)
+PROMPT_BLOCK = ROW_TILE
 
 
 def padded_rows(tokens: int) -> int:
@@ -23,11 +28,29 @@ def padded_rows(tokens: int) -> int:
     return -(-tokens // ROW_TILE) * ROW_TILE
 
 
+@dataclass(frozen=True)
+class BlockChain:
+    """A completion prompt's blocks (PROMPT_BLOCK tokens each, the last one maybe fewer), each
+    named by a digest of the prompt's tokens up to the block's end and of its top-N: two
+    prompts with equal digests at a block have that block and all before it in common."""
+
+    digests: tuple[bytes, ...]
+
+    @classmethod
+    def of(cls, ids: Sequence[int], top: int) -> BlockChain:
+        h = hashlib.blake2b(str(top).encode(), digest_size=16)
+        digests = []
+        for lo in range(0, len(ids), PROMPT_BLOCK):
+            h.update(array("q", ids[lo:lo + PROMPT_BLOCK]).tobytes())
+            digests.append(h.copy().digest())
+        return cls(tuple(digests))
+
+
 @dataclass
 class RowPart:
     """A document's rows before it is laid out (Preparer.row_parts; a FlatDoc has the same
     three): its root's tokens, all its tokens, and what another document must share to be
-    read with it (None: read alone)."""
+    read with it (None: read alone; a BlockChain: a completion prompt)."""
 
     key: Hashable | None
     root: int
@@ -42,13 +65,17 @@ class RowPart:
 class PassRows:
     """The rows of a pass being filled. Documents of one pass that share a root are read as
     one (engine/merge.py): a document whose root is already in the pass costs only the rows
-    its branches add. The packer fills passes by it, and the queue worker its passes."""
+    its branches add, and a completion prompt only its blocks no other prompt of the pass
+    holds. The packer fills passes by it, and the queue worker its passes."""
 
     rows: int = 0
     roots: dict[Hashable, int] = field(default_factory=dict)   # root key -> its real rows
+    blocks: set[bytes] = field(default_factory=set)           # completion prompts' blocks
 
     def cost(self, doc, key: Hashable | None) -> int:
         """Rows ``doc`` (a FlatDoc or a RowPart) adds to this pass."""
+        if isinstance(key, BlockChain):
+            return PROMPT_BLOCK * sum(d not in self.blocks for d in key.digests)
         if key is None or key not in self.roots:
             return doc.length
         tokens = self.roots[key]
@@ -56,12 +83,14 @@ class PassRows:
 
     def add(self, doc, key: Hashable | None) -> None:
         self.rows += self.cost(doc, key)
-        if key is not None:
+        if isinstance(key, BlockChain):
+            self.blocks.update(key.digests)
+        elif key is not None:
             self.roots[key] = self.roots.get(key, doc.root) + doc.tokens - doc.root
 
     def with_parts(self, parts: Sequence[RowPart]) -> PassRows:
         """This pass with a request's documents added, merged where they can be (a copy)."""
-        trial = PassRows(self.rows, dict(self.roots))
+        trial = PassRows(self.rows, dict(self.roots), set(self.blocks))
         trial.add_parts(parts)
         return trial
 

@@ -3,7 +3,8 @@ its one-question prompt, a branch row's keys are its root's (FlexAttention) and 
 chain (kernels/branch_paths.py), every visible (query, key) pair of the root rule lies in a
 kept key block, full blocks are fully visible, few blocks are kept needlessly, a document
 keeps the same blocks wherever it lands in the pass, and a branch row visits its root's
-blocks in the same order whatever other questions share its document."""
+blocks in the same order whatever other questions share its document; a completion prompt's
+rows see its own tokens, and its blocks visit its path's blocks alike alone or sharing them."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_mask
 
+from spinf_worker.engine.completion import prompt_doc
 from spinf_worker.engine.layout import Branch, DocTree, ImageRows
+from spinf_worker.engine.merge import merge, root_key
 from spinf_worker.engine.runner import doc_span, pass_rows
 from spinf_worker.kernels.flex_tree import BLOCK, TreeTokens, root_blocks, root_mask, tree_mask
 
@@ -276,6 +279,50 @@ def test_the_media_rule_is_the_cpu_attentions_root_masks(seed, mode):
         start += d.length
 
 
+def _prompt_pass(seed: int) -> tuple[list[list[int]], list, list]:
+    """Prompts of a few items (a context of 40-400 tokens, options of 1-5) merged as a pass
+    merges them, with a scoring document before them; per prompt its row of each token."""
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(3):
+        ctx = [2] + [rng.choice((7, 8)) for _ in range(rng.randint(40, 400))]
+        prompts += [ctx + [o] + [rng.choice((7, 8)) for _ in range(rng.randint(0, 4))]
+                    for o in (11, 12, 13)]
+    docs = [prompt_doc(p, 0, 2, 0) for p in prompts]
+    merged = merge(docs, [root_key(d, WINDOW) for d in docs], 0)
+    flats, rows, start = [_docs(seed, n=1)[0]], {}, 0
+    start = flats[0].length
+    for flat, parts in merged:
+        for i, part in parts:
+            readouts = part.readouts if part is not None else np.arange(len(prompts[i]))
+            rows[i] = start + flat.readout_rows[readouts].numpy()
+        flats.append(flat)
+        start += flat.length
+    return prompts, flats, [rows[i] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("window", [None, WINDOW])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_prompt_row_sees_exactly_its_prompt(seed, window):
+    """In a pass of completion prompts sharing blocks, FlexAttention's rule gives each row of
+    each prompt its own prompt's tokens up to itself, at their positions."""
+    prompts, flats, rows = _prompt_pass(seed)
+    t = _tokens(flats)
+    ids = torch.from_numpy(pass_rows(flats, t.doc.shape[0], 0))[0].long()
+    tree, root = _visible(t, window), _visible(t, window, root_mask)
+    real = torch.nonzero(t.doc >= 0).flatten()
+    real = real[real >= flats[0].length]
+    # no branch rows: nothing for the path kernel
+    assert torch.equal(tree[real], root[real]) and (t.parent[real] == -1).all()
+    for prompt, at in zip(prompts, rows, strict=True):
+        assert len({r // BLOCK for r in at}) < len(at) or len(at) == 1
+        for j, row in enumerate(at.tolist()):
+            keys = torch.nonzero(root[row]).flatten()
+            lo = 0 if window is None else max(0, j - window + 1)
+            assert ids[keys].tolist() == prompt[lo:j + 1]
+            assert t.pos[keys].tolist() == list(range(lo, j + 1))
+
+
 @pytest.mark.parametrize("window", [None, WINDOW])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_kept_blocks_cover_every_pair_an_image_sees(seed, window):
@@ -315,3 +362,33 @@ def test_a_document_with_images_keeps_the_same_blocks_wherever_it_lands():
     for order in (docs, docs[::-1]):
         kept, full = own(order)
         assert torch.equal(kept, alone[0]) and torch.equal(full, alone[1])
+
+
+def test_a_prompt_block_visits_its_path_alike_alone_or_shared(seed, window):
+    """Each query block of a prompt visits exactly its path's key blocks that the window
+    reaches, in position order, each partial or full alike whether the prompt is alone or
+    shares its leading blocks with others: FlexAttention then reduces it the same way."""
+    prompts, flats, rows = _prompt_pass(seed)
+    keep, full = root_blocks(_tokens(flats), window)
+
+    def visits(keep, full, at: np.ndarray) -> list[list[tuple[int, bool]]]:
+        path = [int(r) // BLOCK for r in at[::BLOCK]]     # the prompt's blocks, in order
+        depth = {b: d for d, b in enumerate(path)}
+        out = []
+        for qb in path:
+            listed = torch.nonzero(keep[qb]).flatten().tolist()
+            assert set(listed) <= set(path)
+            out.append([(depth[k], bool(full[qb, k])) for k in listed])
+        return out
+
+    shared_rows = sum(f.length for f in flats[1:])
+    assert shared_rows < sum(prompt_doc(p, 0, 2, 0).length for p in prompts)
+    for prompt, at in zip(prompts, rows, strict=True):
+        alone = prompt_doc(prompt, 0, 2, 0)
+        a_keep, a_full = root_blocks(_tokens([alone]), window)
+        expected = visits(a_keep, a_full, np.arange(len(prompt)))
+        last = len(expected) - 1      # its last block: the blocks the window reaches
+        assert [d for d, _ in expected[-1]] == [
+            d for d in range(last + 1)
+            if window is None or last * BLOCK - (d * BLOCK + BLOCK - 1) < window]
+        assert visits(keep, full, at) == expected

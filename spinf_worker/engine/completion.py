@@ -1,11 +1,12 @@
 """Completion prompts in the packed pass (POST /v1/completions).
 
-A prompt is a document whose root is its tokens (a string prompt: BOS + its tokens, as the
-model's own tokenizer adds them; a prompt of ids: those ids as sent) and which has no
-branches. Its readouts are root rows: with ``echo`` and ``logprobs``, every row (row j's
-fp32 log-softmax gives the logprob of token j + 1 and the top-N at j + 1), else only the last
-row (the next token). Nothing in a row's readout depends on the other documents of the pass,
-so a prompt's figures are bit-identical alone or packed with others.
+A prompt is a document of its tokens (a string prompt: BOS + its tokens, as the model's own
+tokenizer adds them; a prompt of ids: those ids as sent) laid out as blocks
+(engine/prompt_blocks.py): prompts of one pass that begin with the same blocks read them once.
+With ``echo`` and ``logprobs`` every row is read out (row j's fp32 log-softmax gives the
+logprob of token j + 1 and the top-N at j + 1), else only the last row (the next token).
+Nothing in a row's readout depends on the other documents of the pass or on the prompts that
+share its blocks, so a prompt's figures are bit-identical alone, packed or shared.
 
 Greedy decoding reads the prompt and the tokens decoded so far again for each new token (one
 more document per step, its last row read out): a generated token's logprob is exactly the
@@ -19,7 +20,6 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
 from ..completions import (
     CompletionChoice,
@@ -31,21 +31,16 @@ from ..completions import (
 from ..decision_rules import refuse_completion
 from ..errors import ContextLengthError, InvalidRequestError, ModelNotFoundError
 from ..ids import new_ulid
-from ..tiles import READOUT_TILE, padded_rows
-from .layout import BranchBlock, EchoReadout, FlatDoc
+from ..tiles import BlockChain, RowPart, padded_rows
+from .layout import FlatDoc
+from .prompt_blocks import Prompt, lay_out
 from .runner import DocScores
-
-_NO_BRANCHES = BranchBlock.build([])
 
 
 def prompt_doc(ids: list[int], first: int, top: int, pad_id: int) -> FlatDoc:
-    """The FlatDoc of ``ids`` read out at rows ``first..len(ids) - 1``."""
-    flat = _NO_BRANCHES.place(ids, pad_id)
-    rows = np.arange(first, len(ids), dtype=np.int64)
-    pad = -len(rows) % READOUT_TILE
-    flat.readout_rows = torch.from_numpy(np.concatenate([rows, np.zeros(pad, np.int64)]))
-    flat.echo = EchoReadout(top, np.asarray([*ids[first + 1:], -1], dtype=np.int64))
-    return flat
+    """The FlatDoc of ``ids`` read out at rows ``first..len(ids) - 1``: its blocks, which
+    prompts of the same pass that begin with the same blocks share (engine/merge.py)."""
+    return lay_out([Prompt(ids, first, top)], pad_id)
 
 
 @dataclass
@@ -113,9 +108,17 @@ class PreparedCompletion:
 
     @staticmethod
     def rows(engine, request: CompletionRequest) -> int:
-        """Rows the request's first passes take (the queue packs by it)."""
+        """Rows the request's first passes take, each prompt alone."""
         prepared = PreparedCompletion(engine, request)
         return sum(padded_rows(len(run.ids)) for run in prepared.runs)
+
+    @staticmethod
+    def row_parts(engine, request: CompletionRequest) -> list[RowPart]:
+        """Each prompt's rows and its blocks, which the prompts of a pass share (the queue
+        fills passes by these, as the packer does)."""
+        prepared = PreparedCompletion(engine, request)
+        return [RowPart(BlockChain.of(run.ids, prepared.top), len(run.ids), len(run.ids))
+                for run in prepared.runs]
 
     def docs(self) -> list[FlatDoc | None]:
         """Each prompt's first document (None for a prompt with nothing to read)."""

@@ -35,7 +35,7 @@ from .prepare import Preparer
 from .presentation import Presenter, choose_mode
 from .runner import DocScores, ModelRunner, PendingPass
 
-KERNEL_VERSION = "prefix-tree-fused-4"   # bump when a change moves any score's bits
+KERNEL_VERSION = "prefix-tree-fused-5"   # bump when a change moves any score's bits
 
 
 def cpu_class() -> str:
@@ -207,8 +207,7 @@ class Engine:
         """``rows`` per document, with what lets documents of the same content share a
         root in a pass (the queue fills passes by these, as the packer does)."""
         if isinstance(request, CompletionRequest):
-            rows = PreparedCompletion.rows(self, request)
-            return [RowPart(None, rows, rows)]
+            return PreparedCompletion.row_parts(self, request)
         return self.preparer.row_parts(request)
 
     def rows(self, request: dict | ScoreRequest | CompletionRequest) -> int:

@@ -19,11 +19,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from ..tiles import BRANCH_TILE, PATH_MIN, READOUT_TILE, ROW_TILE
+
+if TYPE_CHECKING:
+    from .prompt_blocks import PromptBlocks
 
 
 @dataclass
@@ -75,6 +79,9 @@ class FlatDoc:
     extract: dict[int, tuple[int, list[int], dict]] = field(default_factory=dict)
     media: list[ImageRows] = field(default_factory=list)   # images in the root, in order
     echo: EchoReadout | None = None   # a completion prompt: its readouts' tokens and top-N
+    # completion prompts: their rows as blocks (engine/prompt_blocks.py), attended block by
+    # block; root == tokens, the last real row + 1, and padding rows may lie before it
+    prompts: PromptBlocks | None = None
 
     @property
     def length(self) -> int:

@@ -5,12 +5,15 @@ per request about the same text, the floors of several queries) need the root's 
 once: their branch blocks go one after the other under one root (``BranchBlock.concat``), and
 each document's scores are cut back out of the merged document's. A branch row's keys, values
 and logits depend only on the root and its own path, so every document keeps the bits it has
-alone. The packer counts a merged document's rows (engine/packer.py); the scheduler merges a
-pass's documents before it runs and splits their scores after (engine/scheduler.py).
+alone. Completion prompts of one pass that begin with the same block are laid out together
+as a trie of blocks (engine/prompt_blocks.py), and each one's readouts are cut back out. The
+packer counts a merged document's rows (engine/packer.py); the scheduler merges a pass's
+documents before it runs and splits their scores after (engine/scheduler.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -18,16 +21,20 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..tiles import BlockChain
 from .layout import BranchBlock, FlatDoc
+from .prompt_blocks import lay_out
 from .runner import DocScores
 
 
 def root_key(doc: FlatDoc, window: int) -> Hashable | None:
-    """What documents must share to be merged (None: never merged). A completion prompt's
-    readouts are its root's rows, so it stays alone. Whether the sliding window cuts the
-    document picks the CPU attention's masks, so only documents that agree on it merge."""
-    if doc.echo is not None:
-        return None
+    """What documents must share to be merged (None: never merged). A completion prompt: its
+    blocks (prompts merge on their first block, and share all the leading blocks they have in
+    common). Whether the sliding window cuts a scoring document picks the CPU attention's
+    masks, so only documents that agree on it merge."""
+    if doc.prompts is not None:
+        (prompt,) = doc.prompts.prompts
+        return prompt.chain
     return (doc.input_ids[:doc.root].numpy().tobytes(), doc.max_position >= window,
             tuple((m.start, m.end, m.kind, m.frame, _digest(m.pixels)) for m in doc.media))
 
@@ -62,13 +69,22 @@ class Part:
     block: BranchBlock
 
 
+@dataclass
+class PromptPart:
+    """One completion prompt's share of a merged document: its readouts there."""
+
+    readouts: np.ndarray
+
+
 def merge(docs: list[FlatDoc], keys: list[Hashable | None], pad_id: int
-          ) -> list[tuple[FlatDoc, list[tuple[int, Part | None]]]]:
+          ) -> list[tuple[FlatDoc, list[tuple[int, Part | PromptPart | None]]]]:
     """The pass's documents with those of one key merged (in the place of the first): per
     merged document, its members (index into ``docs``, their part)."""
     groups: dict[Hashable, list[int]] = {}
     order: list[list[int]] = []
     for i, key in enumerate(keys):
+        if isinstance(key, BlockChain):
+            key = ("prompt", key.digests[0])
         if key is not None and key in groups:
             groups[key].append(i)
             continue
@@ -80,8 +96,12 @@ def merge(docs: list[FlatDoc], keys: list[Hashable | None], pad_id: int
 
 
 def _merged(docs: list[FlatDoc], members: list[int], pad_id: int
-            ) -> tuple[FlatDoc, list[tuple[int, Part | None]]]:
+            ) -> tuple[FlatDoc, list[tuple[int, Part | PromptPart | None]]]:
     first = docs[members[0]]
+    if first.prompts is not None:
+        flat = lay_out([docs[i].prompts.prompts[0] for i in members], pad_id)
+        return flat, [(i, PromptPart(readouts))
+                      for i, readouts in zip(members, flat.prompts.readouts, strict=True)]
     blocks = [docs[i].block for i in members]
     flat = BranchBlock.concat(blocks).place(first.input_ids[:first.root].tolist(), pad_id)
     flat.media = first.media
@@ -92,10 +112,12 @@ def _merged(docs: list[FlatDoc], members: list[int], pad_id: int
     return flat, parts
 
 
-def split(scores: DocScores, part: Part | None) -> DocScores:
+def split(scores: DocScores, part: Part | PromptPart | None) -> DocScores:
     """A member's scores cut out of its merged document's (``None``: not merged)."""
     if part is None:
         return scores
+    if isinstance(part, PromptPart):
+        return dataclasses.replace(scores, echo=tuple(a[part.readouts] for a in scores.echo))
     block, b, o = part.block, part.branch, part.option
     n_b, n_o = block.n_branches, len(block.option_branch)
     return DocScores(scores.option_logprobs[o:o + n_o], block.option_start,

@@ -56,6 +56,13 @@ def pass_rows(docs: list[FlatDoc], rows: int, pad_id: int) -> np.ndarray:
         out[2, start:start + doc.tokens] = i
         out[3, start:end] = doc.span_end + start
         out[4, start:start + doc.tokens] = start + doc.root
+        if doc.prompts is not None:
+            # completion prompts' blocks: padding rows may lie between real ones (a block
+            # not laid out last); they stay padding, so each block's summaries are the ones
+            # it has alone (kernels/flex_tree.root_blocks)
+            real = doc.prompts.real
+            out[2, start:end] = np.where(real, i, -1)
+            out[4, start:end] = np.where(real, start + doc.root, np.arange(start, end))
         parent = doc.block.parent
         out[5, start + doc.root:start + doc.tokens] = np.where(parent >= 0,
                                                                parent + start + doc.root, -1)

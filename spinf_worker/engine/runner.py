@@ -9,7 +9,14 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ..kernels.attention import AttentionPlan, BranchTiles, DocSpan
+from ..kernels.attention import (
+    AttentionPlan,
+    BranchTiles,
+    DocSpan,
+    PromptBlockRows,
+    prompt_block_mask,
+)
+from ..tiles import PROMPT_BLOCK
 from .layout import FlatDoc
 from .pass_plan import cuda_pass_plan, pass_rows
 
@@ -259,6 +266,16 @@ def doc_span(doc: FlatDoc, start: int, window: int, dev: torch.device,
     layers on which one image's soft tokens see each other both ways ("all": Gemma 3,
     "sliding": the sliding-window layers only, "none": the text stays causal; Gemma 4)."""
     span = DocSpan(start, doc.root, doc.tokens)
+    if doc.prompts is not None:
+        # a block's shapes and masks follow from its depth alone (its path's length)
+        span.blocks = []
+        for b, path in enumerate(doc.prompts.paths):
+            keys = len(path)
+            span.blocks.append(PromptBlockRows(
+                b * PROMPT_BLOCK, torch.from_numpy(path).to(dev),
+                prompt_block_mask(keys, PROMPT_BLOCK, None).to(dev),
+                prompt_block_mask(keys, PROMPT_BLOCK, window).to(dev)))
+        return span
     windowed = doc.max_position >= window
     root_pos = torch.arange(doc.root)
     seen = root_pos[:, None] >= root_pos[None, :]

@@ -12,12 +12,12 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Iterator
 
 from .layout import FlatDoc
-from .merge import Part, merge, root_key, split
+from .merge import Part, PromptPart, merge, root_key, split
 from .packer import pack
 from .runner import DocScores, ModelRunner, PendingPass
 
 # per document a pass runs: the (tag, part) of each document merged into it (engine/merge.py)
-Members = list[list[tuple[Hashable, Part | None]]]
+Members = list[list[tuple[Hashable, Part | PromptPart | None]]]
 FILL_SLACK = 1.25   # wait for this many passes' worth of rows, so first-fit has a choice
 
 

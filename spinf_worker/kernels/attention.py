@@ -14,11 +14,17 @@ Everything is computed per document with shapes that depend only on that documen
 document's bits never depend on what else shares the pass; and branch rows go BRANCH_TILE
 at a time, grouped by the width their own path pads to, so a question's bits never depend on
 the other questions asked of its document either.
+
+Completion prompts (engine/prompt_blocks.py) are blocks of PROMPT_BLOCK rows: each block's
+queries attend to the keys of its path's blocks in position order (its own block causally) in
+one product whose shape and mask depend only on the block's depth, so a row's bits are the
+same whichever other prompts share its leading blocks.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +47,26 @@ class BranchTiles:
 
 
 @dataclass
+class PromptBlockRows:
+    """One block of completion prompts: its queries, the keys of its path, what they see."""
+
+    start: int                   # the block's first row in its document
+    path: torch.Tensor           # [keys] long: its path's rows (doc-relative), its own last
+    mask: torch.Tensor           # [PROMPT_BLOCK, keys] bool: causal
+    window: torch.Tensor         # [PROMPT_BLOCK, keys] bool: causal and within the window
+
+
+@cache
+def prompt_block_mask(keys: int, block: int, window: int | None) -> torch.Tensor:
+    """[block, keys] bool: the last block of a path of ``keys`` rows sees key j from query i
+    iff j <= keys - block + i (and, with a window, keys - block + i - j < window)."""
+    q = torch.arange(keys - block, keys)[:, None]
+    k = torch.arange(keys)[None, :]
+    seen = k <= q
+    return seen if window is None else seen & (q - k < window)
+
+
+@dataclass
 class DocSpan:
     start: int                   # row offset in the pass (multiple of 128)
     root: int                    # rows [0, root) are the root
@@ -51,6 +77,8 @@ class DocSpan:
     # [root, root] bool: what root rows see on the other layers (None: plain causal);
     # causal, or the rows of one image, which see each other both ways
     root_mask: torch.Tensor | None = None
+    # completion prompts: their blocks (then root, tokens and branches are not read)
+    blocks: list[PromptBlockRows] | None = None
 
 
 @dataclass
@@ -86,6 +114,14 @@ def packed_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pla
     out = torch.zeros_like(q)
     for doc in plan.docs:
         base = doc.start
+        if doc.blocks is not None:
+            for block in doc.blocks:
+                rows = slice(base + block.start, base + block.start + block.mask.shape[0])
+                path = block.path + base
+                out[rows] = _prompt_block_attention(q[rows], k[path], v[path],
+                                                    block.window if sliding else block.mask,
+                                                    scale)
+            continue
         root = slice(base, base + doc.root)
         out[root] = _root_attention(q[root], k[root], v[root], doc, sliding, scale)
         branch_q = q[base + doc.root:base + doc.tokens]
@@ -113,6 +149,16 @@ def _root_attention(q, k, v, doc: DocSpan, sliding: bool, scale: float) -> torch
     mask = doc.root_window if sliding and doc.root_window is not None else doc.root_mask
     o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=mask is None,
                                        scale=scale)
+    return o.transpose(0, 1)
+
+
+def _prompt_block_attention(q, k, v, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: [PROMPT_BLOCK, Hq, D]; k/v: [path, Hkv, D], the block's path in position order."""
+    groups = q.shape[1] // k.shape[1]
+    qh = q.transpose(0, 1)
+    kh = k.transpose(0, 1).repeat_interleave(groups, dim=0)
+    vh = v.transpose(0, 1).repeat_interleave(groups, dim=0)
+    o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
     return o.transpose(0, 1)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -221,3 +222,77 @@ def test_documents_merged_under_one_root_score_as_alone(scheme, cuda_graphs):
         alone = runner.run([d])[0]
         for name in ("option_logprobs", "residual", "branch_start"):
             assert (getattr(done[i], name) == getattr(alone, name)).all(), (i, name)
+
+
+def _items(seed: int) -> list[list[int]]:
+    """lm-eval-shaped prompts: per item a context (under a block, one block, several) and
+    four options, one prompt each."""
+    rng = random.Random(seed)
+    prompts = []
+    for context in (50, 128, 300):
+        ctx = [2] + [rng.randrange(5, 4000) for _ in range(context - 1)]
+        prompts += [ctx + [first] + [rng.randrange(5, 4000) for _ in range(rng.randint(0, 5))]
+                    for first in rng.sample(range(5, 4000), 4)]
+    return prompts
+
+
+@pytest.mark.parametrize("window", [4096, 64])
+def test_flex_prompt_blocks_equal_cpu_block_attention(window):
+    """Completion prompts sharing blocks (engine/prompt_blocks.py): FlexAttention over their
+    block masks against the CPU path's block-by-block attention."""
+    from spinf_worker.engine.completion import prompt_doc
+    from spinf_worker.engine.merge import merge, root_key
+
+    prompts = [prompt_doc(p, 0, 1, 0) for p in _items(5)]
+    docs = [flat for flat, _ in merge(prompts, [root_key(d, window) for d in prompts], 0)]
+    docs.insert(1, _random_docs(1, seed=4)[0])
+    rows = sum(d.length for d in docs)
+    assert rows < sum(d.length for d in prompts)
+    inputs = torch.from_numpy(pass_rows(docs, -(-rows // 4096) * 4096, 0))
+    torch.manual_seed(0)
+    q = torch.randn(inputs.shape[1], 4, 64)
+    k, v = torch.randn(2, inputs.shape[1], 2, 64).unbind(0)
+    starts = [sum(d.length for d in docs[:i]) for i in range(len(docs))]
+    cpu_plan = AttentionPlan([doc_span(d, s, window, torch.device("cpu"))
+                              for d, s in zip(docs, starts, strict=True)])
+    want = packed_tree_attention(q[:rows], k[:rows], v[:rows], cpu_plan, sliding=True,
+                                 scale=0.125)
+    plan = build_flex_plan(TreeTokens.of_pass(inputs.cuda()), window)
+    got = flex_tree_attention(q.cuda(), k.cuda(), v.cuda(), plan, sliding=True, scale=0.125)
+    real = torch.nonzero(inputs[2, :rows] >= 0).flatten()
+    assert rel_err(got.cpu()[real], want[real]) < 1e-2
+
+
+@pytest.mark.parametrize("cuda_graphs", [True, False])
+@pytest.mark.parametrize("scheme", ["bf16", "fp8"])
+def test_completion_prompts_sharing_blocks_score_as_alone(scheme, cuda_graphs):
+    """Prompts of one pass that begin with the same blocks read them once: each prompt's
+    echoed logprobs and top-N equal its own pass's, array for array, beside scoring
+    documents, and stay close to the fp32 CPU stack."""
+    from spinf_worker.engine.completion import prompt_doc
+    from spinf_worker.engine.scheduler import PassScheduler
+
+    runner = _runner("cuda", torch.bfloat16, fp8=scheme == "fp8", cuda_graphs=cuda_graphs)
+    cpu = _runner("cpu", torch.float32)
+    prompts = [prompt_doc(p, 0, 5, 0) for p in _items(6)]
+    others = _random_docs(3, seed=7)
+    docs = others[:1] + prompts[:6] + others[1:] + prompts[6:]
+    scheduler = PassScheduler(runner, 1 << 16)
+    launched = []
+    launch = runner.launch
+    runner.launch = lambda flats: launched.append(sum(f.length for f in flats)) or launch(flats)
+    for i, d in enumerate(docs):
+        scheduler.hold(i, d)
+    done = dict(item for batch in scheduler.flush() for item in batch)
+    runner.launch = launch
+    assert launched[0] < sum(d.length for d in docs)       # the shared blocks once
+    worst = 0.0
+    for i, d in enumerate(docs):
+        if d.prompts is None:
+            continue
+        alone = runner.run([d])[0].echo
+        assert all(np.array_equal(a, b, equal_nan=True)
+                   for a, b in zip(alone, done[i].echo, strict=True)), i
+        reference = cpu.run([d])[0].echo[0]
+        worst = max(worst, float(abs(reference[:-1] - alone[0][:-1]).max()))
+    assert worst < (0.4 if scheme == "fp8" else 0.15), worst

@@ -180,6 +180,38 @@ async def test_requests_about_one_text_fill_a_pass_as_one(redis, keys, settings,
 
 
 @pytest.mark.asyncio
+async def test_completion_prompts_sharing_a_context_fill_a_pass_as_one(redis, keys, settings,
+                                                                      tiny_engine):
+    """lm-eval's one completions request per option: the prompts share the context's blocks
+    in a pass (engine/prompt_blocks.py), and the worker counts those blocks once when it fills
+    a pass, so the requests take one pass, where counted alone they would not fit in it; each
+    answer is what the request gets alone."""
+    from spinf_worker.completions import CompletionRequest
+    from spinf_worker.tiles import PROMPT_BLOCK, PassRows
+
+    context = [tiny_engine.checkpoint.bos_token_id, *(10 + k % 500 for k in range(299))]
+    requests = [CompletionRequest.parse({"prompt": [context + [600 + k, 700 + k]],
+                                         "echo": True, "logprobs": 1, "max_tokens": 0})
+                for k in range(4)]
+    fill = PassRows()
+    for request in requests:
+        fill.add_parts(tiny_engine.row_parts(request))
+    alone = sum(tiny_engine.rows(r) for r in requests)
+    assert fill.rows == PROMPT_BLOCK * (2 + 4) and alone == PROMPT_BLOCK * 3 * 4
+    settings = settings.model_copy(update={"max_pass_tokens": fill.rows, "max_wait_ms": 2000})
+    producer = Producer(redis, keys, settings)
+    jobs = [(await producer.submit(Submission(
+        {"model": None, "completion": r.model_dump(mode="json")})))[0] for r in requests]
+    worker = Worker(tiny_engine, redis, keys, settings)
+    async with running(worker):
+        results = await results_of(redis, keys, jobs)
+    assert worker.passes == 1
+    for request, result in zip(requests, results, strict=True):
+        expected = tiny_engine.complete(request).model_dump(mode="json")
+        assert result["body"]["choices"] == expected["choices"]
+
+
+@pytest.mark.asyncio
 async def test_idempotency_key_maps_to_one_job(redis, keys, settings):
     producer = Producer(redis, keys, settings)
     first = await producer.submit(Submission(body(1), idempotency_key="k-1"))

@@ -1,0 +1,218 @@
+"""Multiple-choice items as lm-evaluation-harness sends them, three ways: /v1/completions (one
+request per option), /v1/score (one request per item) and transformers (one sequence per option).
+
+Items: ``--items`` contexts of ``--context-tokens`` tokens (default 500 x 300), windows of the
+articles of ``../shared/data`` (news_articles.jsonl, then ag_news_sample.jsonl, as one token
+stream, evenly spaced), each followed by one question, with four one-token options.
+
+1. **completions**: ``spinf-serve serve`` as a subprocess (``service_http.Service``: a fresh state
+   dir, the project's packages as of HEAD or the working tree), then every (item, option) as its
+   own ``POST /v1/completions`` with lm-eval's ``local-completions`` body (the context and the
+   option as one prompt, ``echo``, ``logprobs: 1``, ``max_tokens: 1``, ``temperature: 0``),
+   ``--concurrency`` at a time; the option's log-likelihood is the sum of its tokens' echoed
+   logprobs. Prompts of one pass that begin with the same blocks read them once
+   (engine/prompt_blocks.py): an item's four prompts share its context's whole blocks.
+2. **score**: the same service, one ``POST /v1/score`` per item (the context as the content,
+   the question as the template, the four options), same concurrency.
+3. **transformers**: the checkpoint in transformers, one forward per (item, option) sequence
+   (batch 1, fp32 on the CPU, bf16 with ``--device cuda``).
+
+Items/s each (wall time from the first request to the last answer, after a warm-up request),
+and the largest |difference| of an option's log-likelihood between completions and the other
+two. The figures go to stdout as a table and to ``<out>/<date>-completions-sharing-<commit>.json``.
+
+    /work/main/.venv/bin/python benchmarks/completions_sharing.py --items 16
+    python benchmarks/completions_sharing.py --device cuda          # on a GPU host: 500 items
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import torch
+from service_http import (
+    HTTP_TIMEOUT_S,
+    POLL_S,
+    ROOT,
+    Service,
+    cpu_model,
+    free_port,
+    sh,
+    snapshot,
+)
+
+DATA = ROOT.parent / "shared" / "data"
+QUESTION = "\n\nQuestion: Which topic is this text mainly about?\nAnswer:"
+OPTIONS = [" World", " Sports", " Business", " Science"]
+
+
+def items(tokenizer, n: int, context_tokens: int) -> list[str]:
+    """n contexts of ``context_tokens`` tokens, evenly spaced over the articles' tokens."""
+    texts = [row.get("text") or f"{row['title']}\n{row['description']}"
+             for name in ("news_articles.jsonl", "ag_news_sample.jsonl")
+             for row in map(json.loads, (DATA / name).read_text(encoding="utf-8").splitlines())]
+    stream = [t for text in texts for t in tokenizer.encode(text + "\n\n",
+                                                            add_special_tokens=False).ids]
+    step = max(1, (len(stream) - context_tokens) // max(1, n - 1))
+    return [tokenizer.decode(stream[i * step:i * step + context_tokens]) for i in range(n)]
+
+
+async def post(client: httpx.AsyncClient, path: str, body: dict) -> dict:
+    """POST and wait for the result (following the job when the server answers 202)."""
+    r = await client.post(path, json=body, headers={"X-Sync-Timeout": str(HTTP_TIMEOUT_S)})
+    if r.status_code == 202:
+        while True:
+            await asyncio.sleep(POLL_S)
+            job = (await client.get(r.json()["url"])).json()
+            if job.get("status_code") is not None:
+                if job["status_code"] != 200:
+                    raise RuntimeError(f"{path} job failed: {job}")
+                return job["response"]
+    if r.status_code != 200:
+        raise RuntimeError(f"{path} answered {r.status_code}: {r.text[:500]}")
+    return r.json()
+
+
+async def timed_posts(url: str, path: str, bodies: list[dict], concurrency: int
+                      ) -> tuple[list[dict], float]:
+    limit = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=HTTP_TIMEOUT_S) as client:
+        await post(client, path, bodies[0])          # warm-up
+
+        async def one(body: dict) -> dict:
+            async with limit:
+                return await post(client, path, body)
+
+        t0 = time.perf_counter()
+        out = await asyncio.gather(*(one(b) for b in bodies))
+        return out, time.perf_counter() - t0
+
+
+def completion_bodies(model: str, contexts: list[str]) -> list[dict]:
+    """lm-eval's local-completions loglikelihood body, one per (item, option)."""
+    return [{"model": model, "prompt": c + QUESTION + o, "echo": True, "logprobs": 1,
+             "max_tokens": 1, "temperature": 0} for c in contexts for o in OPTIONS]
+
+
+def completion_scores(tokenizer, contexts: list[str], bodies: list[dict]) -> list[float]:
+    """Each option's log-likelihood: the echoed logprobs of the prompt's tokens past the
+    context's (lm-eval's split), the one generated token left out."""
+    out = []
+    for k, body in enumerate(bodies):
+        context = contexts[k // len(OPTIONS)] + QUESTION
+        n_context = 1 + len(tokenizer.encode(context, add_special_tokens=False).ids)
+        lps = body["choices"][0]["logprobs"]["token_logprobs"]
+        out.append(sum(lps[n_context:-1]))
+    return out
+
+
+def score_bodies(contexts: list[str]) -> list[dict]:
+    return [{"text": c, "scoring": {"case_insensitive": False, "queries": [
+        {"id": "topic", "template": QUESTION + "{?}", "options": OPTIONS}]}} for c in contexts]
+
+
+@torch.inference_mode()
+def run_transformers(path: Path, tokenizer, bos: int, contexts: list[str], device: str
+                     ) -> tuple[list[float], float]:
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    seqs = []
+    for c in contexts:
+        n_context = 1 + len(tokenizer.encode(c + QUESTION, add_special_tokens=False).ids)
+        for o in OPTIONS:
+            ids = [bos, *tokenizer.encode(c + QUESTION + o, add_special_tokens=False).ids]
+            seqs.append((ids, n_context))
+    model(torch.tensor([seqs[0][0]], device=device))      # warm-up
+    scores = []
+    t0 = time.perf_counter()
+    for ids, n_context in seqs:
+        logits = model(torch.tensor([ids], device=device)).logits[0].float()
+        lp = torch.log_softmax(logits, dim=-1)
+        scores.append(sum(lp[j - 1, ids[j]].item() for j in range(n_context, len(ids))))
+    return scores, time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--items", type=int, default=500)
+    ap.add_argument("--context-tokens", type=int, default=300)
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="the service's device and the transformers baseline's")
+    ap.add_argument("--model", default=None, help="default: the packaged one")
+    ap.add_argument("--tree", choices=("head", "worktree"), default="head")
+    ap.add_argument("--rev", default="HEAD",
+                    help="the revision measured with --tree head (another one: a comparison)")
+    ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args()
+    commit = sh(f"git rev-parse --short {args.rev}")
+    load_at_start = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="spinf-completions-bench-") as tmp:
+        src = Path(tmp) / "src"
+        snapshot(args.tree, commit, src)
+        sys.path.insert(0, str(src))
+        from spinf_worker.models.loader import load_checkpoint
+
+        ckpt = load_checkpoint(args.model, load_format="auto")
+        tok, bos = ckpt.tokenizer, ckpt.bos_token_id
+        contexts = items(tok, args.items, args.context_tokens)
+        service = Service(src, Path(tmp), free_port(), args.model)
+        service.command[service.command.index("--device") + 1] = args.device
+        service.start()
+        try:
+            service.wait_ready()
+            with httpx.Client(base_url=service.url) as client:
+                model = client.get("/v1/models").json()["data"][0]["id"]
+            cbodies = completion_bodies(model, contexts)
+            completions, c_s = asyncio.run(timed_posts(service.url, "/v1/completions",
+                                                       cbodies, args.concurrency))
+            scored, s_s = asyncio.run(timed_posts(service.url, "/v1/score",
+                                                  score_bodies(contexts), args.concurrency))
+        except BaseException:
+            print(service.log_tail(30), file=sys.stderr)
+            raise
+        finally:
+            service.stop()
+    c_scores = completion_scores(tok, contexts, completions)
+    s_scores = [o["logprob"] for body in scored for o in
+                body["results"][0]["queries"][0]["combinations"][0]["options"]]
+    r = dict(date=datetime.date.today().isoformat(), commit=commit, device=args.device,
+             machine=cpu_model() if args.device == "cpu" else torch.cuda.get_device_name(),
+             threads=torch.get_num_threads(), load_avg_1m_at_start=load_at_start,
+             model=model, items=args.items, options=len(OPTIONS),
+             context_tokens=args.context_tokens, concurrency=args.concurrency,
+             completions_s=c_s, completions_items_per_s=args.items / c_s,
+             score_s=s_s, score_items_per_s=args.items / s_s,
+             max_abs_completions_vs_score=max(abs(a - b) for a, b in
+                                              zip(c_scores, s_scores, strict=True)))
+    if not args.skip_transformers:
+        t_scores, t_s = run_transformers(ckpt.path, tok, bos, contexts, args.device)
+        r.update(transformers_s=t_s, transformers_items_per_s=args.items / t_s,
+                 max_abs_completions_vs_transformers=max(
+                     abs(a - b) for a, b in zip(c_scores, t_scores, strict=True)))
+    out = ROOT / args.out
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{r['date']}-completions-sharing-{commit}.json"
+    path.write_text(json.dumps(r, indent=1) + "\n")
+    print("| way | items/s | s |\n|---|---|---|")
+    for way in ("completions", "score", "transformers"):
+        if f"{way}_s" in r:
+            print(f"| {way} | {r[f'{way}_items_per_s']:.2f} | {r[f'{way}_s']:.1f} |")
+    print(json.dumps({k: v for k, v in r.items() if k.startswith("max_abs")}))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""Completion prompts that begin with the same blocks read them once (engine/prompt_blocks.py):
+a pass lays the shared blocks out once (the queue and the packer count them once too), and
+each prompt's echoed logprobs and top-N are bit-identical to the prompt scored alone, beside
+partners that share its blocks or not, at several places in a pass; they agree with
+transformers. Contexts shorter than a block, exactly a block, and several blocks."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from spinf_worker.completions import CompletionRequest
+from spinf_worker.engine.completion import prompt_doc
+from spinf_worker.engine.merge import merge, root_key, split
+from spinf_worker.engine.packer import pack
+from spinf_worker.tiles import PROMPT_BLOCK, PassRows
+
+from .service.test_completions import TOL, oracle_logprobs
+from .test_batch_invariance import completion_figures, other_request
+
+# context lengths (BOS included): under a block, exactly one, several and a part
+CONTEXTS = [50, PROMPT_BLOCK, 300]
+
+
+def items(engine, seed: int, context: int, n_options: int = 4) -> list[list[int]]:
+    """One multiple-choice item as lm-eval sends it: the context followed by each option
+    (1-6 tokens, distinct first tokens), one prompt per option."""
+    rng = random.Random(seed)
+    vocab = int(engine.config.vocab_size)
+    bos = engine.checkpoint.bos_token_id
+    ctx = [bos, *(rng.randrange(10, vocab) for _ in range(context - 1))]
+    firsts = rng.sample(range(10, vocab), n_options)
+    return [ctx + [first, *(rng.randrange(10, vocab) for _ in range(rng.randint(0, 5)))]
+            for first in firsts]
+
+
+def request(prompts: list[list[int]], **extra) -> CompletionRequest:
+    return CompletionRequest.parse({"prompt": prompts, "echo": True, "logprobs": 5,
+                                    "max_tokens": 0, **extra})
+
+
+def blocks(tokens: int) -> int:
+    return -(-tokens // PROMPT_BLOCK)
+
+
+@pytest.mark.parametrize("context", CONTEXTS)
+def test_prompts_sharing_a_context_read_its_blocks_once(tiny_engine, context):
+    prompts = items(tiny_engine, 1, context)
+    docs = [prompt_doc(p, 0, 5, 0) for p in prompts]
+    window = tiny_engine.config.sliding_window
+    keys = [root_key(d, window) for d in docs]
+    merged = merge(docs, keys, 0)
+    # the context's whole blocks once, then each prompt's own blocks (the rest of its context
+    # with its option); a context under a block has no whole block to share
+    shared = context // PROMPT_BLOCK
+    expected = PROMPT_BLOCK * (shared + sum(blocks(len(p) - shared * PROMPT_BLOCK)
+                                            for p in prompts))
+    assert sum(flat.length for flat, _ in merged) == expected
+    assert len(merged) == (1 if shared else len(prompts))
+    assert expected < sum(d.length for d in docs) or not shared
+    # the packer and the queue count the same rows
+    (one_pass,) = pack(docs, 1 << 20, keys)
+    assert one_pass.rows == expected
+    fill = PassRows()
+    fill.add_parts(tiny_engine.row_parts(request(prompts)))
+    assert fill.rows == expected
+    # a prompt with another top-N shares nothing
+    other = prompt_doc(prompts[0], 0, 3, 0)
+    assert one_pass.cost(other, root_key(other, window)) == other.length
+
+
+@pytest.mark.parametrize("context", CONTEXTS)
+def test_shared_prompts_keep_the_bits_they_have_alone(tiny_engine, context):
+    """The runner's raw readouts of each prompt: alone, and merged with its item's other
+    prompts (and an unrelated prompt) at several places in a pass of other documents."""
+    rng = random.Random(context)
+    prompts = items(tiny_engine, 2, context)
+    docs = [prompt_doc(p, 0, 5, 0) for p in prompts]
+    alone = [tiny_engine.runner.run([d])[0].echo for d in docs]
+    vocab = int(tiny_engine.config.vocab_size)
+    stranger = prompt_doc([2, *(rng.randrange(10, vocab) for _ in range(200))], 0, 5, 0)
+    window = tiny_engine.config.sliding_window
+    for before in (0, 2):
+        members = [*docs, stranger]
+        rng.shuffle(members)
+        fillers = [prompt_doc([2, *(rng.randrange(10, vocab) for _ in range(rng.randint(5, 90)))],
+                              0, 3, 0) for _ in range(before)]
+        batch = fillers + members
+        merged = merge(batch, [root_key(d, window) for d in batch], 0)
+        scores = tiny_engine.runner.run([flat for flat, _ in merged])
+        got = {}
+        for (_, parts), doc_scores in zip(merged, scores, strict=True):
+            for i, part in parts:
+                got[id(batch[i])] = split(doc_scores, part).echo
+        for doc, expected in zip(docs, alone, strict=True):
+            assert all(np.array_equal(a, b, equal_nan=True)
+                       for a, b in zip(expected, got[id(doc)], strict=True)), before
+
+
+def _prompt_rows(engine, monkeypatch) -> list[int]:
+    """The rows completion prompts take in every pass the runner launches from now on."""
+    seen: list[int] = []
+    launch = engine.runner.launch
+
+    def counting(docs):
+        seen.append(sum(d.length for d in docs if d.prompts is not None))
+        return launch(docs)
+
+    monkeypatch.setattr(engine.runner, "launch", counting)
+    return seen
+
+
+@pytest.mark.parametrize("context", CONTEXTS)
+def test_one_request_per_option_answers_as_each_alone(tiny_engine, monkeypatch, context):
+    """lm-eval's traffic through the engine: one request per option of an item, among other
+    requests at several places of one pass; every figure equals the request's alone, and
+    the pass holds the item's shared blocks once. A greedy token too."""
+    rng = random.Random(context + 1)
+    prompts = items(tiny_engine, 3, context)
+    requests = [request([p], max_tokens=k % 2) for k, p in enumerate(prompts)]
+    alone = [tiny_engine.complete(r) for r in requests]
+    old = tiny_engine.settings.max_pass_tokens
+    tiny_engine.settings.max_pass_tokens = 1 << 20      # every document in one pass
+    rows = _prompt_rows(tiny_engine, monkeypatch)
+    try:
+        for position in (0, 3):
+            others = [other_request(rng) for _ in range(4)]
+            batch = others[:position] + requests + others[position:]
+            rows.clear()
+            out = tiny_engine.score_batch(batch)[position:position + len(requests)]
+            for got, expected in zip(out, alone, strict=True):
+                assert completion_figures(got) == completion_figures(expected), position
+            # the first pass holds the item's blocks once
+            shared = context // PROMPT_BLOCK
+            assert rows[0] == PROMPT_BLOCK * (
+                shared + sum(blocks(len(p) - shared * PROMPT_BLOCK) for p in prompts))
+    finally:
+        tiny_engine.settings.max_pass_tokens = old
+
+
+@pytest.mark.parametrize("context", CONTEXTS)
+def test_shared_prompts_agree_with_transformers(tiny_engine, tiny_oracle, context):
+    prompts = items(tiny_engine, 4, context)
+    out = tiny_engine.complete(request(prompts))
+    for choice, ids in zip(out.choices, prompts, strict=True):
+        reference = oracle_logprobs(tiny_oracle, ids)
+        lps = choice.logprobs.token_logprobs
+        assert lps[0] is None and len(lps) == len(ids)
+        assert max(abs(lps[j] - reference[j - 1, ids[j]].item())
+                   for j in range(1, len(ids))) <= TOL
