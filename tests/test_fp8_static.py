@@ -177,6 +177,12 @@ def test_scales_next_to_the_checkpoint_and_bad_files(tiny_dir, calibrated, tmp_p
     with pytest.raises(ValueError, match="lack 1 of the model's 16 linear layers"):
         Engine.load(str(tiny_dir), device="cpu", settings=EngineSettings(
             scheme="fp8-static", fp8_scales=str(tmp_path / "p.st")))
+    from spinf_worker.quant.fp8_static import save_scales
+
+    save_scales(tmp_path / "other.st", stored_scales(calibrated), {"weights_digest": "0" * 64})
+    with pytest.raises(ValueError, match="calibrated on other weights"):
+        Engine.load(str(tiny_dir), device="cpu", settings=EngineSettings(
+            scheme="fp8-static", fp8_scales=str(tmp_path / "other.st")))
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
