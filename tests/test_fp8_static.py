@@ -177,6 +177,12 @@ def test_scales_next_to_the_checkpoint_and_bad_files(tiny_dir, calibrated, tmp_p
     with pytest.raises(ValueError, match="lack 1 of the model's 16 linear layers"):
         Engine.load(str(tiny_dir), device="cpu", settings=EngineSettings(
             scheme="fp8-static", fp8_scales=str(tmp_path / "p.st")))
+    from spinf_worker.quant.fp8_static import save_scales
+
+    save_scales(tmp_path / "other.st", stored_scales(calibrated), {"weights_digest": "0" * 64})
+    with pytest.raises(ValueError, match="calibrated on other weights"):
+        Engine.load(str(tiny_dir), device="cpu", settings=EngineSettings(
+            scheme="fp8-static", fp8_scales=str(tmp_path / "other.st")))
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -224,3 +230,45 @@ def test_scales_flag_reaches_the_service_and_its_worker_processes(monkeypatch):
     assert env["SPINF_QUANT"] == "fp8-static" and env["SPINF_FP8_SCALES"] == "s.safetensors"
     monkeypatch.setenv("SPINF_FP8_SCALES", "t.safetensors")
     assert _service_settings(parse(["serve"])).fp8_scales == "t.safetensors"
+
+
+def test_calibration_with_questions_reads_every_row_scoring_reads(tiny_dir, tiny_oracle,
+                                                                  tiny_engine, tmp_path):
+    """With --queries the recorded amax is that of every sequence the prefix tree stands
+    for (content + a question's text + an option's first tokens, and the same on empty
+    content for the floors), in transformers' own forward."""
+    from spinf_worker.cli import main
+
+    texts = calibration_texts()[:3]
+    queries = [q for q in QUERIES if "values" not in q][:3]
+    data, block = tmp_path / "data.jsonl", tmp_path / "q.json"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    block.write_text(json.dumps({"queries": queries, "case_insensitive": False}))
+    assert main(["quantize", "fp8-static", str(tiny_dir), "--data", str(data),
+                 "--queries", str(block), "--out", str(tmp_path), "--device", "cpu"]) == 0
+    recipe = json.loads((tmp_path / "recipe-fp8-static.json").read_text())
+
+    enc, amax = tiny_engine.presenter.encode, {}
+
+    def hook(name):
+        def keep(module, args):
+            amax[name] = max(amax.get(name, 0.0), args[0].detach().abs().max().item())
+        return keep
+
+    hooks = [m.register_forward_pre_hook(hook(f"layers.{name.split('.')[2]}."
+                                              + HF_INPUTS[name.split(".", 3)[3]]))
+             for name, m in tiny_oracle.named_modules()
+             if name.count(".") == 4 and name.split(".", 3)[3] in HF_INPUTS]
+    try:
+        with torch.no_grad():
+            for root in [[TINY_BOS, *enc(t)] for t in texts] + [[TINY_BOS]]:
+                for query in queries:
+                    ctx = root + list(enc(query["template"].split("{?}")[0]))
+                    for option in query["options"]:
+                        tiny_oracle(torch.tensor([ctx + list(enc(option))[:-1]]))
+    finally:
+        for h in hooks:
+            h.remove()
+    assert set(recipe["layers"]) == set(amax)
+    for name, layer in recipe["layers"].items():
+        assert layer["amax"] == pytest.approx(amax[name], rel=1e-4), name

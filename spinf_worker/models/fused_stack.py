@@ -3,8 +3,9 @@ Gemma 3 (gemma3.py) and Llama / Qwen3 (llama.py).
 
 Per layer: one q|k|v GEMM, one kernel for qk-norm (if any) + RoPE, attention, the
 o-projection, one kernel for the residual add (after Gemma's post-attention norm) and the
-pre-MLP norm (+ the fp8 quantisation the next GEMM wants: per token, or by the layer's static
-input scale), the gate|up GEMM with ``act(gate) * up`` in its epilogue, the down GEMM, and again residual + the next layer's
+pre-MLP norm (+ the fp8 quantisation the next GEMM wants: per token, or by that layer's
+static input scale), the gate|up GEMM with ``act(gate) * up`` in its epilogue (fp8-static:
+quantised there for the down GEMM), the down GEMM, and again residual + the next layer's
 pre-norm. Only the pass's real rows (``plan.rows``) are computed; attention sees the padded
 pass, whose padding rows are zeros and see only themselves. Every kernel computes a row from
 that row alone, so a row's bits never depend on the other rows.
