@@ -18,6 +18,7 @@ def plot(path: Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     run = json.loads(Path(path).read_text())
     fig, (by_q, by_len) = plt.subplots(1, 2, figsize=(11, 4.2))
@@ -38,7 +39,9 @@ def plot(path: Path) -> Path:
     tokens.plot(lengths, [p["tokens_per_s"] for p in points], "s--", color="tab:orange",
                 label="tokens/s")
     tokens.set_ylabel("tokens/s")
-    by_len.legend(handles=by_len.lines + tokens.lines, loc="center right")
+    by_len.legend(handles=by_len.lines + tokens.lines, loc="upper right")
+    for axis in (by_q, by_len, tokens):
+        axis.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())   # the lengths only
     for axis in (by_q, by_len):
         axis.grid(alpha=0.3)
     fig.suptitle(f"{run['device']}, {run['scheme']}, commit {run['commit']}")

@@ -75,7 +75,7 @@ class Found:
 class DecodePlan:
     """Attention for decoding steps (the model calls ``attend`` once per layer)."""
 
-    kept: dict[int, tuple[torch.Tensor, torch.Tensor]]   # per layer the pass's kept K/V [R, Hkv, D]
+    kept: dict[int, tuple[torch.Tensor, torch.Tensor]]   # per layer: the pass's kept K, V
     ctx_rows: torch.Tensor           # [slots, L]: each slot's context, rows into ``kept``
     ctx_pos: torch.Tensor            # [slots, L]: their positions
     ctx_ok: torch.Tensor             # [slots, L]: real entries (a slot's first ctx_len)
@@ -191,8 +191,8 @@ class _Vocabulary:
     def extensions(self, grammar: ValueGrammar, state: int
                    ) -> tuple[torch.Tensor, list[int], list[int]]:
         """The tokens whose text continues a value from ``state`` (on the device and as a
-        list) and the states they lead to. A DFA's state says all that matters of the text so far, so this is computed once
-        per state and reused by every beam and every slot."""
+        list) and the states they lead to. A DFA's state says all that matters of the text so
+        far, so this is computed once per state and reused by every beam and every slot."""
         key = (grammar, state)
         if key not in self._extensions:
             if grammar not in self._value_pieces:   # by first character: few can follow
