@@ -141,6 +141,10 @@ class ModelRunner:
             inputs = self._upload(inputs)
             ids, pos = inputs[0].long(), inputs[1].long()
             plan = cuda_pass_plan(self.model, inputs, real_rows=start)
+            if getattr(self.model, "tree_spans", False):
+                # the DeltaNet layers walk each document's root and branch paths
+                plan.docs = [doc_span(d, s, self.model.cfg.sliding_window, self.device)
+                             for d, s in zip(docs, starts, strict=True)]
         else:
             ids = torch.cat([d.input_ids for d in docs])
             pos = torch.cat([d.positions for d in docs])
