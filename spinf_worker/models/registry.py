@@ -14,6 +14,9 @@ class Family:
     module: str          # spinf_worker.models.<module>
     config_class: str
     model_class: str
+    # the slot decoder (engine/decode.py) can step it from a pass's kept K/V; a stack with
+    # recurrent layers cannot (no state is kept per slot): served without extract / generate
+    slots: bool = True
 
     def classes(self):
         import importlib
@@ -44,7 +47,7 @@ GEMMA4_VISION = Family("Gemma 4 multimodal", "gemma4_vision", "Gemma4VisionConfi
                        "Gemma4VisionModel")
 LLAMA = Family("Llama", "llama", "LlamaConfig", "LlamaModel")
 QWEN3 = Family("Qwen3", "qwen3", "Qwen3Config", "Qwen3Model")
-QWEN3_5 = Family("Qwen3.5", "qwen3_5", "Qwen3_5Config", "Qwen3_5Model")
+QWEN3_5 = Family("Qwen3.5", "qwen3_5", "Qwen3_5Config", "Qwen3_5Model", slots=False)
 
 MODEL_TYPES = {
     "gemma3": GEMMA3, "gemma3_text": GEMMA3,
