@@ -215,3 +215,21 @@ def test_unsupported_variants(qwen_dir):
                                                   "factor": 4.0}})
     with pytest.raises(UnsupportedModelError, match="mixture-of-experts"):
         family.config({**cfg, "num_experts": 8})
+
+
+def test_manifest_and_api_check_without_slots(qwen_dir):
+    """`spinf-serve models DIR` lists it as loadable without extract / generate, and the
+    API's check (before queueing) refuses a generated slot with the worker's error."""
+    from spinf_worker.decision_rules import check_request_slots
+    from spinf_worker.protocol import ScoreRequest
+    from spinf_worker.tools.model_cache import check_dir, manifest_of
+
+    assert check_dir(qwen_dir) == ("Qwen3.5", None)
+    assert manifest_of(qwen_dir)["capabilities"] == ["score", "complete"]
+    request = ScoreRequest.parse({"text": NEWS, "scoring": {"queries": [
+        QUERIES[1], {"id": "say", "template": "\n\nSay:{*}", "generate": True}]}})
+    with pytest.raises(InvalidRequestError) as err:
+        check_request_slots(["score", "complete"], "tiny", request)
+    assert (err.value.code, err.value.param) == ("generation_disabled",
+                                                 "scoring.queries.1.generate")
+    check_request_slots(["score", "extract", "generate"], "tiny", request)
