@@ -115,10 +115,10 @@ def test_runner_raw_tensors_equal(engine):
                                [[rng.choice(vocab) for _ in range(rng.randint(1, 4))]
                                 for _ in range(rng.randint(1, 4))]) for _ in range(6)])
 
-    for size in (0, 63, 150):
+    for size, places in ((0, (5,)), (63, (1, 20)), (150, (0, 12))):
         target = doc(size).flatten(0)
         alone = engine.runner.run([target])[0]
-        for before in (1, 5, 20):
+        for before in places:
             others = [doc(rng.randint(0, 300)).flatten(0) for _ in range(20)]
             packed = engine.runner.run(others[:before] + [target] + others[before:])[before]
             assert all(torch.equal(a, b)
@@ -172,6 +172,7 @@ def test_qwen3_5_wrapper_config(engine, qwen_dir, tmp_path):
     """A ``qwen3_5`` directory (Qwen3_5ForConditionalGeneration's config and weight names, a
     vision tower beside) serves its text model with the same bits."""
     from spinf_worker.engine import Engine
+    from spinf_worker.models.loader import load_checkpoint
 
     path = tmp_path / "wrapper"
     shutil.copytree(qwen_dir, path)
@@ -185,8 +186,13 @@ def test_qwen3_5_wrapper_config(engine, qwen_dir, tmp_path):
     renamed = {name.replace("model.", "model.language_model.", 1): t
                for name, t in weights.items()}
     renamed["model.visual.patch_embed.proj.weight"] = torch.zeros(4, 3)
+    renamed["mtp.fc.weight"] = torch.zeros(4, 4)
     (path / "model.safetensors").unlink()
     save_file(renamed, path / "model.safetensors")
+    loaded = load_checkpoint(str(path))
+    assert loaded.config["model_type"] == "qwen3_5_text" and "vision_config" not in loaded.config
+    assert "model.layers.0.linear_attn.A_log" in loaded.weights
+    assert not any("visual" in name or "mtp" in name for name in loaded.weights)
     wrapped = Engine.load(str(path), device="cpu")
     assert type(wrapped.model) is type(engine.model)
     assert score(wrapped, NEWS, QUERIES) == score(engine, NEWS, QUERIES)
@@ -233,3 +239,24 @@ def test_manifest_and_api_check_without_slots(qwen_dir):
     assert (err.value.code, err.value.param) == ("generation_disabled",
                                                  "scoring.queries.1.generate")
     check_request_slots(["score", "extract", "generate"], "tiny", request)
+
+
+def test_larger_branch_tiles(engine, oracle, monkeypatch):
+    """Branch rows in tiles of another fixed size (CUDA takes 256 at a time; here 96, so a
+    bucket's last tile is padded): the same parity and bits alone vs packed and whatever else
+    is asked."""
+    from spinf_worker.kernels import delta_tree
+
+    monkeypatch.setitem(delta_tree.TILE_ROWS, "cpu", 96)
+    check_against_oracle(engine, oracle, NEWS, QUERIES)
+    rng = random.Random(7)
+    alone = target_scores(engine, [dict(TARGET)])
+    others = [random_query(rng, i) for i in range(12)]
+    assert target_scores(engine, others[:5] + [dict(TARGET)] + others[5:]) == alone
+    request = {"text": NEWS, "scoring": {"queries": QUERIES[:3]}}
+    alone = engine.score(request)
+    for at in (0, 3):
+        batch = [{"text": " ".join(NEWS.split()[:n]), "scoring": {"queries": QUERIES[k:]}}
+                 for k, n in ((1, 5), (3, 40), (0, 70))]
+        packed = engine.score_batch(batch[:at] + [request] + batch[at:])[at]
+        assert packed.results[0].queries == alone.results[0].queries

@@ -252,8 +252,10 @@ def doc_span(doc: FlatDoc, start: int, window: int, dev: torch.device,
     span = DocSpan(start, doc.root, doc.tokens)
     windowed = doc.max_position >= window
     root_pos = torch.arange(doc.root)
-    seen = root_pos[:, None] >= root_pos[None, :]
-    if doc.media and media_attention != "none":
+    both_ways = bool(doc.media) and media_attention != "none"
+    # [root, root]: built only for a mask that needs it (plain causal roots run without one)
+    seen = root_pos[:, None] >= root_pos[None, :] if both_ways or windowed else None
+    if both_ways:
         # an image's soft tokens see each other both ways (transformers' rule)
         image = torch.full((doc.root,), -1)
         for k, rows in enumerate(doc.media):

@@ -14,7 +14,7 @@ ancestor path in order, as attention does (kernels/attention.py):
 - the convolution's window of a row is its previous ``kernel - 1`` rows on its path, the
   root's last rows before a branch's first token (``TreeScan.window``).
 Shapes depend only on the document (the root: its own length, in CHUNK-row chunks) and, for a
-branch row, on its own path (BRANCH_TILE rows at a time, grouped by the power-of-two width of
+branch row, on its own path (TILE_ROWS rows at a time, grouped by the power-of-two width of
 their paths as the attention groups them), so a document's bits never depend on what else
 shares the pass, nor a question's on the other questions; reductions over a row (the l2 and
 RMS norms) add in a fixed order (``rowsum``) so they never depend on the pass's row count.
@@ -22,6 +22,7 @@ RMS norms) add in a fixed order (``rowsum``) so they never depend on the pass's 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,9 @@ from ..tiles import BRANCH_TILE
 from .attention import AttentionPlan
 
 CHUNK = 64   # rows of the chunked recurrence (transformers' and flash-linear-attention's)
+# Branch rows per call: the attention's BRANCH_TILE on the CPU; on CUDA more at once, as a
+# pass's tiles would cost more in kernel launches than in work (still one fixed shape).
+TILE_ROWS = {"cpu": BRANCH_TILE, "cuda": 8 * BRANCH_TILE}
 
 
 def rowsum(x: torch.Tensor) -> torch.Tensor:
@@ -107,28 +111,38 @@ def chunk_delta_rule(q, k, v, g, beta, state: torch.Tensor | None, chunk: int,
     dv, n = v.shape[-1], t // chunk
     q, k, v = (x.reshape(b, h, n, chunk, -1) for x in (q, k, v))
     g, beta = g.reshape(b, h, n, chunk), beta.reshape(b, h, n, chunk)
-    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    k_beta = k * beta[..., None]
     decay = g.cumsum(-1)                                             # log decay from chunk start
-    later = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
-    pair = (decay[..., :, None] - decay[..., None, :]).masked_fill(later, float("-inf")).exp()
-    # the UT transform: (I + strictly lower part of beta k k^T * decay)^-1, applied by solving
+    grow = decay.exp()[..., None]
+    pair = (decay[..., :, None] - decay[..., None, :]).masked_fill(
+        _later(chunk, q.device), float("-inf")).exp()
+    # the UT transform: (I + strictly lower part of beta k k^T * decay)^-1, applied by one
+    # triangular solve to both right-hand sides
     system = (k_beta @ k.transpose(-1, -2)) * pair
-    u = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(system, k_beta * decay.exp()[..., None], upper=False,
-                                      unitriangular=True)
+    u, w = torch.linalg.solve_triangular(
+        system, torch.cat((v * beta[..., None], k_beta * grow), dim=-1), upper=False,
+        unitriangular=True).split([dv, dk], dim=-1)
     attn = (q @ k.transpose(-1, -2)) * pair
-    q_dec = q * decay.exp()[..., None]
-    k_dec = k * (decay[..., -1:] - decay).exp()[..., None]
-    step = decay[..., -1].exp()[..., None, None]
+    q_dec = q * grow
+    updates = n if final_state else n - 1
+    if updates:
+        k_dec = (k * (decay[..., -1:] - decay).exp()[..., None]).transpose(-1, -2)
+        step = decay[..., -1].exp()[..., None, None]
     if state is None:
         state = q.new_zeros(1, h, dk, dv)
     out = q.new_empty(b, h, n, chunk, dv)
     for i in range(n):
         v_new = u[:, :, i] - w[:, :, i] @ state
         out[:, :, i] = q_dec[:, :, i] @ state + attn[:, :, i] @ v_new
-        if final_state or i + 1 < n:
-            state = state * step[:, :, i] + k_dec[:, :, i].transpose(-1, -2) @ v_new
+        if i < updates:
+            state = state * step[:, :, i] + k_dec[:, :, i] @ v_new
     return out.reshape(b, h, t, dv), state if final_state else None
+
+
+@functools.lru_cache(maxsize=16)
+def _later(chunk: int, device: torch.device) -> torch.Tensor:
+    """[chunk, chunk] bool: the pairs (i, j) with j after i."""
+    return torch.ones(chunk, chunk, dtype=torch.bool, device=device).triu(1)
 
 
 def root_scan(q, k, v, g, beta):
@@ -166,17 +180,20 @@ def tree_delta_rule(plan: AttentionPlan, q, k, v, g, beta) -> torch.Tensor:
     """The gated delta rule over a pass: q, k [rows, H, dk] (normalised, q scaled), v [rows,
     H, dv], g, beta [rows, H], fp32 -> [rows, H, dv] (padding rows: zeros)."""
     out = v.new_zeros(v.shape)
+    size = TILE_ROWS.get(q.device.type, BRANCH_TILE)
     for doc in plan.docs:
         s, r = doc.start, doc.root
         root = slice(s, s + r)
         out[root], state = root_scan(q[root], k[root], v[root], g[root], beta[root])
         branch_out = out[s + r:s + doc.tokens]
         for tiles in doc.branches:
-            for lo in range(0, tiles.rows.shape[0], BRANCH_TILE):
-                tile = slice(lo, lo + BRANCH_TILE)
-                path = tiles.path[tile] + s
-                o = branch_scan(q[path], k[path], v[path], g[path], beta[path],
-                                tiles.path_ok[tile], state)
-                real = min(BRANCH_TILE, tiles.real - lo)
-                branch_out[tiles.rows[tile][:real]] = o[:real]
+            for lo in range(0, tiles.rows.shape[0], size):
+                path, ok = tiles.path[lo:lo + size], tiles.path_ok[lo:lo + size]
+                if path.shape[0] < size:    # a whole tile: the bucket's first row again
+                    path = torch.cat((path, path[:1].expand(size - path.shape[0], -1)))
+                    ok = torch.cat((ok, ok[:1].expand(size - ok.shape[0], -1)))
+                path = path + s
+                o = branch_scan(q[path], k[path], v[path], g[path], beta[path], ok, state)
+                real = min(size, tiles.real - lo)
+                branch_out[tiles.rows[lo:lo + real]] = o[:real]
     return out
