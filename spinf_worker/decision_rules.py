@@ -1,4 +1,5 @@
-"""What a decision model refuses (no torch: the engine and the API both check).
+"""What a decision model refuses (no torch: the engine and the API both check), and what a
+model whose stack cannot decode slots refuses (``check_slots``).
 
 A decision model is served as it is: a request's queries are options read out over its code
 tokens, inside its own prompt format; extraction and generation slots, options that are not
@@ -43,6 +44,22 @@ def check_queries(decision: Decision, model: str, queries: list[Query],
                     code="invalid_field")
 
 
+def check_slots(capabilities: list[str], model: str, queries: list[Query],
+                params: list[str | None]) -> None:
+    """A model served without ``extract`` / ``generate`` (a stack with no slot decoding: the
+    recurrent state of a Gated DeltaNet is not kept per slot) answers options only."""
+    for q, param in zip(queries, params, strict=True):
+        where = param or f"packs.{q.group}"
+        if q.generate is not None and "generate" not in capabilities:
+            raise InvalidRequestError(
+                f"{where}: generation is not available for {model}", param=f"{where}.generate",
+                code="generation_disabled")
+        if q.slot_kind != "?" and "extract" not in capabilities:
+            raise InvalidRequestError(
+                f"{where}: extraction slots are not available for {model}; it scores options",
+                param=f"{where}.template", code="extraction_disabled")
+
+
 def refuse_completion(model: str) -> DecisionModelError:
     return DecisionModelError(
         f"{model} is a decision model: it scores options over its codes (POST /v1/score), "
@@ -58,3 +75,14 @@ def check_request(decision: Decision, model: str, request: ScoreRequest) -> None
         queries += own
         params += [f"inputs.{i}.queries.{k}" for k in range(len(own))]
     check_queries(decision, model, queries, params)
+
+
+def check_request_slots(capabilities: list[str], model: str, request: ScoreRequest) -> None:
+    """check_slots over a request's own queries (the shared ones and each input's)."""
+    queries = list(request.scoring.queries)
+    params: list[str | None] = [f"scoring.queries.{k}" for k in range(len(queries))]
+    for i, inp in enumerate(request.inputs or ()):
+        own = list(inp.queries or ())
+        queries += own
+        params += [f"inputs.{i}.queries.{k}" for k in range(len(own))]
+    check_slots(capabilities, model, queries, params)

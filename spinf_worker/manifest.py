@@ -136,8 +136,25 @@ class Manifest(BaseModel):
 
 
 def infer(name: str, config: dict, media: list[str] | None = None) -> dict:
-    """What a checkpoint without a manifest file is: read from its config.json (as before)."""
-    return {"id": name, "family": config.get("model_type"), "media": list(media or [])}
+    """What a checkpoint without a manifest file is: read from its config.json (as before);
+    a stack that cannot decode slots (models/registry.Family.slots) has no extract or
+    generate."""
+    inferred = {"id": name, "family": config.get("model_type"), "media": list(media or [])}
+    if not decodes_slots(config):
+        inferred["capabilities"] = [c for c in FULL_CAPABILITIES
+                                    if c not in ("extract", "generate")]
+    return inferred
+
+
+def decodes_slots(config: dict) -> bool:
+    """Whether the stack of this config.json decodes extraction and generated slots (an
+    unknown architecture: as far as the manifest knows, yes; it fails to load anyway)."""
+    from .models.registry import family_for
+
+    try:
+        return family_for(config).slots
+    except ModelNotFoundError:
+        return True
 
 
 def read_file(path: Path) -> dict | None:

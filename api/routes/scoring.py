@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse
 
 from spinf_worker.completions import CompletionRequest
 from spinf_worker.decision_rules import check_request as check_decision
-from spinf_worker.decision_rules import refuse_completion
+from spinf_worker.decision_rules import check_request_slots, refuse_completion
 from spinf_worker.errors import InvalidRequestError, ModelNotFoundError
 from spinf_worker.openai_compat import (
     ChatScoreResponse,
@@ -75,6 +75,8 @@ async def check_model(services: Services, model: str | None,
             raise refuse_completion(manifest.id)
     elif manifest.decision is not None:
         check_decision(manifest.decision, manifest.id, request)
+    elif not {"extract", "generate"} <= set(manifest.capabilities):
+        check_request_slots(list(manifest.capabilities), manifest.id, request)
 
 
 async def limits_check(services: Services) -> RequestCheck:

@@ -3,20 +3,24 @@ token ids (what a decision model refuses: spinf_worker/decision_rules.py)."""
 
 from __future__ import annotations
 
-from ..manifest import Decision, Manifest, ManifestError, read_file
+from ..manifest import Decision, Manifest, ManifestError, decodes_slots, read_file
 from ..manifest import load as load_manifest
 from ..models.loader import Checkpoint
 
 
 def served_manifest(checkpoint: Checkpoint, kinds: tuple[str, ...]) -> Manifest:
     """The checkpoint's manifest, its media those the model reads (a manifest may list fewer,
-    never more)."""
+    never more); a stack that cannot decode slots has no extract or generate, whatever a
+    manifest file lists."""
     manifest = checkpoint.manifest or load_manifest(None, checkpoint.name, checkpoint.config)
     if "media" in (read_file(checkpoint.path) or {}):
         media = [k for k in manifest.media if k in kinds]
     else:
         media = list(kinds)    # inferred: whatever the model reads
-    return manifest.model_copy(update={"media": media})
+    slots = decodes_slots(checkpoint.config)
+    capabilities = [c for c in manifest.capabilities
+                    if slots or c not in ("extract", "generate")]
+    return manifest.model_copy(update={"media": media, "capabilities": capabilities})
 
 
 def code_ids(decision: Decision, tokenizer, model: str) -> list[int]:

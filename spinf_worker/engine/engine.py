@@ -145,7 +145,8 @@ class Engine:
                                  max_content_tokens=self.settings.max_content_tokens,
                                  model=self.manifest.id, names=self.manifest.names,
                                  media=media, media_kinds=tuple(self.manifest.media),
-                                 decision=decision, max_inputs=limits.max_inputs)
+                                 decision=decision, max_inputs=limits.max_inputs,
+                                 capabilities=tuple(self.manifest.capabilities))
         self.floors = FloorCache(self.settings.floor_cache_size)
         self.fingerprint = self._fingerprint()
 

@@ -13,7 +13,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ..decision_rules import check_queries
+from ..decision_rules import check_queries, check_slots
 from ..errors import InvalidRequestError, ModelNotFoundError, SpinfError
 from ..manifest import Decision
 from ..model_names import served_names
@@ -100,17 +100,20 @@ class Preparer:
                  max_content_tokens: int = DEFAULT_LIMITS.max_content_tokens,
                  media: MediaLayout | None = None, names: set[str] | None = None,
                  media_kinds: tuple[str, ...] | None = None, decision: Decision | None = None,
-                 max_inputs: int | None = None):
+                 max_inputs: int | None = None, capabilities: tuple[str, ...] | None = None):
         """``model``: the served model's name; ``names``: every name a request may use (its
         manifest's; default: model_names.served_names). ``media``: how the model reads images
         (None: it reads text only); ``media_kinds``: those it is served with (default: all
-        it reads). ``decision``: a decision model's codes and prompt format."""
+        it reads). ``decision``: a decision model's codes and prompt format.
+        ``capabilities``: the manifest's (default: all); without extract / generate, slots
+        are refused."""
         self.presenter, self.pad_id, self.packs = presenter, pad_id, packs
         self.media = media
         self.names = names if names is not None else served_names(model)
         self.media_kinds = (media_kinds if media_kinds is not None
                             else media.kinds if media is not None else ())
         self.decision, self.max_inputs = decision, max_inputs
+        self.capabilities = capabilities
         self.model, self.context, self.max_combinations = model, context, max_combinations
         self.max_content_tokens = max_content_tokens
         self._roots: OrderedDict[str, list[int]] = OrderedDict()   # tokenised by rows()
@@ -207,6 +210,8 @@ class Preparer:
                 key = query_layout_key(queries, case_insensitive)
             if self.decision is not None:
                 check_queries(self.decision, self.model, queries, params)
+            elif self.capabilities is not None:
+                check_slots(list(self.capabilities), self.model, queries, params)
             query_set = self._query_set(queries, key, case_insensitive,
                                         request.scoring.empty_floor, limits, params)
             prepared = Prepared(doc.input_id, where, queries, len(doc.queries), query_set,

@@ -161,6 +161,10 @@ class ModelRunner:
             if media:
                 plan.media = [(s + image.start, self._upload_media(image.pixels), image.kind)
                               for d, s in zip(docs, starts, strict=True) for image in d.media]
+            if getattr(self.model, "tree_spans", False):
+                # the DeltaNet layers walk each document's root and branch paths
+                plan.docs = [doc_span(d, s, self.model.cfg.sliding_window, self.device)
+                             for d, s in zip(docs, starts, strict=True)]
         else:
             ids = torch.cat([d.input_ids for d in docs])
             pos = torch.cat([d.positions for d in docs])
@@ -278,8 +282,10 @@ def doc_span(doc: FlatDoc, start: int, window: int, dev: torch.device,
         return span
     windowed = doc.max_position >= window
     root_pos = torch.arange(doc.root)
-    seen = root_pos[:, None] >= root_pos[None, :]
-    if doc.media and media_attention != "none":
+    both_ways = bool(doc.media) and media_attention != "none"
+    # [root, root]: built only for a mask that needs it (plain causal roots run without one)
+    seen = root_pos[:, None] >= root_pos[None, :] if both_ways or windowed else None
+    if both_ways:
         # an image's soft tokens see each other both ways (transformers' rule)
         image = torch.full((doc.root,), -1)
         for k, rows in enumerate(doc.media):

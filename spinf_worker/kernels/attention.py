@@ -95,6 +95,8 @@ class AttentionPlan:
     # media of the pass: (pass row of its first soft token, its pixels or audio features,
     # "image" or "audio"), read by the model
     media: list[tuple[int, object, str]] | None = None
+    # the DeltaNet layers' view of the tree (kernels/delta_tree.TreeScan), built on first use
+    scan: object | None = None
 
     def attend(self, q, k, v, *, layer: int, sliding: bool, scale: float) -> torch.Tensor:
         if self.keep_rows is not None:

@@ -94,7 +94,9 @@ class Linear(nn.Module):
 # checkpoint's parts are joined when the weights are loaded. gate|up is interleaved
 # (g0 u0 g1 u1 ...) so one GEMM tile holds matching columns of each (kernels/fused.gate_up_act).
 FUSED_PROJECTIONS = {"qkv_proj": (("q_proj", "k_proj", "v_proj"), False),
-                     "gate_up_proj": (("gate_proj", "up_proj"), True)}
+                     "gate_up_proj": (("gate_proj", "up_proj"), True),
+                     # a Gated DeltaNet's input projections (models/qwen3_5.py)
+                     "in_proj": (("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"), False)}
 
 
 def join_parts(parts: list[torch.Tensor], interleave: bool) -> torch.Tensor:

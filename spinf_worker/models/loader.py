@@ -318,7 +318,8 @@ _PREFIX_RENAMES = [
     ("embed_tokens.", "model.embed_tokens."),
     ("norm.", "model.norm."),
 ]
-_NOT_TEXT = ("vision_tower", "multi_modal_projector", "audio_tower", "embed_vision", "embed_audio")
+_NOT_TEXT = ("vision_tower", "multi_modal_projector", "audio_tower", "embed_vision", "embed_audio",
+             "model.visual.", "mtp.")   # Qwen3.5's vision tower and multi-token prediction
 
 
 # Where checkpoints keep a Gemma 3 vision tower and projector (transformers 4 and 5).

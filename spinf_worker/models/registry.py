@@ -14,6 +14,9 @@ class Family:
     module: str          # spinf_worker.models.<module>
     config_class: str
     model_class: str
+    # the slot decoder (engine/decode.py) can step it from a pass's kept K/V; a stack with
+    # recurrent layers cannot (no state is kept per slot): served without extract / generate
+    slots: bool = True
 
     def classes(self):
         import importlib
@@ -44,18 +47,24 @@ GEMMA4_VISION = Family("Gemma 4 multimodal", "gemma4_vision", "Gemma4VisionConfi
                        "Gemma4VisionModel")
 LLAMA = Family("Llama", "llama", "LlamaConfig", "LlamaModel")
 QWEN3 = Family("Qwen3", "qwen3", "Qwen3Config", "Qwen3Model")
+QWEN3_5 = Family("Qwen3.5", "qwen3_5", "Qwen3_5Config", "Qwen3_5Model", slots=False)
 
 MODEL_TYPES = {
     "gemma3": GEMMA3, "gemma3_text": GEMMA3,
     "gemma4": GEMMA4, "gemma4_text": GEMMA4,
     "llama": LLAMA,                     # Llama 2 / 3.x, SmolLM / SmolLM2
     "qwen3": QWEN3,
+    # dense hybrid (Gated DeltaNet + full attention); a qwen3_5 wrapper is served text-only
+    "qwen3_5": QWEN3_5, "qwen3_5_text": QWEN3_5,
 }
+# hybrids whose MLPs are mixtures of experts: no stack here
+MOE_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
 ARCHITECTURES = {
     "Gemma3ForCausalLM": GEMMA3, "Gemma3ForConditionalGeneration": GEMMA3,
     "Gemma4ForCausalLM": GEMMA4, "Gemma4ForConditionalGeneration": GEMMA4,
     "LlamaForCausalLM": LLAMA,
     "Qwen3ForCausalLM": QWEN3,
+    "Qwen3_5ForCausalLM": QWEN3_5, "Qwen3_5ForConditionalGeneration": QWEN3_5,
 }
 
 
@@ -69,6 +78,10 @@ def family_for(config: dict) -> Family:
     if config.get("vision_config") and config.get("model_type") in ("gemma4", "gemma4_text"):
         return GEMMA4_VISION
     for model_type in (text.get("model_type"), config.get("model_type")):
+        if model_type in MOE_TYPES:
+            raise UnsupportedModelError(
+                f"architecture {model_type!r} is not supported: its mixture-of-experts layers "
+                "have no stack here (Qwen3.5 runs dense only)", param="model")
         if model_type in MODEL_TYPES:
             return MODEL_TYPES[model_type]
     for arch in config.get("architectures") or []:
