@@ -60,10 +60,13 @@ def check_slots(capabilities: list[str], model: str, queries: list[Query],
                 param=f"{where}.template", code="extraction_disabled")
 
 
-def refuse_completion(model: str) -> DecisionModelError:
-    return DecisionModelError(
-        f"{model} is a decision model: it scores options over its codes (POST /v1/score), "
-        "it does not complete text", param="model", code="completions_not_supported")
+def refuse_completion(model: str, decision: bool = True) -> DecisionModelError:
+    """A completion asked of a model that does not complete text (its manifest has no
+    ``complete``): a decision model, or a stack with recurrent layers."""
+    what = ("is a decision model: it scores options over its codes" if decision else
+            "scores options only")
+    return DecisionModelError(f"{model} {what} (POST /v1/score), it does not complete text",
+                              param="model", code="completions_not_supported")
 
 
 def check_request(decision: Decision, model: str, request: ScoreRequest) -> None:

@@ -137,12 +137,12 @@ class Manifest(BaseModel):
 
 def infer(name: str, config: dict, media: list[str] | None = None) -> dict:
     """What a checkpoint without a manifest file is: read from its config.json (as before);
-    a stack that cannot decode slots (models/registry.Family.slots) has no extract or
-    generate."""
+    a stack with recurrent layers (models/registry.Family.slots) has no extract, generate
+    or complete: its decoder keeps no state per slot, and completion prompts are laid out as
+    shared blocks (engine/prompt_blocks.py) that its recurrence does not walk."""
     inferred = {"id": name, "family": config.get("model_type"), "media": list(media or [])}
     if not decodes_slots(config):
-        inferred["capabilities"] = [c for c in FULL_CAPABILITIES
-                                    if c not in ("extract", "generate")]
+        inferred["capabilities"] = ["score"]
     return inferred
 
 

@@ -77,7 +77,7 @@ def test_config(engine):
     assert (cfg.linear_num_key_heads, cfg.linear_num_value_heads) == (2, 4)
     assert isinstance(engine.model.layers[4].linear_attn, GatedDeltaNet)
     assert engine.model.lm_head is not None
-    assert engine.manifest.capabilities == ["score", "complete"]
+    assert engine.manifest.capabilities == ["score"]
 
 
 def test_parity(engine, oracle):
@@ -231,11 +231,11 @@ def test_manifest_and_api_check_without_slots(qwen_dir):
     from spinf_worker.tools.model_cache import check_dir, manifest_of
 
     assert check_dir(qwen_dir) == ("Qwen3.5", None)
-    assert manifest_of(qwen_dir)["capabilities"] == ["score", "complete"]
+    assert manifest_of(qwen_dir)["capabilities"] == ["score"]
     request = ScoreRequest.parse({"text": NEWS, "scoring": {"queries": [
         QUERIES[1], {"id": "say", "template": "\n\nSay:{*}", "generate": True}]}})
     with pytest.raises(InvalidRequestError) as err:
-        check_request_slots(["score", "complete"], "tiny", request)
+        check_request_slots(["score"], "tiny", request)
     assert (err.value.code, err.value.param) == ("generation_disabled",
                                                  "scoring.queries.1.generate")
     check_request_slots(["score", "extract", "generate"], "tiny", request)
@@ -260,3 +260,14 @@ def test_larger_branch_tiles(engine, oracle, monkeypatch):
                  for k, n in ((1, 5), (3, 40), (0, 70))]
         packed = engine.score_batch(batch[:at] + [request] + batch[at:])[at]
         assert packed.results[0].queries == alone.results[0].queries
+
+
+def test_completions_refused(engine):
+    """Completion prompts are laid out as shared blocks the recurrence does not walk: refused
+    in one error, before anything is laid out."""
+    from spinf_worker.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError) as err:
+        engine.complete({"prompt": NEWS, "max_tokens": 0, "echo": True, "logprobs": 1})
+    assert (err.value.status, err.value.code) == (400, "completions_not_supported")
+    assert "scores options only" in str(err.value)

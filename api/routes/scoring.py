@@ -72,7 +72,7 @@ async def check_model(services: Services, model: str | None,
         return
     if isinstance(request, CompletionRequest):
         if "complete" not in manifest.capabilities:
-            raise refuse_completion(manifest.id)
+            raise refuse_completion(manifest.id, manifest.decision is not None)
     elif manifest.decision is not None:
         check_decision(manifest.decision, manifest.id, request)
     elif not {"extract", "generate"} <= set(manifest.capabilities):

@@ -72,7 +72,7 @@ class PreparedCompletion:
                 f"model {model!r} is not served here; served: {engine.model_name}",
                 param="model")
         if "complete" not in engine.manifest.capabilities:
-            raise refuse_completion(engine.model_name)
+            raise refuse_completion(engine.model_name, engine.manifest.decision is not None)
         self.model = model or engine.model_name
         self.top = max(request.logprobs or 0, 1)
         tok = engine.checkpoint.tokenizer

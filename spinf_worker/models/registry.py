@@ -15,7 +15,8 @@ class Family:
     config_class: str
     model_class: str
     # the slot decoder (engine/decode.py) can step it from a pass's kept K/V; a stack with
-    # recurrent layers cannot (no state is kept per slot): served without extract / generate
+    # recurrent layers cannot (no state is kept per slot): served without extract / generate,
+    # and without completions (their prompts' shared blocks are laid out for attention only)
     slots: bool = True
 
     def classes(self):
