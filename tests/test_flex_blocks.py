@@ -364,6 +364,8 @@ def test_a_document_with_images_keeps_the_same_blocks_wherever_it_lands():
         assert torch.equal(kept, alone[0]) and torch.equal(full, alone[1])
 
 
+@pytest.mark.parametrize("window", [None, WINDOW])
+@pytest.mark.parametrize("seed", [0, 1, 2])
 def test_a_prompt_block_visits_its_path_alike_alone_or_shared(seed, window):
     """Each query block of a prompt visits exactly its path's key blocks that the window
     reaches, in position order, each partial or full alike whether the prompt is alone or

@@ -195,8 +195,8 @@ def test_a_document_over_the_pass_budget_gets_a_pass_of_its_own():
     for k, (name, rows) in enumerate(docs):
         # roots of their own (engine/merge.py merges documents that share one)
         done += scheduler.add(name, SimpleNamespace(
-            name=name, length=rows, input_ids=torch.tensor([k]), root=1, tokens=1, max_position=0, media=[],
-            echo=None))
+            name=name, length=rows, input_ids=torch.tensor([k]), root=1, tokens=1, max_position=0,
+            media=[], echo=None, prompts=None))
     for batch in scheduler.flush():
         done += batch
     assert sorted(tag for tag, _ in done) == sorted(name for name, _ in docs)
