@@ -6,8 +6,11 @@ Tests that use the real default model are marked ``slow`` (``-m "not slow"`` lea
 
 from __future__ import annotations
 
+import copy
+import inspect
 import json
 import os
+import weakref
 from pathlib import Path
 
 import pytest
@@ -186,19 +189,59 @@ def tiny_oracle(tiny_dir):
                                              attn_implementation="eager").eval()
 
 
+# An oracle's answer for the same ids is the same: each is computed once per model and session
+# (the parity tests ask for the same contexts again, one option or spelling after another).
+_ORACLE_ANSWERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _oracle_answer(model, key: tuple, compute):
+    answers = _ORACLE_ANSWERS.setdefault(model, {})
+    if key not in answers:
+        answers[key] = compute()
+    return answers[key]
+
+
+def _cache_argument(model) -> str:
+    """The name of a forward's KV cache argument: ``cache`` in newer transformers."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _read_context(model, ids: tuple[int, ...]) -> tuple[torch.Tensor, object]:
+    """log P(next token | ids) and the KV cache of ids, from one plain forward."""
+    def compute() -> tuple[torch.Tensor, object]:
+        with torch.no_grad():
+            out = model(torch.tensor([ids]), use_cache=True, logits_to_keep=1)
+        cache = out.past_key_values if hasattr(out, "past_key_values") else out.cache
+        return torch.log_softmax(out.logits[0, -1].float(), dim=-1), cache
+
+    return _oracle_answer(model, ("context", ids), compute)
+
+
 def oracle_next_logprobs(model, ids: list[int]) -> torch.Tensor:
     """log P(next token | ids) over the vocabulary, from one plain forward."""
-    with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0, -1].float()
-    return torch.log_softmax(logits, dim=-1)
+    return _read_context(model, tuple(ids))[0].clone()
 
 
 def oracle_logprob(model, ids: list[int], n_context: int) -> float:
-    """Sum of log P(ids[j] | ids[:j]) for j >= n_context, from one plain forward."""
-    with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0].float()
-    logprobs = torch.log_softmax(logits, dim=-1)
-    return sum(logprobs[j - 1, ids[j]].item() for j in range(n_context, len(ids)))
+    """Sum of log P(ids[j] | ids[:j]) for j >= n_context: the context read once (its forward
+    serves every continuation asked of it), the rest read on a copy of its KV cache, as
+    transformers' own generation does; logits only at the rows read."""
+    def compute() -> float:
+        if n_context >= len(ids):
+            return 0.0
+        following, cache = _read_context(model, tuple(ids[:n_context]))
+        total = following[ids[n_context]].item()
+        rest = ids[n_context:-1]      # the rows that read ids[n_context + 1:]
+        if rest:
+            with torch.no_grad():
+                logits = model(torch.tensor([rest]), use_cache=True,
+                               **{_cache_argument(model): copy.deepcopy(cache)}).logits[0]
+            rows = torch.log_softmax(logits.float(), dim=-1)
+            total += sum(rows[k, ids[n_context + 1 + k]].item() for k in range(len(rest)))
+        return total
+
+    return _oracle_answer(model, ("sum", tuple(ids), n_context), compute)
 
 
 # The tiny multimodal Gemma 3: the tiny tokenizer plus Gemma 3's three image tokens (added

@@ -12,7 +12,7 @@ from spinf_worker.engine.decode import Sampling, SlotDecoder, SlotJob
 from spinf_worker.engine.layout import Branch, DocTree
 from spinf_worker.extract_values import NUMBER, number_complete, number_prefix_ok
 
-from .conftest import oracle_logprob
+from .conftest import oracle_logprob, oracle_next_logprobs
 
 CONTENT = ("Invoice 4411. The customer was charged twice in September for 12.50 dollars each "
            "time, and asked for a refund of the second charge.")
@@ -46,11 +46,6 @@ def _decode(engine, prefix_text: str, **settings):
     decoder = SlotDecoder(engine.model, engine.checkpoint.tokenizer,
                           engine.checkpoint.eos_token_id, engine.pad_id)
     return decoder.decode([_job(flat, pending, **settings)], pending.kept)[0], context
-
-
-def _next_logprobs(oracle, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return torch.log_softmax(oracle(torch.tensor([ids])).logits[0, -1].float(), -1)
 
 
 def _pieces(engine) -> list[str]:
@@ -107,7 +102,8 @@ def test_text_answers_carry_the_probability_that_they_end(engine_name, oracle_na
         assert 1 <= len(f.tokens) <= 4 and f.finish == "stop"
         want = oracle_logprob(oracle, context + f.tokens, len(context))
         if tok.decode(f.tokens) == f.text:   # ended by the next token
-            want += float(torch.logsumexp(_next_logprobs(oracle, context + f.tokens)[ends], 0))
+            following = oracle_next_logprobs(oracle, context + f.tokens)
+            want += float(torch.logsumexp(following[ends], 0))
         assert abs(f.logprob - want) <= 1e-4, f.text
 
 
@@ -125,9 +121,10 @@ def test_number_answers_end_where_the_grammar_cannot_go_on(engine_name, oracle_n
     for f in found:
         assert number_complete(f.text) and engine.checkpoint.tokenizer.decode(f.tokens) == f.text
         going_on = [i for i, p in maybe if number_prefix_ok(f.text + p)]
-        next_lp = _next_logprobs(oracle, context + f.tokens)
+        read = oracle_logprob(oracle, context + f.tokens, len(context))
+        next_lp = oracle_next_logprobs(oracle, context + f.tokens)
         end = math.log1p(-min(1.0, float(next_lp[going_on].exp().sum())))
-        want = oracle_logprob(oracle, context + f.tokens, len(context)) + end
+        want = read + end
         assert abs(f.logprob - want) <= 1e-4, f.text
 
 
@@ -183,7 +180,7 @@ def test_top_k_one_draws_the_best_continuation_or_ends(tiny_engine, tiny_oracle)
         (answer,) = _sampled(tiny_engine, temperature=2.0, top_k=1, seed=seed)
         lengths.add(len(answer.tokens))
         for j, token in enumerate(answer.tokens):
-            next_lp = _next_logprobs(tiny_oracle, context + answer.tokens[:j])
+            next_lp = oracle_next_logprobs(tiny_oracle, context + answer.tokens[:j])
             next_lp[special] = -math.inf
             assert token == int(torch.argmax(next_lp))
     assert max(lengths) >= 1

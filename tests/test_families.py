@@ -100,23 +100,6 @@ def tiny_gemma4(path: Path, tokenizer_dir: Path) -> Path:
     return _write(model, path, tokenizer_dir)
 
 
-def tail_oracle_logprob(model, ids: list[int], n_context: int) -> float:
-    """conftest.oracle_logprob with logits only at the rows it reads (``logits_to_keep``):
-    a full-vocabulary log-softmax over every row is most of an oracle call's time."""
-    keep = len(ids) - n_context + 1
-    with torch.no_grad():
-        logits = model(torch.tensor([ids]), logits_to_keep=keep).logits[0].float()
-    logprobs = torch.log_softmax(logits, dim=-1)
-    return sum(logprobs[k, ids[n_context + k]].item() for k in range(keep - 1))
-
-
-@pytest.fixture(autouse=True)
-def _fast_oracle(monkeypatch):
-    from . import test_engine_parity
-
-    monkeypatch.setattr(test_engine_parity, "oracle_logprob", tail_oracle_logprob)
-
-
 BUILDERS = {"llama": tiny_llama, "smollm": tiny_smollm, "qwen3": tiny_qwen3,
             "gemma4": tiny_gemma4}
 

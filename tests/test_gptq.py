@@ -20,9 +20,8 @@ from safetensors.torch import load_file, save_file
 
 from spinf_worker.errors import UnsupportedModelError
 
-from . import test_engine_parity
 from .test_engine_parity import NEWS, QUERIES, check_against_oracle, score
-from .test_families import SMALL, _randomise, tail_oracle_logprob
+from .test_families import SMALL, _randomise
 
 # hidden 256 and intermediate 384: every projection has 2+ groups of 128 and 8+ of 32
 SHAPE = {**SMALL, "hidden_size": 256, "intermediate_size": 384, "num_hidden_layers": 2,
@@ -182,12 +181,11 @@ def test_int4_scheme_refused_where_it_cannot_run():
     assert pick_scheme("int4", cpu.__class__("cuda"), None, random=True) == "int4"
 
 
-def test_gptq_scores_equal_dequantised_oracle(case, monkeypatch):
+def test_gptq_scores_equal_dequantised_oracle(case):
     """|Δlogprob| <= 1e-4 against transformers on the dequantised weights, and the same bits
     as the engine on the dense checkpoint."""
     from spinf_worker.engine import Engine
 
-    monkeypatch.setattr(test_engine_parity, "oracle_logprob", tail_oracle_logprob)
     engine = case["engine"]
     assert engine.scheme == "fp32"
     worst = check_against_oracle(engine, case["oracle"], NEWS, QUERIES)

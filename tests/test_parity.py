@@ -51,10 +51,23 @@ def write_reference(tmp_path: Path, ref: dict, name: str = "ref.json.gz") -> Pat
     return path
 
 
+# (engine, fixture digest, passes) -> the Run: the in-process tests judge other references
+# against the same scores, so the fixture is scored once for all of them
+_RUNS: dict[tuple, object] = {}
+
+
+def _scored_once(engine, fixture, passes: int):
+    key = (engine.fingerprint, fixture.digest, passes)
+    if key not in _RUNS:
+        _RUNS[key] = score_fixture(engine, fixture, passes)
+    return _RUNS[key]
+
+
 def parity_in_process(engine, monkeypatch, capsys, *args: str) -> tuple[int, dict]:
-    """`spinf-serve parity ... --json` in this process, on the session's engine (its load
-    is the slow part of a run)."""
+    """`spinf-serve parity ... --json` in this process, on the session's engine (no model
+    load), the fixture scored once for every test that calls it."""
     monkeypatch.setattr("spinf_worker.tools.parity.load_engine", lambda args: engine)
+    monkeypatch.setattr("spinf_worker.tools.parity.score_fixture", _scored_once)
     code = cli.main(["parity", *args, "--json"])
     return code, json.loads(capsys.readouterr().out)
 
