@@ -20,7 +20,7 @@ from spinf_worker.errors import InvalidRequestError, UnsupportedModelError
 
 from .test_batch_invariance import assert_invariant
 from .test_engine_parity import NEWS, QUERIES, check_against_oracle, score
-from .test_families import SMALL, _randomise, _write, tail_oracle_logprob
+from .test_families import SMALL, _randomise, _write
 from .test_query_independence import TARGET, random_query, target_scores
 
 # three DeltaNet layers to one full-attention layer, and a DeltaNet layer after it; two q/k
@@ -39,13 +39,6 @@ def tiny_qwen3_5(path: Path, tokenizer_dir: Path) -> Path:
     model = transformers.Qwen3_5ForCausalLM(cfg)
     _randomise(model, 6)
     return _write(model, path, tokenizer_dir)
-
-
-@pytest.fixture(autouse=True)
-def _fast_oracle(monkeypatch):
-    from . import test_engine_parity
-
-    monkeypatch.setattr(test_engine_parity, "oracle_logprob", tail_oracle_logprob)
 
 
 @pytest.fixture(scope="module")
