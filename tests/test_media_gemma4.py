@@ -64,7 +64,8 @@ def test_image_features_equal_transformers(tiny_gemma4_vision_engine,
             ours = tiny_gemma4_vision_engine.model.image_features(
                 tiny_gemma4_vision_engine.preparer.media.processing.pixels(url, 10**8))
         assert ours.shape == theirs.shape
-        assert (ours - theirs).abs().max().item() <= 1e-5
+        # fp32 sums in another order than transformers': up to 1.1e-5 on an AVX-512 CPU
+        assert (ours - theirs).abs().max().item() <= 2e-5
 
 
 def oracle_scores(oracle, engine, urls: list[str], text: str, queries) -> dict[tuple, float]:
