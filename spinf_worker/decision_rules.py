@@ -69,23 +69,22 @@ def refuse_completion(model: str, decision: bool = True) -> DecisionModelError:
                               param="model", code="completions_not_supported")
 
 
-def check_request(decision: Decision, model: str, request: ScoreRequest) -> None:
-    """check_queries over a request's own queries (the shared ones and each input's)."""
+def request_queries(request: ScoreRequest) -> tuple[list, list[str | None]]:
+    """A request's own queries (the shared ones and each input's) and each one's param."""
     queries = list(request.scoring.queries)
     params: list[str | None] = [f"scoring.queries.{k}" for k in range(len(queries))]
     for i, inp in enumerate(request.inputs or ()):
         own = list(inp.queries or ())
         queries += own
         params += [f"inputs.{i}.queries.{k}" for k in range(len(own))]
-    check_queries(decision, model, queries, params)
+    return queries, params
+
+
+def check_request(decision: Decision, model: str, request: ScoreRequest) -> None:
+    """check_queries over a request's own queries."""
+    check_queries(decision, model, *request_queries(request))
 
 
 def check_request_slots(capabilities: list[str], model: str, request: ScoreRequest) -> None:
-    """check_slots over a request's own queries (the shared ones and each input's)."""
-    queries = list(request.scoring.queries)
-    params: list[str | None] = [f"scoring.queries.{k}" for k in range(len(queries))]
-    for i, inp in enumerate(request.inputs or ()):
-        own = list(inp.queries or ())
-        queries += own
-        params += [f"inputs.{i}.queries.{k}" for k in range(len(own))]
-    check_slots(capabilities, model, queries, params)
+    """check_slots over a request's own queries."""
+    check_slots(capabilities, model, *request_queries(request))
