@@ -55,11 +55,11 @@ QUESTION = "\n\nQuestion: Which topic is this text mainly about?\nAnswer:"
 OPTIONS = [" World", " Sports", " Business", " Science"]
 
 
-def items(tokenizer, n: int, context_tokens: int) -> list[str]:
+def items(tokenizer, n: int, context_tokens: int, data: Path = DATA) -> list[str]:
     """n contexts of ``context_tokens`` tokens, evenly spaced over the articles' tokens."""
     texts = [row.get("text") or f"{row['title']}\n{row['description']}"
              for name in ("news_articles.jsonl", "ag_news_sample.jsonl")
-             for row in map(json.loads, (DATA / name).read_text(encoding="utf-8").splitlines())]
+             for row in map(json.loads, (data / name).read_text(encoding="utf-8").splitlines())]
     stream = [t for text in texts for t in tokenizer.encode(text + "\n\n",
                                                             add_special_tokens=False).ids]
     step = max(1, (len(stream) - context_tokens) // max(1, n - 1))
@@ -151,13 +151,21 @@ def main() -> None:
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="the service's device and the transformers baseline's")
     ap.add_argument("--model", default=None, help="default: the packaged one")
+    ap.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
+                    help="dummy: random weights of --model's shape (speed only; the "
+                         "transformers baseline is then skipped)")
+    ap.add_argument("--quant", default=None, help="the service's --quant (default: its own)")
+    ap.add_argument("--data", type=Path, default=DATA, help="dir with the news data")
+    ap.add_argument("--commit", default=None, help="when the checkout has no .git")
     ap.add_argument("--tree", choices=("head", "worktree"), default="head")
     ap.add_argument("--rev", default="HEAD",
                     help="the revision measured with --tree head (another one: a comparison)")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
-    commit = sh(f"git rev-parse --short {args.rev}")
+    commit = args.commit or sh(f"git rev-parse --short {args.rev}")
+    if args.load_format == "dummy":
+        args.skip_transformers = True
     load_at_start = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="spinf-completions-bench-") as tmp:
         src = Path(tmp) / "src"
@@ -165,11 +173,13 @@ def main() -> None:
         sys.path.insert(0, str(src))
         from spinf_worker.models.loader import load_checkpoint
 
-        ckpt = load_checkpoint(args.model, load_format="auto")
+        ckpt = load_checkpoint(args.model, load_format=args.load_format)
         tok, bos = ckpt.tokenizer, ckpt.bos_token_id
-        contexts = items(tok, args.items, args.context_tokens)
+        contexts = items(tok, args.items, args.context_tokens, args.data)
         service = Service(src, Path(tmp), free_port(), args.model)
         service.command[service.command.index("--device") + 1] = args.device
+        service.command += ["--load-format", args.load_format] + (
+            ["--quant", args.quant] if args.quant else [])
         service.start()
         try:
             service.wait_ready()
@@ -191,7 +201,7 @@ def main() -> None:
     r = dict(date=datetime.date.today().isoformat(), commit=commit, device=args.device,
              machine=cpu_model() if args.device == "cpu" else torch.cuda.get_device_name(),
              threads=torch.get_num_threads(), load_avg_1m_at_start=load_at_start,
-             model=model, items=args.items, options=len(OPTIONS),
+             model=model, load_format=args.load_format, quant=args.quant, items=args.items, options=len(OPTIONS),
              context_tokens=args.context_tokens, concurrency=args.concurrency,
              completions_s=c_s, completions_items_per_s=args.items / c_s,
              score_s=s_s, score_items_per_s=args.items / s_s,
