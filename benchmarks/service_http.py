@@ -218,7 +218,9 @@ class Service:
 
     def start(self) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("SPINF_")}
-        env.update(PYTHONPATH=str(self.src),
+        # the snapshot first; a PYTHONPATH of the caller's (site packages of a bare host) after it
+        env.update(PYTHONPATH=os.pathsep.join(
+                       [str(self.src)] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
                    # /v1/score waits for its result (X-Sync-Timeout can only shorten this)
                    SPINF_SYNC_TIMEOUT_S=str(HTTP_TIMEOUT_S))
         # the service must import the snapshot, not the checkout (python -m puts cwd first)
