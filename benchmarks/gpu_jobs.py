@@ -290,7 +290,9 @@ def question_set(questions: dict, n: int) -> list[dict]:
 
 
 def job_sweeps(bench: Bench) -> None:
-    engine = bench.engine(TINY if bench.tiny else GEMMA_12B)
+    lengths = bench.args.lengths or (TINY_SWEEP_LENGTHS if bench.tiny else SWEEP_LENGTHS)
+    engine = bench.engine(TINY if bench.tiny else GEMMA_12B,
+                          max_content_tokens=max(lengths) + 1024)
     docs = bench.articles(bench.args.docs)
     counts = bench.args.question_counts or SWEEP_QUESTIONS
     bench.row.update({"docs": len(docs), "doc_tokens": bench.args.doc_tokens,
@@ -301,7 +303,6 @@ def job_sweeps(bench: Bench) -> None:
         bench.row["by_questions"].append({"questions_per_doc": n, **figures})
         bench.save()
         print(json.dumps({"questions_per_doc": n, **figures}), flush=True)
-    lengths = bench.args.lengths or (TINY_SWEEP_LENGTHS if bench.tiny else SWEEP_LENGTHS)
     bench.row.update({"lengths": lengths, "by_length": []})
     for length in lengths:
         count = max(4, bench.args.sweep_tokens // length)
