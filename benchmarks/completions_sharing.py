@@ -214,7 +214,8 @@ def main() -> None:
                      abs(a - b) for a, b in zip(c_scores, t_scores, strict=True)))
     out = ROOT / args.out
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{r['date']}-completions-sharing-{commit}.json"
+    slug = Path(model).name.replace("/", "--") or "model"   # runs of two models side by side
+    path = out / f"{r['date']}-completions-sharing-{args.device}-{slug}-{commit}.json"
     path.write_text(json.dumps(r, indent=1) + "\n")
     print("| way | items/s | s |\n|---|---|---|")
     for way in ("completions", "score", "transformers"):
