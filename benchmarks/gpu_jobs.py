@@ -5,6 +5,7 @@ on one H200), on random weights of the models' shapes (as ``--load-format dummy`
     python benchmarks/gpu_jobs.py long   --data DIR --tokenizer DIR --out benchmarks/results
     python benchmarks/gpu_jobs.py 27b    --data DIR --tokenizer DIR --out benchmarks/results
     python benchmarks/gpu_jobs.py sweeps --data DIR --tokenizer DIR --out benchmarks/results
+    python benchmarks/gpu_jobs.py hybrid --data DIR --tokenizer DIR --out benchmarks/results
 
 - ``slots``: the news job (24 articles x 470 tokens x 56 questions) with and without four
   extraction slots per document (cpu_slots.SLOTS: two ``{*}``, one ``{n}``, one ``{$}``, beams
@@ -20,6 +21,9 @@ on one H200), on random weights of the models' shapes (as ``--load-format dummy`
 - ``sweeps``: 12B shape, questions/s against questions per document (7 to 224: the first of
   the news questions, or all of them again as "Question 2:", ...) and against document length
   (256 to 8k tokens); a PNG of both (plot_sweeps.py) where matplotlib imports, else the JSON.
+- ``hybrid``: the news job on the Qwen3.5-27B shape (48 Gated DeltaNet layers, 16 gated
+  full-attention ones), bf16 then fp8 (``--schemes``): questions/s, a document's bits alone vs
+  packed, peak memory.
 
 Each writes ``<date>-gpu-<job>-<commit>.json`` under ``--out`` and prints a summary. fp8 by
 default (``--scheme``). ``--tiny``: the same code on the CPU with a tiny random Gemma 3 (fp32,
@@ -42,7 +46,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cpu_slots import SLOTS  # noqa: E402
-from gpu_bench import GEMMA_12B, nvidia_smi_used_gib  # noqa: E402
+from gpu_bench import GEMMA_12B, invariance, nvidia_smi_used_gib  # noqa: E402
 
 from spinf_worker.engine import Engine, EngineSettings  # noqa: E402
 from spinf_worker.engine.packer import pack  # noqa: E402
@@ -68,6 +72,26 @@ TINY = dict(GEMMA_12B, hidden_size=64, intermediate_size=128, num_hidden_layers=
             sliding_window=128, layer_types=["sliding_attention", "full_attention"])
 TINY_27B = dict(TINY, hidden_size=96, num_hidden_layers=3,
                 layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+
+# the public Qwen3.5-27B's text config (dense hybrid: three Gated DeltaNet layers to one gated
+# full-attention layer); the vocabulary is the Gemma tokenizer's here (262,144 against
+# 248,320), so that the news job's token ids exist
+QWEN3_5_27B = dict(model_type="qwen3_5_text", vocab_size=262144, hidden_size=5120,
+                   intermediate_size=17408, num_hidden_layers=64,
+                   layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 16,
+                   num_attention_heads=24, num_key_value_heads=4, head_dim=256,
+                   linear_num_key_heads=16, linear_num_value_heads=48,
+                   linear_key_head_dim=128, linear_value_head_dim=128,
+                   linear_conv_kernel_dim=4, rms_norm_eps=1e-6, hidden_act="silu",
+                   attn_output_gate=True, tie_word_embeddings=False,
+                   max_position_embeddings=262144,
+                   rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                                    "partial_rotary_factor": 0.25})
+TINY_QWEN3_5 = dict(QWEN3_5_27B, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                    layer_types=["linear_attention"] * 3 + ["full_attention"],
+                    num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                    linear_num_key_heads=2, linear_num_value_heads=4,
+                    linear_key_head_dim=16, linear_value_head_dim=16)
 
 LONG_LENGTHS, TINY_LONG_LENGTHS = [512, 2048, 8192, 32768], [256, 1024]
 SWEEP_QUESTIONS = [7, 14, 28, 56, 112, 224]
@@ -273,6 +297,29 @@ def job_27b(bench: Bench) -> None:
                     "27b_target_met", "12b_peak_gib", "27b_peak_gib", "27b_load_peak_gib"])
 
 
+def job_hybrid(bench: Bench) -> None:
+    """The news job on the Qwen3.5-27B shape (Gated DeltaNet beside full attention), each
+    scheme of ``--schemes``: questions/s and a document's bits alone vs packed."""
+    docs = bench.articles(bench.args.docs)
+    requests = build_requests(docs, bench.questions)
+    schemes = ["fp32"] if bench.tiny else bench.args.schemes
+    for scheme in schemes:
+        bench.release()
+        bench.scheme = scheme
+        engine = bench.engine(TINY_QWEN3_5 if bench.tiny else QWEN3_5_27B)
+        load_peak = bench.peak_gib()
+        figures, responses = bench.measure(engine, requests)
+        figures["load_peak_gib"] = load_peak
+        figures["bit_identical_alone_vs_packed"] = invariance(engine, requests, responses,
+                                                              len(requests) // 2)
+        bench.record(f"qwen3_5_27b_{scheme}", figures)
+        del engine
+    bench.save()
+    summary(bench, [f"qwen3_5_27b_{s}_{k}" for s in schemes
+                    for k in ("questions_per_s", "tokens_per_s", "seconds", "passes",
+                              "bit_identical_alone_vs_packed", "peak_gib", "load_peak_gib")])
+
+
 def question_set(questions: dict, n: int) -> list[dict]:
     """The first ``n`` news questions; past the 56, all of them again as "Question 2:", ...
     (other tokens after the shared "\\n\\nQuestion", so a repeat is read, not shared)."""
@@ -332,7 +379,8 @@ def summary(bench: Bench, keys: list[str]) -> None:
         print(f"| {k} | {bench.row.get(k)} |")
 
 
-JOBS = {"slots": job_slots, "long": job_long, "27b": job_27b, "sweeps": job_sweeps}
+JOBS = {"slots": job_slots, "long": job_long, "27b": job_27b, "sweeps": job_sweeps,
+        "hybrid": job_hybrid}
 
 
 def main() -> None:
@@ -344,6 +392,8 @@ def main() -> None:
     parser.add_argument("--tokenizer", type=Path, default=None,
                         help="dir with tokenizer.json (default: the default model's)")
     parser.add_argument("--scheme", default="fp8", choices=["bf16", "fp8"])
+    parser.add_argument("--schemes", nargs="*", default=["bf16", "fp8"],
+                        help="hybrid: the schemes measured, one after the other")
     parser.add_argument("--docs", type=int, default=24, help="news-job articles")
     parser.add_argument("--doc-tokens", type=int, default=470)
     parser.add_argument("--repeat", type=int, default=3, help="timed calls (median)")
