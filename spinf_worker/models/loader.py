@@ -34,7 +34,7 @@ from spinf_worker.model_names import DEFAULT_MODEL, is_default
 from spinf_worker.models.cache import CONVERSION_MARKER, DEFAULT_DIR, cache_root
 from spinf_worker.quant.formats import StoredFormat, stored_format
 from spinf_worker.quant.fp8_checkpoint import Fp8Weight, split_fp8
-from spinf_worker.quant.gptq import Int4Weight, dequantize_weights, packed_layers
+from spinf_worker.quant.gptq import Int4Weight, split_gptq
 from spinf_worker.quant.gptq_config import GptqFormat
 
 logger = logging.getLogger(__name__)
@@ -233,13 +233,9 @@ def load_hf_dir(path: Path, *, name: str, cache_dir: Path | None = None,
         weights = {}
         for file in files:
             weights.update(load_file(file))
-        if isinstance(fmt, GptqFormat):
-            dense = dequantize_weights(weights, fmt)      # checks every layer's tensors
-            layers = packed_layers(weights, fmt)
-            weights = dense
-        elif fmt is not None:
-            weights, layers = split_fp8(weights, fmt)
-        if fmt is not None:
+        if fmt is not None:     # each layer checked, kept as stored and dequantised
+            split = split_gptq if isinstance(fmt, GptqFormat) else split_fp8
+            weights, layers = split(weights, fmt)
             stored = {key.removesuffix(".weight"): layer for prefix, layer in layers.items()
                       if (key := text_key(prefix + ".weight", "vision_config" in config))}
         weights = text_weights(weights, tied=config.get("tie_word_embeddings", True),
