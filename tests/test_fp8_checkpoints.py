@@ -484,3 +484,25 @@ def test_bad_fp8_tensors_refused(tmp_path, tiny_tokenizer_dir):
     save_file({**weights}, info["ct_dir"] / "model.safetensors")
     with pytest.raises(UnsupportedModelError, match=f"{v}.weight is float8_e4m3fn without"):
         Engine.load(str(info["ct_dir"]), device="cpu")
+
+
+def test_scales_file_replaces_stored_scales_and_dummy_weights(tmp_path, tiny_tokenizer_dir):
+    """``--fp8-scales FILE`` given for a checkpoint with its own static scales: the file's are
+    served (on the stored codes); ``--load-format dummy``: random weights of the shapes in the
+    checkpoint's own scheme."""
+    from spinf_worker.engine import Engine, EngineSettings
+    from spinf_worker.quant.fp8_static import save_scales
+
+    info = write_case(tmp_path, tiny_tokenizer_dir, "llama", "channel", "static")
+    scales = {name: s * 2 for name, s in engine_scales(info["layers"]).items()}
+    save_scales(tmp_path / "s.safetensors", scales, {})
+    engine = Engine.load(str(info["ct_dir"]), device="cpu", settings=EngineSettings(
+        scheme="fp8-static", fp8_scales=str(tmp_path / "s.safetensors")))
+    module = engine.model.layers[1].mlp.down_proj
+    assert torch.equal(module.input_scale, scales["layers.1.mlp.down_proj"])
+    stored = info["layers"]["model.layers.1.mlp.down_proj"]["weight"]
+    assert torch.equal(module.weight.view(torch.uint8), stored.view(torch.uint8))
+    dummy = Engine.load(str(info["ct_dir"]), device="cpu", load_format="dummy")
+    assert dummy.scheme == "fp8-static"
+    assert dummy.model.layers[0].self_attn.qkv_proj.weight.dtype == FP8
+    assert score(dummy, NEWS, QUERIES[:1])
