@@ -208,15 +208,26 @@ def build_model(checkpoint: Checkpoint, device: str | None = None, scheme: str =
         missing = []
 
         def fill(name: str, param: torch.Tensor) -> None:
-            if not model.load_weight(checkpoint.weights, name, param):
+            if model.load_weight(checkpoint.weights, name, param):
+                return
+            # an fp8 checkpoint's layer served dense: dequantised here, one layer at a time
+            kept = (model.stored_weight(checkpoint.stored, name.removesuffix(".weight"))
+                    if checkpoint.stored and name.endswith(".weight") else None)
+            if kept is None:
                 missing.append(name)
+            elif tuple(kept.shape) != tuple(param.shape):
+                raise ValueError(f"weight {name}: checkpoint shape {tuple(kept.shape)}, "
+                                 f"model shape {tuple(param.shape)}")
+            else:
+                param.copy_(kept.dense())
 
     stored = stored_source(model, checkpoint, scheme, where)
     if (scheme == "fp8-static" and input_scales is None and stored is None
             and checkpoint.weights is None and checkpoint.stored_format is not None):
         # random weights of an fp8-static checkpoint: its scales' values don't matter either
+        fp8 = set(model.fp8_linears())
         input_scales = {name: scale_of(torch.tensor(1.0)) for name, m in model.named_modules()
-                        if m in set(model.fp8_linears())}
+                        if m in fp8}
     with torch.no_grad():
         materialize(model, where, fill, scheme, input_scales, stored)
     if checkpoint.weights is not None and missing:

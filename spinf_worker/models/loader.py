@@ -66,7 +66,8 @@ class Checkpoint:
     stored_format: StoredFormat | None = None   # the same, as the loader read it
     # a quantised checkpoint's linear layers as stored (GPTQ int4 packed, fp8 codes and
     # scales), by ``text_weights`` name less ".weight": the scheme of the checkpoint's format
-    # serves these (int4; fp8 / fp8-static), the others the dequantised ``weights``
+    # serves these (int4; fp8 / fp8-static), the others dequantised (GPTQ: in ``weights``;
+    # fp8: layer by layer as the model loads)
     stored: dict[str, Int4Weight | Fp8Weight] | None = None
     # what it is as /v1/models lists it: its spinf-manifest.json over what config.json says
     manifest: Manifest | None = None
@@ -200,7 +201,8 @@ def load_hf_dir(path: Path, *, name: str, cache_dir: Path | None = None,
     """Load an HF-layout directory: config.json, *.safetensors and tokenizer.json (``dummy``:
     no weights, random ones of the config's shapes are built). A GPTQ int4 (quant/gptq.py) or
     compressed-tensors fp8 (quant/fp8_checkpoint.py) checkpoint's linear layers are kept as
-    stored and dequantised to fp32; another quantization_config is an error naming it."""
+    stored (GPTQ's also dequantised to fp32 here); another quantization_config is an error
+    naming it."""
     path = Path(path)
     for required in ("config.json", "tokenizer.json"):
         if not (path / required).is_file():
@@ -233,7 +235,7 @@ def load_hf_dir(path: Path, *, name: str, cache_dir: Path | None = None,
         weights = {}
         for file in files:
             weights.update(load_file(file))
-        if fmt is not None:     # each layer checked, kept as stored and dequantised
+        if fmt is not None:     # each layer checked and kept as stored (GPTQ: and dequantised)
             split = split_gptq if isinstance(fmt, GptqFormat) else split_fp8
             weights, layers = split(weights, fmt)
             stored = {key.removesuffix(".weight"): layer for prefix, layer in layers.items()

@@ -107,9 +107,11 @@ def stored_layer(prefix: str, weights: dict[str, torch.Tensor], fmt: Fp8Format) 
 
 def split_fp8(weights: dict[str, torch.Tensor], fmt: Fp8Format
               ) -> tuple[dict[str, torch.Tensor], dict[str, Fp8Weight]]:
-    """(the tensors with every fp8 layer's ``X.weight`` dequantised to fp32 and its scales
-    dropped, the fp8 layers as stored by ``X``). A layer is fp8 where the checkpoint stores its
-    weight so (the ``ignore``d ones are stored dense): with its ``X.weight_scale``."""
+    """(the other tensors, the fp8 layers as stored by ``X``). A layer is fp8 where the
+    checkpoint stores its weight so (the ``ignore``d ones are stored dense): with its
+    ``X.weight_scale``. Its dense weight is not made here: a scheme that wants it dequantises
+    one layer at a time as it loads (``Fp8Weight.dense``), so loading holds no fp32 copy of
+    the model."""
     dense, stored = dict(weights), {}
     for key, tensor in weights.items():
         if tensor.dtype == FP8 and key.endswith(".weight") and key[:-7] + SCALE not in weights:
@@ -118,9 +120,9 @@ def split_fp8(weights: dict[str, torch.Tensor], fmt: Fp8Format
         if prefix + ".weight" not in weights:
             raise unsupported(f"{prefix}{SCALE} without {prefix}.weight")
         layer = stored_layer(prefix, weights, fmt)
-        for leaf in (SCALE, ".input_scale", ".weight_zero_point", ".input_zero_point"):
+        for leaf in (".weight", SCALE, ".input_scale", ".weight_zero_point",
+                     ".input_zero_point"):
             dense.pop(prefix + leaf, None)
-        dense[prefix + ".weight"] = layer.dense()
         stored[prefix] = layer
     if not stored:
         raise unsupported("compressed-tensors fp8 config but no fp8 weights in the checkpoint")
