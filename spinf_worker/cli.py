@@ -16,13 +16,16 @@ from .errors import InvalidRequestError, SpinfError
 
 CHUNK_DOCS = 64   # documents handed to the engine at once: enough to fill passes
 QUANT_SCHEMES = ("auto", "fp32", "bf16", "fp8", "fp8-static", "int8", "int4")
-QUANT_HELP = ("weights at load: fp32, bf16 / fp8 (CUDA), fp8-static (calibrated activation "
-              "scales: --fp8-scales; CUDA, or the CPU's reference path), int8 weight-only, int4 "
-              "(a GPTQ checkpoint kept packed, CUDA) (default auto: fp32 on the CPU, fp8 or bf16 "
-              "on a GPU, int4 for GPTQ; $SPINF_QUANT for the service)")
+QUANT_HELP = ("weights at load: fp32, bf16 (CUDA), fp8 (per-token activation scales; CUDA, "
+              "or the CPU's reference path), fp8-static (calibrated activation scales: "
+              "--fp8-scales; CUDA, or the CPU's reference path), int8 weight-only, int4 (a GPTQ "
+              "checkpoint kept packed, CUDA) (default auto: fp32 on the CPU, fp8 or bf16 on a "
+              "GPU, int4 for GPTQ, an fp8 checkpoint's own fp8 / fp8-static; $SPINF_QUANT for "
+              "the service)")
 FP8_SCALES_HELP = ("fp8-static: the activation scales file from `spinf-serve quantize "
-                   "fp8-static` (default: fp8-static-scales.safetensors beside the checkpoint; "
-                   "$SPINF_FP8_SCALES for the service)")
+                   "fp8-static` (default: an fp8 checkpoint's stored scales, else "
+                   "fp8-static-scales.safetensors beside the checkpoint; $SPINF_FP8_SCALES for "
+                   "the service)")
 
 
 def _load_scoring(path: str | None) -> dict | None:

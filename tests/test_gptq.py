@@ -19,6 +19,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from spinf_worker.errors import UnsupportedModelError
+from spinf_worker.quant.gptq_config import GptqFormat
 
 from .test_engine_parity import NEWS, QUERIES, check_against_oracle, score
 from .test_families import SMALL, _randomise
@@ -28,6 +29,7 @@ SHAPE = {**SMALL, "hidden_size": 256, "intermediate_size": 384, "num_hidden_laye
          "head_dim": 64}
 BODY = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 WORD = 1 << 32
+GPTQ_G128 = GptqFormat(group_size=128, sym=True, v2=False)
 
 
 def to_int32(words: torch.Tensor) -> torch.Tensor:
@@ -163,11 +165,11 @@ def test_gptq_packed_layers_give_every_body_layer(case):
     body = model.body_linears()
     assert body
     for module in body:
-        packed = model.int4_weight(ckpt.int4, names[module])
+        packed = model.stored_weight(ckpt.stored, names[module])
         assert packed is not None, names[module]
         assert packed.shape == tuple(module.weight.shape)
         assert torch.equal(packed.dense(), module.weight), names[module]
-    assert model.int4_weight(ckpt.int4, "lm_head") is None
+    assert model.stored_weight(ckpt.stored, "lm_head") is None
 
 
 def test_int4_scheme_refused_where_it_cannot_run():
@@ -175,7 +177,7 @@ def test_int4_scheme_refused_where_it_cannot_run():
 
     cpu = torch.device("cpu")
     with pytest.raises(ValueError, match="int4 runs on CUDA only"):
-        pick_scheme("int4", cpu, "gptq int4 g128 sym gptq")
+        pick_scheme("int4", cpu, GPTQ_G128)
     with pytest.raises(ValueError, match="serves GPTQ int4 checkpoints"):
         pick_scheme("int4", cpu, None)
     assert pick_scheme("int4", cpu.__class__("cuda"), None, random=True) == "int4"
@@ -228,6 +230,6 @@ def test_gptq_not_requantised():
     from spinf_worker.models.build import pick_scheme
 
     cpu = torch.device("cpu")
-    assert pick_scheme("auto", cpu, "gptq int4 g128 sym gptq") == "fp32"
+    assert pick_scheme("auto", cpu, GPTQ_G128) == "fp32"
     with pytest.raises(ValueError, match="int8 does not apply to a gptq int4"):
-        pick_scheme("int8", cpu, "gptq int4 g128 sym gptq")
+        pick_scheme("int8", cpu, GPTQ_G128)

@@ -77,13 +77,16 @@ class EngineSettings:
                "template for an instruct model that has one, else the raw text)"})
     scheme: str = field(default="auto", metadata={
         "doc": "`auto` | `fp32` | `bf16` | `fp8` (W8A8, per-token activation scales; GPUs "
-               "with fp8 tensor cores) | `fp8-static` (W8A8, activation scales calibrated "
-               "offline: `fp8_scales`; CUDA, or the CPU's exact reference path) | `int8` "
+               "with fp8 tensor cores, or the CPU's exact reference path) | `fp8-static` "
+               "(W8A8, activation scales calibrated offline: `fp8_scales`, or an fp8 "
+               "checkpoint's own; CUDA, or the CPU's exact reference path) | `int8` "
                "(weight-only, per-channel scales; CPU or CUDA) | `int4` (a GPTQ checkpoint "
-               "kept packed, W4A16; CUDA; auto there for GPTQ)"})
+               "kept packed, W4A16; CUDA; auto there for GPTQ). auto serves an fp8 checkpoint "
+               "(compressed-tensors) in its own fp8 / fp8-static"})
     fp8_scales: str | None = field(default=None, metadata={
         "doc": "`fp8-static`: the activation scales file (`spinf-serve quantize fp8-static`). "
-               "None: `fp8-static-scales.safetensors` beside the checkpoint"})
+               "None: an fp8 checkpoint's own stored scales, else "
+               "`fp8-static-scales.safetensors` beside the checkpoint"})
     cuda_graphs: bool = field(default=True, metadata={
         "doc": "CUDA: replay passes as captured graphs (engine/cuda_graphs.py)"})
     fuse: bool = field(default=True, metadata={
@@ -108,7 +111,9 @@ class Engine:
         self.settings = replace(settings) if settings else EngineSettings()
         self.scales_digest = None
         input_scales = None
-        if self.settings.scheme == "fp8-static":
+        stored_static = getattr(checkpoint.stored_format, "scheme", None) == "fp8-static"
+        if self.settings.scheme == "fp8-static" and (self.settings.fp8_scales
+                                                     or not stored_static):
             path = scales_path(self.settings.fp8_scales, checkpoint.path)
             input_scales, _ = load_scales(path, checkpoint.weights_digest)
             self.scales_digest = hashlib.sha256(path.read_bytes()).hexdigest()

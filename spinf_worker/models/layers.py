@@ -10,8 +10,11 @@ from torch import nn
 
 from ..kernels.matmul import linear
 from ..quant.fp8 import quantize_weight
+from ..quant.fp8_checkpoint import Fp8Weight
+from ..quant.fp8_cpu import fp8_dynamic_linear
 from ..quant.fp8_static import fp8_static_linear
 from ..quant.gptq import Int4Weight
+from ..quant.gptq_config import unsupported
 from ..quant.int8 import int8_linear, quantize_weight_int8
 from ..tiles import READOUT_TILE
 
@@ -40,7 +43,8 @@ class Linear(nn.Module):
     bias-free unless asked (Llama-style ``attention_bias`` / ``mlp_bias``).
 
     fp8 activations are quantised per token, or with a static ``input_scale`` (0-dim fp32,
-    calibrated offline: quant/fp8_static.py) when the layer has one."""
+    calibrated offline: quant/fp8_static.py, or stored in the checkpoint) when the layer has
+    one."""
 
     def __init__(self, d_in: int, d_out: int, bias: bool = False):
         super().__init__()
@@ -53,11 +57,19 @@ class Linear(nn.Module):
     def to_fp8(self, input_scale: torch.Tensor | None = None) -> None:
         """Per-output-channel fp8 weights, computed once at load; ``input_scale``: the
         activations' static scale (else per token)."""
-        w8, scale = quantize_weight(self.weight.data)
-        self.weight = nn.Parameter(w8, requires_grad=False)
-        self.weight_scale = scale
+        self.set_fp8(*quantize_weight(self.weight.data), input_scale)
+
+    def set_fp8(self, weight: torch.Tensor, weight_scale: torch.Tensor,
+                input_scale: torch.Tensor | None = None) -> None:
+        """fp8 ``weight`` [out, in] with its fp32 per-channel ``weight_scale`` [out], as they
+        are; ``input_scale``: the activations' static scale (else per token)."""
+        if tuple(weight.shape) != tuple(self.weight.shape):
+            raise ValueError(f"fp8 weight of shape {tuple(weight.shape)}, layer "
+                             f"{tuple(self.weight.shape)}")
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.weight_scale = weight_scale
         if input_scale is not None:
-            self.input_scale = input_scale.to(torch.float32).reshape(()).to(w8.device)
+            self.input_scale = input_scale.to(torch.float32).reshape(()).to(weight.device)
 
     def to_int8(self) -> None:
         """int8 weights with per-output-channel scales (weight-only), computed once at load."""
@@ -72,6 +84,15 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(packed.qweight, requires_grad=False)
         self.int4 = packed
 
+    def set_stored(self, stored: Int4Weight | Fp8Weight,
+                   input_scale: torch.Tensor | None = None) -> None:
+        """A quantised checkpoint's own weight, served as stored (``input_scale``: fp8's
+        static activation scale, None: per token)."""
+        if isinstance(stored, Int4Weight):
+            self.to_int4(stored)
+        else:
+            self.set_fp8(stored.weight, stored.weight_scale, input_scale)
+
     def forward(self, x: torch.Tensor, x_scale: torch.Tensor | None = None) -> torch.Tensor:
         """``x_scale``: ``x`` is already fp8, quantised with these scales (per row, or the
         static ``input_scale``)."""
@@ -84,6 +105,8 @@ class Linear(nn.Module):
             y = int4_matmul(x, p.qweight, p.zeros, p.scales, p.group_size)
         elif self.input_scale is not None and not x.is_cuda:
             y = fp8_static_linear(x, self.weight, self.weight_scale, self.input_scale)
+        elif self.weight_scale is not None and not x.is_cuda:
+            y = fp8_dynamic_linear(x, self.weight, self.weight_scale)
         else:
             y = linear(x, self.weight, self.weight_scale, x_scale=x_scale,
                        input_scale=self.input_scale)
@@ -277,18 +300,26 @@ class PackedLM(nn.Module):
         param.copy_(src)
         return True
 
-    def int4_weight(self, packed: dict[str, Int4Weight], linear: str) -> Int4Weight | None:
-        """The packed weight of the linear layer named ``linear`` (a fused projection's from
-        its parts'), or None when the checkpoint keeps that layer dense."""
-        def find(key: str) -> Int4Weight | None:
-            return packed.get("model." + key, packed.get(key))
+    def stored_weight(self, stored: dict[str, Int4Weight | Fp8Weight], linear: str
+                      ) -> Int4Weight | Fp8Weight | None:
+        """A quantised checkpoint's weight of the linear layer named ``linear`` as stored (a
+        fused projection's joined from its parts'), or None when the checkpoint keeps that
+        layer dense. A fused projection of which only some parts are stored quantised is an
+        error: one GEMM serves them all."""
+        def find(key: str) -> Int4Weight | Fp8Weight | None:
+            return stored.get("model." + key, stored.get(key))
 
         src = find(linear)
         parent, _, projection = linear.rpartition(".")
         if src is None and projection in FUSED_PROJECTIONS:
             names, interleave = FUSED_PROJECTIONS[projection]
             parts = [find(f"{parent}.{part}") for part in names]
-            src = None if any(p is None for p in parts) else Int4Weight.join(parts, interleave)
+            if all(p is None for p in parts):
+                return None
+            if any(p is None for p in parts) or len({type(p) for p in parts}) > 1:
+                raise unsupported(f"{linear}: the checkpoint quantises only some of "
+                                  f"{', '.join(names)}, which share one GEMM here")
+            src = type(parts[0]).join(parts, interleave)
         return src
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:

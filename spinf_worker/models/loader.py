@@ -32,8 +32,10 @@ from spinf_worker.manifest import Manifest
 from spinf_worker.manifest import load as load_manifest
 from spinf_worker.model_names import DEFAULT_MODEL, is_default
 from spinf_worker.models.cache import CONVERSION_MARKER, DEFAULT_DIR, cache_root
-from spinf_worker.quant.gptq import Int4Weight, dequantize_weights, packed_layers
-from spinf_worker.quant.gptq_config import gptq_format
+from spinf_worker.quant.formats import StoredFormat, stored_format
+from spinf_worker.quant.fp8_checkpoint import Fp8Weight, split_fp8
+from spinf_worker.quant.gptq import Int4Weight, split_gptq
+from spinf_worker.quant.gptq_config import GptqFormat
 
 logger = logging.getLogger(__name__)
 
@@ -60,10 +62,13 @@ class Checkpoint:
     chat_template: str | None
     weights_digest: str
     path: Path
-    quantization: str | None = None   # how the checkpoint's own weights are stored (GPTQ)
-    # a GPTQ checkpoint's linear layers still packed, by ``text_weights`` name less ".weight"
-    # (the int4 scheme serves these; the others the dequantised ``weights``)
-    int4: dict[str, Int4Weight] | None = None
+    quantization: str | None = None   # how the checkpoint's own weights are stored, in words
+    stored_format: StoredFormat | None = None   # the same, as the loader read it
+    # a quantised checkpoint's linear layers as stored (GPTQ int4 packed, fp8 codes and
+    # scales), by ``text_weights`` name less ".weight": the scheme of the checkpoint's format
+    # serves these (int4; fp8 / fp8-static), the others dequantised (GPTQ: in ``weights``;
+    # fp8: layer by layer as the model loads)
+    stored: dict[str, Int4Weight | Fp8Weight] | None = None
     # what it is as /v1/models lists it: its spinf-manifest.json over what config.json says
     manifest: Manifest | None = None
 
@@ -194,9 +199,10 @@ def _file_lock(path: Path):
 def load_hf_dir(path: Path, *, name: str, cache_dir: Path | None = None,
                 weights_digest: str | None = None, dummy: bool = False) -> Checkpoint:
     """Load an HF-layout directory: config.json, *.safetensors and tokenizer.json (``dummy``:
-    no weights, random ones of the config's shapes are built). A GPTQ int4 checkpoint's
-    linear layers are dequantised to fp32 here (quant/gptq.py); another quantization_config
-    is an error naming it."""
+    no weights, random ones of the config's shapes are built). A GPTQ int4 (quant/gptq.py) or
+    compressed-tensors fp8 (quant/fp8_checkpoint.py) checkpoint's linear layers are kept as
+    stored (GPTQ's also dequantised to fp32 here); another quantization_config is an error
+    naming it."""
     path = Path(path)
     for required in ("config.json", "tokenizer.json"):
         if not (path / required).is_file():
@@ -206,7 +212,7 @@ def load_hf_dir(path: Path, *, name: str, cache_dir: Path | None = None,
     manifest = load_manifest(path, name, config)   # a bad file fails before any weight
     # a wrapper (Gemma 3 multimodal) keeps it beside text_config; checked before any weight
     qcfg = raw.get("quantization_config")
-    gptq = gptq_format(qcfg) if qcfg else None
+    fmt = stored_format(qcfg) if qcfg else None
     if "vision_config" in config:
         # preprocessor_config.json, or transformers 5's processor_config.json
         processor = (_read_json(path / "preprocessor_config.json")
@@ -221,7 +227,7 @@ def load_hf_dir(path: Path, *, name: str, cache_dir: Path | None = None,
             or None)
         if full.get("audio_seq_length"):
             config["audio_seq_length"] = full["audio_seq_length"]
-    weights, int4 = None, None
+    weights, stored = None, None
     if dummy:
         weights_digest = _dummy_digest(config)
     else:
@@ -229,12 +235,11 @@ def load_hf_dir(path: Path, *, name: str, cache_dir: Path | None = None,
         weights = {}
         for file in files:
             weights.update(load_file(file))
-        if gptq is not None:
-            dense = dequantize_weights(weights, gptq)      # checks every layer's tensors
-            int4 = {text_key(prefix + ".weight", "vision_config" in config): packed
-                    for prefix, packed in packed_layers(weights, gptq).items()}
-            int4 = {key.removesuffix(".weight"): packed for key, packed in int4.items() if key}
-            weights = dense
+        if fmt is not None:     # each layer checked and kept as stored (GPTQ: and dequantised)
+            split = split_gptq if isinstance(fmt, GptqFormat) else split_fp8
+            weights, layers = split(weights, fmt)
+            stored = {key.removesuffix(".weight"): layer for prefix, layer in layers.items()
+                      if (key := text_key(prefix + ".weight", "vision_config" in config))}
         weights = text_weights(weights, tied=config.get("tie_word_embeddings", True),
                                vision="vision_config" in config)
 
@@ -250,7 +255,8 @@ def load_hf_dir(path: Path, *, name: str, cache_dir: Path | None = None,
                       bos_token_id=bos, eos_token_id=eos,
                       chat_template=_chat_template(path, tokenizer_config),
                       weights_digest=weights_digest, path=path,
-                      quantization=gptq.describe() if gptq else None, int4=int4,
+                      quantization=fmt.describe() if fmt else None, stored_format=fmt,
+                      stored=stored,
                       manifest=manifest)
 
 

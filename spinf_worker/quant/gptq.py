@@ -114,30 +114,18 @@ def packed_layer(name: str, qweight: torch.Tensor, qzeros: torch.Tensor, scales:
     return Int4Weight(qweight, unpack_zeros(qzeros, out, fmt.v2), scales.float(), fmt.group_size)
 
 
-def dequantize(name: str, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
-               g_idx: torch.Tensor | None, fmt: GptqFormat) -> torch.Tensor:
-    """One layer's fp32 weight ``[out, in]`` (``name`` for the errors)."""
-    return packed_layer(name, qweight, qzeros, scales, g_idx, fmt).dense()
-
-
-def dequantize_weights(weights: dict[str, torch.Tensor], fmt: GptqFormat
-                       ) -> dict[str, torch.Tensor]:
-    """Every ``X.qweight`` group of a checkpoint's tensors replaced by an fp32 ``X.weight``;
-    the other tensors (embeddings, norms, layers left unquantised, biases) pass through."""
-    out = dict(weights)
-    for key in [k for k in weights if k.endswith(".qweight")]:
-        prefix = key.removesuffix(".qweight")
-        parts = {leaf: out.pop(f"{prefix}.{leaf}", None)
+def split_gptq(weights: dict[str, torch.Tensor], fmt: GptqFormat
+               ) -> tuple[dict[str, torch.Tensor], dict[str, Int4Weight]]:
+    """(the tensors with every ``X.qweight`` group replaced by an fp32 ``X.weight``, every
+    such layer packed by ``X``): each layer checked and unpacked once, its dense weight
+    derived from the packed one. The other tensors (embeddings, norms, layers left
+    unquantised, biases) pass through."""
+    dense, packed = dict(weights), {}
+    for prefix in [k.removesuffix(".qweight") for k in weights if k.endswith(".qweight")]:
+        parts = {leaf: dense.pop(f"{prefix}.{leaf}", None)
                  for leaf in ("qweight", "qzeros", "scales", "g_idx")}
         if parts["qzeros"] is None or parts["scales"] is None:
             raise unsupported(f"GPTQ layer {prefix} lacks qzeros or scales")
-        out[f"{prefix}.weight"] = dequantize(prefix, fmt=fmt, **parts)
-    return out
-
-
-def packed_layers(weights: dict[str, torch.Tensor], fmt: GptqFormat) -> dict[str, Int4Weight]:
-    """Every ``X.qweight`` group of a checkpoint's tensors as its packed weight, by ``X``."""
-    return {prefix: packed_layer(prefix, weights[f"{prefix}.qweight"],
-                                 weights[f"{prefix}.qzeros"], weights[f"{prefix}.scales"],
-                                 weights.get(f"{prefix}.g_idx"), fmt)
-            for prefix in (k.removesuffix(".qweight") for k in weights if k.endswith(".qweight"))}
+        packed[prefix] = packed_layer(prefix, fmt=fmt, **parts)
+        dense[f"{prefix}.weight"] = packed[prefix].dense()
+    return dense, packed

@@ -19,6 +19,8 @@ class GptqFormat:
     sym: bool
     v2: bool                           # zeros stored as they are (gptq_v2), else minus one
 
+    scheme = "int4"                    # the engine's scheme that serves these weights as stored
+
     def describe(self) -> str:
         return (f"gptq int4 g{self.group_size} {'sym' if self.sym else 'asym'} "
                 f"{'gptq_v2' if self.v2 else 'gptq'}")

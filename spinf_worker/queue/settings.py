@@ -42,7 +42,8 @@ class ServiceSettings(BaseSettings):
     quant: str = Field("auto", description="the engine's scheme (`--quant`): `auto`, `fp32`, "
                                            "`bf16`, `fp8`, `fp8-static`, `int8`, `int4`")
     fp8_scales: str | None = Field(
-        None, description="`fp8-static`'s activation scales file (`--fp8-scales`). None: "
+        None, description="`fp8-static`'s activation scales file (`--fp8-scales`). None: an "
+                          "fp8 checkpoint's own stored scales, else "
                           "`fp8-static-scales.safetensors` beside the checkpoint")
     load_format: Literal["auto", "dummy"] = Field(
         "auto", description="`dummy` (`--load-format`): the model's config and tokenizer with "

