@@ -12,6 +12,7 @@ call torchvision's resize makes for uint8 frames on the CPU (torch's antialiased
 from __future__ import annotations
 
 import base64
+import inspect
 import io
 
 import numpy as np
@@ -83,6 +84,10 @@ def oracle_scores(oracle, engine, urls: list[str], times: list[float]) -> dict:
     frames = " ".join(f"{int(t // 60):02d}:{int(t % 60):02d} {boi}{TINY_GEMMA4_VIDEO_TOKEN * n}"
                       f"{eoi}" for t in times)
     root = [TINY_BOS, *tok.encode(f"Clip:{frames} A kettle.", add_special_tokens=False).ids]
+    if "num_frames_per_video" not in inspect.signature(oracle.model.get_video_features).parameters:
+        # transformers before 5.25: one [videos, frames, ...] axis each, no frame counts
+        inputs = {"pixel_values_videos": inputs["pixel_values_videos"][None],
+                  "video_position_ids": inputs["video_position_ids"][None]}
     video_id = tok.token_to_id(TINY_GEMMA4_VIDEO_TOKEN)
     return media_oracle.option_logprobs(
         oracle, tok, root, QUERIES, media_oracle.marked("mm_token_type_ids", video_id, 2),

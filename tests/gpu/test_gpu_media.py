@@ -345,7 +345,6 @@ def test_gemma4_audio_and_an_image_score_like_transformers(engines, gemma4_dir, 
     assert_close(ours, theirs, scheme, "gemma4 image and audio")
 
 
-@pytest.mark.xfail(strict=False, reason="H200, 2026-12-03: the oracle, transformers 5.17's Gemma4ForConditionalGeneration, fails in its own mask code (masking_utils IndexError) on pixel_values_videos")
 @pytest.mark.parametrize("scheme", ["bf16", "fp8"])
 def test_gemma4_video_scores_like_transformers(engines, gemma4_video_dir, gemma4_video_oracle,
                                                scheme):
