@@ -19,6 +19,7 @@ if torch.cuda.is_available():
     from spinf_worker.kernels.fused import gate_up_act, gelu_mul, residual_norm
     from spinf_worker.kernels.rowwise import quantize_rows_fp8, quantize_static_fp8
     from spinf_worker.kernels.triton_matmul import matmul
+    from spinf_worker.models.layers import Linear
     from spinf_worker.quant.fp8 import quantize_weight
     from spinf_worker.quant.fp8_static import quantize_static, scale_of
     from spinf_worker.tools.fp8_calibrate import AmaxRecorder
@@ -157,7 +158,22 @@ def test_static_graphs_equal_eager_and_fused_close_to_module_forward():
     plain = _runner("cuda", BF16, input_scales=scales, fuse=False, cuda_graphs=False)
     assert graphed.graphs is not None and not plain.model.use_fused
     bits = lambda scores: [lp.tolist() for s in scores for lp in s.logprobs]  # noqa: E731
-    want = eager.run(docs)
+    # every GEMM of the fused forward given fp8 input by a fused kernel gets it quantised by
+    # that layer's own static scale (the same tensor, the same scale as the module forward)
+    handed = []
+
+    def own_scale(module, args):
+        if len(args) > 1:
+            handed.append(args[0].dtype == torch.float8_e4m3fn and args[1] is module.input_scale)
+
+    hooks = [m.register_forward_pre_hook(own_scale) for m in eager.model.modules()
+             if isinstance(m, Linear) and m.input_scale is not None]
+    try:
+        want = eager.run(docs)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert len(handed) == 2 * len(eager.model.layers) and all(handed)   # qkv and down
     assert bits(graphed.run(docs)) == bits(want)
     assert bits(graphed.run(docs[::-1])) == bits(eager.run(docs[::-1]))
     for a, b in zip(want, plain.run(docs), strict=True):   # other kernels, the same scheme
