@@ -24,6 +24,12 @@ from ..conftest import (
     TINY_IMAGE_TOKENS,
     write_tiny_gemma4_vision,
 )
+from ..media_builders import (
+    assert_packed_equals_alone,
+    image_and_audio_request,
+    two_images_request,
+    video_frames_request,
+)
 from ..test_batch_invariance import other_request
 from ..test_media_gemma3 import (
     QUERIES,
@@ -34,11 +40,11 @@ from ..test_media_gemma3 import (
 )
 from ..test_media_gemma3 import oracle_scores as gemma3_oracle
 from ..test_media_gemma4 import oracle_scores as gemma4_scores
-from ..test_media_gemma4_audio import audio_part, audio_request, tone, wav_b64
+from ..test_media_gemma4_audio import audio_request, tone, wav_b64
 from ..test_media_gemma4_audio import oracle_scores as audio_oracle
 from ..test_media_gemma4_video import oracle_scores as video_oracle
 from ..test_media_gemma4_video import video_request
-from ..test_media_requests import image_part, image_url
+from ..test_media_requests import image_url
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -159,23 +165,6 @@ def assert_close(ours: dict, theirs: dict, scheme: str, what: str = "") -> None:
     assert all(gaps[k] < bound + share * abs(theirs[k]) for k in ours), (gaps, theirs)
 
 
-def assert_packed_equals_alone(engine, request: dict, others_of, positions=(0, 5, 12)):
-    """``request``'s logprobs and residuals, bit for bit, alone and in one pass among
-    ``others_of(position)``'s documents at each position."""
-    alone = scores_and_residuals(engine.score(request))
-    old = engine.settings.max_pass_tokens
-    engine.settings.max_pass_tokens = 1 << 20       # every document in one pass
-    try:
-        for position in positions:
-            others = others_of(position)
-            batch = others[:position] + [request] + others[position:]
-            packed = engine.score_batch(batch)
-            assert not any(isinstance(r, Exception) for r in packed), packed
-            assert scores_and_residuals(packed[position]) == alone, position
-    finally:
-        engine.settings.max_pass_tokens = old
-
-
 @pytest.mark.parametrize("window", [4096, 64])
 @pytest.mark.parametrize("mode", ["all", "sliding"])
 def test_flex_attention_with_images_equals_cpu_tree_attention(mode, window):
@@ -226,10 +215,7 @@ def test_gemma3_two_images_and_a_window_shorter_than_an_image(engines, tiny_visi
     sliding layers, as transformers cuts it."""
     engine = engines(tiny_vision_dir, scheme)
     first, second = image_url(3, (30, 30)), image_url(4, (64, 16))
-    request = {"messages": [{"role": "user", "content": [
-        image_part(first), {"type": "text", "text": "and"}, image_part(second)]}],
-        "scoring": {"queries": QUERIES, "case_insensitive": False}}
-    ours = option_logprobs(engine.score(request))
+    ours = option_logprobs(engine.score(two_images_request(first, second, QUERIES)))
     boi = TINY_IMAGE_TOKENS[0]
     theirs = gemma3_oracle(tiny_vision_oracle, engine, [first, second], f"{boi}and{boi}",
                            QUERIES)
@@ -238,18 +224,9 @@ def test_gemma3_two_images_and_a_window_shorter_than_an_image(engines, tiny_visi
 
 def test_gemma3_video_frames_score_like_transformers(engines, tiny_vision_dir,
                                                      tiny_vision_oracle):
-    import base64
-
-    import spinf_client
-
     engine = engines(tiny_vision_dir, "bf16")
     frames = [image_url(30 + k, (40, 30), fmt="JPEG") for k in range(3)]
-    video = spinf_client.video([(t, base64.b64decode(u.split(",", 1)[1]))
-                                for t, u in zip((0.0, 2.5, 65.25), frames, strict=True)])
-    request = {"messages": [{"role": "user", "content": [
-        {"type": "text", "text": "Clip:"}, video, {"type": "text", "text": " The end."}]}],
-        "scoring": {"queries": QUERIES, "case_insensitive": False}}
-    ours = option_logprobs(engine.score(request))
+    ours = option_logprobs(engine.score(video_frames_request(frames, QUERIES)))
     boi = TINY_IMAGE_TOKENS[0]
     theirs = gemma3_oracle(tiny_vision_oracle, engine, frames,
                            f"Clip:00:00 {boi} 00:02 {boi} 01:05 {boi} The end.", QUERIES)
@@ -269,7 +246,7 @@ def test_gemma3_bit_identical_alone_and_packed(engines, tiny_vision_dir, scheme,
     rng = random.Random(5)
     request = (media_request(image_url(9)) if target == "image" else
                {"text": NEWS, "scoring": {"queries": QUERIES, "case_insensitive": False}})
-    assert_packed_equals_alone(engine, request, lambda _: other_requests(rng, 12))
+    assert_packed_equals_alone(engine, request, lambda _: other_requests(rng, 12), (0, 5, 12))
 
 
 @pytest.mark.parametrize("scheme", ["bf16", "fp8"])
@@ -367,11 +344,7 @@ def test_gemma4_audio_and_an_image_score_like_transformers(engines, gemma4_dir, 
                           f"Voice message:{TINY_GEMMA4_AUDIO_TOKENS[0]} Thanks.", QUERIES)
     assert_close(ours, theirs, scheme, "gemma4 audio")
     samples, url = tone(4, 0.6), image_url(5, (40, 24))
-    request = {"messages": [{"role": "user", "content": [
-        {"type": "text", "text": "Listing:"}, image_part(url),
-        {"type": "text", "text": " and the seller said"}, audio_part(wav_b64(samples))]}],
-        "scoring": {"queries": QUERIES, "case_insensitive": False}}
-    ours = option_logprobs(engine.score(request))
+    ours = option_logprobs(engine.score(image_and_audio_request(url, samples, QUERIES)))
     boi, boa = TINY_GEMMA4_IMAGE_TOKENS[0], TINY_GEMMA4_AUDIO_TOKENS[0]
     theirs = audio_oracle(oracle, engine, [samples], [url],
                           f"Listing:{boi} and the seller said{boa}", QUERIES)
