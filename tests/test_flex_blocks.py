@@ -9,6 +9,7 @@ rows see its own tokens, and its blocks visit its path's blocks alike alone or s
 from __future__ import annotations
 
 import random
+import shutil
 
 import numpy as np
 import pytest
@@ -277,6 +278,75 @@ def test_the_media_rule_is_the_cpu_attentions_root_masks(seed, mode):
             seen = _visible(t, WINDOW if sliding else None, _media_rule(mode, sliding))
             assert torch.equal(seen[root, root], want), (sliding, start)
         start += d.length
+
+
+def _doc_with_media(seed: int, parts: list[tuple[str, int]]) -> object:
+    """A document whose root holds ``parts`` ((kind, soft tokens) in order, some text
+    between), and questions after it."""
+    rng = random.Random(seed)
+    tree = _trees(seed, 1)[0]
+    media, at = [], 1 + rng.randint(0, 40)
+    for kind, size in parts:
+        media.append(ImageRows(at, at + size, None, kind=kind))
+        at += size + rng.randint(1, 30)
+    tree.root = [2] + [7] * (at - 1) + [8] * rng.randint(0, 30)
+    flat = tree.flatten(0)
+    flat.media = media
+    return flat
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="Inductor's CPU kernels need g++")
+@pytest.mark.parametrize("mode", ["sliding", "all"])
+def test_flex_attention_over_the_pass_plan_is_the_cpu_attention_with_audio(mode):
+    """The CUDA pass plan's block masks (engine/pass_plan.cuda_pass_plan's, kernels/
+    flex_tree.build_flex_plan) through FlexAttention compiled for the CPU, which visits only
+    the listed blocks and skips the rule in full ones as the CUDA kernel does (eager
+    FlexAttention applies the rule everywhere, blocks aside): every root row's output equals
+    the CPU tree attention's (engine/runner.doc_span's masks, transformers' rule) for an
+    audio alone, an image then an audio, and an audio between two images, one longer than
+    a block, on full and sliding layers. Audio rows stay causal, image rows see their
+    image both ways. (Branch rows' own paths are kernels/branch_paths.py's, CUDA only.)"""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from spinf_worker.kernels.attention import AttentionPlan, packed_tree_attention
+    from spinf_worker.kernels.flex_tree import build_flex_plan
+
+    docs = [_doc_with_media(1, [("audio", 40)]),
+            _doc_with_media(2, [("image", 16), ("audio", 33)]),
+            _doc_with_media(3, [("image", 130), ("audio", 9), ("image", 5)])]
+    rows = sum(d.length for d in docs)
+    inputs = torch.from_numpy(pass_rows(docs, -(-rows // BLOCK) * BLOCK, 0))
+    n = inputs.shape[1]
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(n, 4, 64, generator=gen)
+    k, v = torch.randn(2, n, 2, 64, generator=gen).unbind(0)
+    starts = [sum(d.length for d in docs[:i]) for i in range(len(docs))]
+    cpu_plan = AttentionPlan([doc_span(d, s, WINDOW, torch.device("cpu"), mode)
+                              for d, s in zip(docs, starts, strict=True)])
+    plan = build_flex_plan(TreeTokens.of_pass(inputs), WINDOW, mode)
+    root = torch.cat([torch.arange(s, s + d.root) for d, s in zip(docs, starts, strict=True)])
+    compiled = torch.compile(flex_attention, dynamic=False)
+    qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    for sliding in (False, True):
+        want = packed_tree_attention(q[:rows], k[:rows], v[:rows], cpu_plan, sliding=sliding,
+                                     scale=0.125)
+        got = compiled(qh, kh, vh, block_mask=plan.window if sliding else plan.full,
+                       scale=0.125, enable_gqa=True)[0].transpose(0, 1)
+        err = float((got[root] - want[root]).norm() / want[root].norm())
+        assert err < 1e-5, (sliding, err)
+    # the check can fail: an audio grouped as an image is (seeing itself both ways on the
+    # sliding layers) gives its rows other outputs
+    grouped = inputs.clone()
+    for d, s in zip(docs, starts, strict=True):
+        for m in d.media:
+            if m.kind == "audio":
+                grouped[6, s + m.start:s + m.end] = s + m.start
+    wrong = build_flex_plan(TreeTokens.of_pass(grouped), WINDOW, mode)
+    want = packed_tree_attention(q[:rows], k[:rows], v[:rows], cpu_plan, sliding=True,
+                                 scale=0.125)
+    got = compiled(qh, kh, vh, block_mask=wrong.window, scale=0.125,
+                   enable_gqa=True)[0].transpose(0, 1)
+    assert float((got[root] - want[root]).norm() / want[root].norm()) > 1e-2
 
 
 def _prompt_pass(seed: int) -> tuple[list[list[int]], list, list]:

@@ -13,6 +13,7 @@ import torch
 
 from . import media_oracle
 from .conftest import TINY_BOS, TINY_IMAGE_TOKENS, TINY_MM_TOKENS
+from .media_builders import assert_packed_equals_alone, two_images_request, video_frames_request
 from .test_media_requests import image_part, image_url
 
 QUERIES = [
@@ -104,9 +105,7 @@ def test_two_images_with_a_sliding_window_shorter_than_an_image(tiny_vision_engi
     """Two images in one message (window 8 < 16 soft tokens: the bidirectional block is
     cut by the window on sliding layers, as transformers cuts it)."""
     first, second = image_url(3, (30, 30)), image_url(4, (64, 16))
-    request = {"messages": [{"role": "user", "content": [
-        image_part(first), {"type": "text", "text": "and"}, image_part(second)]}],
-        "scoring": {"queries": QUERIES[:1], "case_insensitive": False}}
+    request = two_images_request(first, second, QUERIES[:1])
     ours = option_logprobs(tiny_vision_engine.score(request))
     # the oracle with both images
     tok = tiny_vision_engine.checkpoint.tokenizer
@@ -175,20 +174,8 @@ def test_bit_identical_alone_and_packed_among_text_and_image_documents(tiny_visi
     rng = random.Random(5)
     request = (media_request(image_url(9)) if target == "image" else
                {"text": NEWS, "scoring": {"queries": QUERIES, "case_insensitive": False}})
-    alone = scores_and_residuals(tiny_vision_engine.score(request))
-    engine = tiny_vision_engine
-    old = engine.settings.max_pass_tokens
-    engine.settings.max_pass_tokens = 1 << 20       # every document in one pass
-    try:
-        for position in (0, 5, 12):
-            others = other_requests(rng, 12)
-            batch = others[:position] + [request] + others[position:]
-            packed = engine.score_batch(batch)
-            assert not any(isinstance(r, Exception) for r in packed), packed
-            # float32 -> float equality is bit equality
-            assert scores_and_residuals(packed[position]) == alone, position
-    finally:
-        engine.settings.max_pass_tokens = old
+    assert_packed_equals_alone(tiny_vision_engine, request, lambda _: other_requests(rng, 12),
+                               (0, 5, 12))
 
 
 def test_runner_raw_tensors_equal_with_images_around(tiny_vision_engine):
@@ -216,15 +203,8 @@ def test_video_frames_are_images_after_their_timestamps(tiny_vision_engine,
                                                         tiny_vision_oracle):
     """A video part: each frame read as ``mm:ss`` then the image (frames joined by a space),
     scored like transformers given the frames as images in that text."""
-    import spinf_client
-
     frames = [image_url(30 + k, (40, 30), fmt="JPEG") for k in range(3)]
-    video = spinf_client.video([(t, base64.b64decode(u.split(",", 1)[1]))
-                                for t, u in zip((0.0, 2.5, 65.25), frames, strict=True)])
-    request = {"messages": [{"role": "user", "content": [
-        {"type": "text", "text": "Clip:"}, video, {"type": "text", "text": " The end."}]}],
-        "scoring": {"queries": QUERIES, "case_insensitive": False}}
-    response = tiny_vision_engine.score(request)
+    response = tiny_vision_engine.score(video_frames_request(frames, QUERIES))
     ours = option_logprobs(response)
     boi = TINY_IMAGE_TOKENS[0]
     theirs = oracle_scores(tiny_vision_oracle, tiny_vision_engine, frames,

@@ -14,12 +14,12 @@ import torch
 
 from . import media_oracle
 from .conftest import TINY_BOS, TINY_GEMMA4_IMAGE_TOKENS
+from .media_builders import assert_packed_equals_alone, two_images_request
 from .test_media_gemma3 import (
     QUERIES,
     media_request,
     option_logprobs,
     other_requests,
-    scores_and_residuals,
 )
 from .test_media_requests import image_part, image_url
 
@@ -111,10 +111,8 @@ def test_two_images_of_different_sizes(tiny_gemma4_vision_engine, tiny_gemma4_vi
     shorter than an image's tokens, so the bidirectional block is cut by it on the sliding
     layers as transformers cuts it."""
     first, second = image_url(3, (30, 30)), image_url(4, (64, 16))
-    request = {"messages": [{"role": "user", "content": [
-        image_part(first), {"type": "text", "text": "and"}, image_part(second)]}],
-        "scoring": {"queries": QUERIES, "case_insensitive": False}}
-    ours = option_logprobs(tiny_gemma4_vision_engine.score(request))
+    ours = option_logprobs(tiny_gemma4_vision_engine.score(
+        two_images_request(first, second, QUERIES)))
     boi = TINY_GEMMA4_IMAGE_TOKENS[0]
     theirs = oracle_scores(tiny_gemma4_vision_oracle, tiny_gemma4_vision_engine,
                            [first, second], f"{boi}and{boi}", QUERIES)
@@ -159,18 +157,8 @@ def test_bit_identical_alone_and_packed_among_text_and_image_documents(
     engine = tiny_gemma4_vision_engine
     request = (media_request(image_url(9, (50, 20))) if target == "image" else
                {"text": NEWS, "scoring": {"queries": QUERIES, "case_insensitive": False}})
-    alone = scores_and_residuals(engine.score(request))
-    old = engine.settings.max_pass_tokens
-    engine.settings.max_pass_tokens = 1 << 20       # every document in one pass
-    try:
-        for position in (0, 4, 9):
-            others = other_requests(rng, 9, max_side=90)
-            batch = others[:position] + [request] + others[position:]
-            packed = engine.score_batch(batch)
-            assert not any(isinstance(r, Exception) for r in packed), packed
-            assert scores_and_residuals(packed[position]) == alone, position
-    finally:
-        engine.settings.max_pass_tokens = old
+    assert_packed_equals_alone(engine, request,
+                               lambda _: other_requests(rng, 9, max_side=90), (0, 4, 9))
 
 
 def test_floor_is_the_questions_without_the_media(tiny_gemma4_vision_engine):

@@ -15,7 +15,8 @@ import torch
 
 from . import media_oracle
 from .conftest import TINY_BOS, TINY_GEMMA4_AUDIO_TOKENS, TINY_GEMMA4_IMAGE_TOKENS
-from .test_media_gemma3 import QUERIES, option_logprobs, scores_and_residuals
+from .media_builders import assert_packed_equals_alone, image_and_audio_request
+from .test_media_gemma3 import QUERIES, option_logprobs
 from .test_media_gemma4 import oracle_inputs
 from .test_media_requests import image_part, image_url, worker_and_api_codes
 
@@ -137,11 +138,8 @@ def test_audio_and_text_score_like_transformers(tiny_gemma4_vision_engine,
 def test_an_image_and_an_audio_in_one_content(tiny_gemma4_vision_engine,
                                               tiny_gemma4_vision_oracle):
     samples, url = tone(4, 0.6), image_url(5, (40, 24))
-    request = {"messages": [{"role": "user", "content": [
-        {"type": "text", "text": "Listing:"}, image_part(url),
-        {"type": "text", "text": " and the seller said"}, audio_part(wav_b64(samples))]}],
-        "scoring": {"queries": QUERIES, "case_insensitive": False}}
-    ours = option_logprobs(tiny_gemma4_vision_engine.score(request))
+    ours = option_logprobs(tiny_gemma4_vision_engine.score(
+        image_and_audio_request(url, samples, QUERIES)))
     boi, boa = TINY_GEMMA4_IMAGE_TOKENS[0], TINY_GEMMA4_AUDIO_TOKENS[0]
     theirs = oracle_scores(tiny_gemma4_vision_oracle, tiny_gemma4_vision_engine, [samples],
                            [url], f"Listing:{boi} and the seller said{boa}", QUERIES)
@@ -209,21 +207,14 @@ def test_bit_identical_alone_and_packed_among_text_image_and_audio_documents(
     from .test_media_gemma4 import other_requests
 
     rng = random.Random(8)
-    engine = tiny_gemma4_vision_engine
-    request = audio_request(wav_b64(tone(9, 0.8)))
-    alone = scores_and_residuals(engine.score(request))
-    old = engine.settings.max_pass_tokens
-    engine.settings.max_pass_tokens = 1 << 20
-    try:
-        for position in (0, 3, 7):
-            others = other_requests(rng, 7)
-            others[1] = audio_request(wav_b64(tone(10 + position, rng.uniform(0.2, 1.5))))
-            batch = others[:position] + [request] + others[position:]
-            packed = engine.score_batch(batch)
-            assert not any(isinstance(r, Exception) for r in packed), packed
-            assert scores_and_residuals(packed[position]) == alone, position
-    finally:
-        engine.settings.max_pass_tokens = old
+
+    def others(position: int) -> list[dict]:
+        out = other_requests(rng, 7)
+        out[1] = audio_request(wav_b64(tone(10 + position, rng.uniform(0.2, 1.5))))
+        return out
+
+    assert_packed_equals_alone(tiny_gemma4_vision_engine, audio_request(wav_b64(tone(9, 0.8))),
+                               others, (0, 3, 7))
 
 
 @pytest.mark.parametrize("parts", ["image", "audio", "both"])

@@ -67,11 +67,15 @@ def _residual_norm_kernel(x_ptr, y_ptr, w_post_ptr, w_pre_ptr, h_ptr, scale_ptr,
     w_pre = tl.load(w_pre_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     h = x * tl.rsqrt(tl.sum(x * x, axis=0) / D + eps) * (OFFSET + w_pre)
     h = h.to(tl.bfloat16).to(tl.float32)
+    # fp8 stores written 8 values at a time, as the bf16 ones: left free, the compiler lays
+    # a wide row (over 8 values a thread) out 16 a thread for them, and the sums of squares
+    # above add in another order; the residual's bits would follow h's dtype
+    out_cols = tl.max_contiguous(cols, 8)
     if STATIC:     # the next layer's fixed input scale, read from scale_ptr
         q = _quantize_static(h, tl.load(scale_ptr))
-        tl.store(h_ptr + row * D + cols, q.to(h_ptr.dtype.element_ty), mask=mask)
+        tl.store(h_ptr + row * D + out_cols, q.to(h_ptr.dtype.element_ty), mask=mask)
     elif QUANT:
-        _quantize_store(h, cols, mask, h_ptr, scale_ptr, row, D, INV_FP8_MAX)
+        _quantize_store(h, out_cols, mask, h_ptr, scale_ptr, row, D, INV_FP8_MAX)
     else:
         tl.store(h_ptr + row * D + cols, h.to(h_ptr.dtype.element_ty), mask=mask)
 
