@@ -276,6 +276,18 @@ def vllm_llm(model_dir: Path, scheme: str, load_format: str):
                seed=0)
 
 
+def shape_dir(args: argparse.Namespace) -> Path:
+    """A model directory of ``--shape`` with no weights (vLLM's dummy load): config.json and
+    the tokenizer."""
+    model_dir = args.model_dir / f"{args.shape}-shape"
+    model_dir.mkdir(parents=True, exist_ok=True)
+    (model_dir / "config.json").write_text(json.dumps(hf_config(SHAPES[args.shape]), indent=1))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (args.tokenizer / name).is_file():
+            (model_dir / name).write_bytes((args.tokenizer / name).read_bytes())
+    return model_dir
+
+
 def run_vllm(args: argparse.Namespace) -> None:
     """One request per question, cold and warm, detokenizing and not; medians of three."""
     t = time.perf_counter()
@@ -286,12 +298,7 @@ def run_vllm(args: argparse.Namespace) -> None:
     job = Job(args, f"vllm-{args.scheme}")
     job.save(vllm_version=vllm.__version__, import_s=round(time.perf_counter() - t, 1),
              scheme=args.scheme)
-    model_dir = args.model_dir / f"{args.shape}-shape"
-    model_dir.mkdir(parents=True, exist_ok=True)
-    (model_dir / "config.json").write_text(json.dumps(hf_config(SHAPES[args.shape]), indent=1))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        if (args.tokenizer / name).is_file():
-            (model_dir / name).write_bytes((args.tokenizer / name).read_bytes())
+    model_dir = shape_dir(args)
     ids = job.prompts()
     prompts = [TokensPrompt(prompt_token_ids=p) for p in ids]
     t = time.perf_counter()
@@ -384,9 +391,11 @@ def run_serve(args: argparse.Namespace) -> None:
 
     job = Job(args, "serve")
     ids = job.prompts()
-    model_dir = args.model_dir / f"{args.shape}-shape"
+    model_dir = shape_dir(args)
     port = 8011
-    env = {**os.environ, "VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_NO_USAGE_STATS": "1"}
+    # dev mode: the server's POST /reset_prefix_cache, for the cold runs
+    env = {**os.environ, "VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_NO_USAGE_STATS": "1",
+           "VLLM_SERVER_DEV_MODE": "1"}
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model_dir),
            "--load-format", "dummy", "--dtype", "bfloat16", "--enable-prefix-caching",
            "--max-model-len", "2048", "--gpu-memory-utilization", "0.85", "--port", str(port),
@@ -407,20 +416,20 @@ def run_serve(args: argparse.Namespace) -> None:
         return time.perf_counter() - t
 
     async def reset(client: httpx.AsyncClient) -> None:
-        await client.post("/reset_prefix_cache")
+        (await client.post("/reset_prefix_cache")).raise_for_status()
 
     server = subprocess.Popen(cmd, env=env, start_new_session=True)
     try:
-        t = time.perf_counter()
+        t, healthy = time.perf_counter(), False
         with httpx.Client(base_url=f"http://127.0.0.1:{port}") as client:
-            while time.perf_counter() - t < 400:
+            while not healthy and time.perf_counter() - t < 400 and server.poll() is None:
                 try:
-                    if client.get("/health").status_code == 200:
-                        break
+                    healthy = client.get("/health").status_code == 200
                 except httpx.HTTPError:
-                    pass
-                time.sleep(2)
-        job.save(vllm_serve_start_s=round(time.perf_counter() - t, 1))
+                    time.sleep(2)
+        job.save(vllm_serve_start_s=round(time.perf_counter() - t, 1), vllm_serve_up=healthy)
+        if not healthy:
+            sys.exit("vllm serve did not come up")
 
         async def measure() -> dict:
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}",
