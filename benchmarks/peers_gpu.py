@@ -147,9 +147,9 @@ def run_spinf(args: argparse.Namespace) -> None:
 
     job = Job(args, "spinf")
     device = "cpu" if args.tiny else "cuda"
-    checkpoint = random_checkpoint(TINY if args.tiny else GEMMA_12B, job.tokenizer)
+    checkpoint = random_checkpoint(SHAPES["tiny" if args.tiny else args.shape], job.tokenizer)
     requests = build_requests(job.docs, job.questions)
-    job.save(model="tiny" if args.tiny else "gemma-3-12b shape, random weights",
+    job.save(model="tiny" if args.tiny else f"gemma-3-{args.shape} shape, random weights",
              device="cpu" if args.tiny else torch.cuda.get_device_name(), torch=torch.__version__)
     for scheme in (["fp32"] if args.tiny else args.schemes.split(",")):
         if device == "cuda":
