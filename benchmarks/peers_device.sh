@@ -12,7 +12,8 @@
 #   peers_device.sh start-vllm     in the background, after spinf: vllm bf16, vllm fp8, agree-vllm
 #   peers_device.sh poll SECONDS   wait for the pipeline (at most SECONDS), copy what is there
 #   peers_device.sh report         merge the parts: $OUT/results/<date>-peers-<commit>.json
-#   peers_device.sh serve          optional: vLLM's OpenAI server over HTTP (bf16, 128 in flight)
+#   peers_device.sh serve          optional: vLLM's OpenAI server over HTTP (bf16, 128 in flight),
+#                                  then spinf-serve's service (the carried redis-server)
 #
 # COMMIT (env): the commit the figures are recorded under (the copy has no .git).
 set -uo pipefail
@@ -53,6 +54,7 @@ case ${1:-} in
     cp "$src"/vllm.part* $R/pieces/
     [ -f "$src/vllm-trimmed.sha256" ] && cp "$src/vllm-trimmed.sha256" $R/
     [ -f "$src/news_articles.jsonl" ] && cp "$src/news_articles.jsonl" $R/data/
+    [ -f "$src/redis-server" ] && cp "$src/redis-server" $R/ && chmod +x $R/redis-server
     [ -f "$src/tokenizer_config.json" ] && cp "$src/tokenizer_config.json" $R/tok/
     if [ -f "$src/tokenizer.json.xz" ]; then
       $PY -c "import lzma, sys; open('$R/tok/tokenizer.json', 'wb').write(lzma.open(sys.argv[1]).read())" \
@@ -114,7 +116,8 @@ case ${1:-} in
     $PY "$REPO"/benchmarks/peers_gpu.py report --out $R/out --results "$OUT"/results --commit "$COMMIT"
     ;;
   serve)
-    cd $R/proj && run serve 560 $PY $R/proj/benchmarks/peers_gpu.py serve ${ARGS[*]}
+    redis=(); [ -x $R/redis-server ] && redis=(--redis-server $R/redis-server)
+    cd $R/proj && run serve 560 $PY $R/proj/benchmarks/peers_gpu.py serve ${ARGS[*]} ${redis[*]}
     cp $R/out/*-peers-serve-*.json "$OUT"/ 2>/dev/null; tail -c 3000 $R/logs/serve.log
     ;;
   *)

@@ -383,8 +383,8 @@ def compare(ours: list[float], theirs: list[float], name: str) -> dict:
 # --- over HTTP (optional) ---------------------------------------------------------------------
 
 def run_serve(args: argparse.Namespace) -> None:
-    """vLLM's OpenAI server (/v1/completions, token-id prompts, ``--in-flight`` at a time)
-    against spinf-serve's service (/v1/score, the 24 requests at once), one after the other."""
+    """vLLM's OpenAI server (/v1/completions, token-id prompts, ``--in-flight`` at a time),
+    then, with ``--redis-server``, spinf-serve's service (/v1/score, the 24 requests at once)."""
     import asyncio
 
     import httpx
@@ -449,22 +449,54 @@ def run_serve(args: argparse.Namespace) -> None:
     finally:
         os.killpg(server.pid, 15)
         server.wait(60)
-    if args.spinf_url:   # a running spinf-serve service (benchmarks/service_gpu.py starts one)
-        from spinf_worker.tools.news_job import build_requests
+    if args.redis_server:
+        job.save(**spinf_service(args, job, model_dir))
 
-        requests = build_requests(job.docs, job.questions)
 
-        async def scores() -> float:
-            async with httpx.AsyncClient(base_url=args.spinf_url, timeout=300) as client:
-                async def one(body: dict) -> None:
-                    r = await client.post("/v1/score", json=body)
-                    r.raise_for_status()
-                await asyncio.gather(*(one(b) for b in requests))
+def spinf_service(args: argparse.Namespace, job: Job, model_dir: Path) -> dict:
+    """spinf-serve's service (service_gpu.py's: a private redis-server, ``spinf-serve api``, one
+    worker) on the same shape: the 24 requests as 24 concurrent ``POST /v1/score``, twice
+    untimed (the passes compile), then the median of three."""
+    import asyncio
+    import tempfile
+
+    import httpx
+    from service_gpu import Service
+
+    from spinf_worker.tools.news_job import build_requests
+
+    requests = build_requests(job.docs, job.questions)
+    settings = argparse.Namespace(redis_server=args.redis_server, load_format="dummy",
+                                  quant="fp32" if args.tiny else args.scheme,
+                                  docs=len(requests), api_workers=2, model=str(model_dir),
+                                  device="cpu" if args.tiny else "cuda")
+
+    async def scores(url: str) -> list[float]:
+        async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+            async def one(body: dict) -> None:
+                (await client.post("/v1/score", json=body)).raise_for_status()
+
+            runs = []
+            for _ in range(2 + VLLM_REPEAT):
                 t = time.perf_counter()
                 await asyncio.gather(*(one(b) for b in requests))
-                return time.perf_counter() - t
-        seconds = asyncio.run(scores())
-        job.save(spinf_serve_questions_per_s=round(len(ids) / seconds, 1))
+                runs.append(time.perf_counter() - t)
+            return runs[2:]
+
+    with tempfile.TemporaryDirectory() as tmp:
+        service = Service(settings, Path(tmp))
+        try:
+            service.start()
+            service.wait_ready()
+            runs = asyncio.run(scores(service.url))
+        except Exception as err:   # the vLLM side's figures stand without it
+            return {"spinf_serve_error": f"{err!r}"[-1500:] + service.tail("worker")}
+        finally:
+            service.stop()
+    questions = len(requests) * len(job.questions["queries"])
+    return {f"spinf_serve_{args.scheme}_questions_per_s": round(
+                questions / statistics.median(runs), 1),
+            f"spinf_serve_{args.scheme}_seconds": [round(r, 3) for r in runs]}
 
 
 # --- report -----------------------------------------------------------------------------------
@@ -573,8 +605,8 @@ def main() -> None:
             p.add_argument("--schemes", default="fp8,bf16")
         if name == "serve":
             p.add_argument("--in-flight", type=int, default=128)
-            p.add_argument("--spinf-url", default=None,
-                           help="a running spinf-serve service to time /v1/score on")
+            p.add_argument("--redis-server", default=None,
+                           help="also time spinf-serve's service (its private redis-server)")
     p = sub.add_parser("report")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")

@@ -91,6 +91,9 @@ while [ "$offset" -lt "$total" ]; do
   offset=$((offset + BUDGET))
 done
 echo "$n" > "$PEERS/c1/calls"
+# the optional `serve` part's spinf-serve service runs a private redis-server (7.0 ran there)
+REDIS=$(command -v redis-server || true)
+if [ -n "$REDIS" ]; then cp "$(readlink -f "$REDIS")" "$PEERS/c$n/redis-server"; fi
 
 echo "== sizes"
 du -sh "$WHEEL" "$TAR" "$PEERS/dl/wheels"
