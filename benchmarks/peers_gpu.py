@@ -32,8 +32,10 @@ prompt with ``logprobs=20`` (an option counts there when it is in the top 20).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -423,17 +425,17 @@ def run_serve(args: argparse.Namespace) -> None:
         t, healthy = time.perf_counter(), False
         with httpx.Client(base_url=f"http://127.0.0.1:{port}") as client:
             while not healthy and time.perf_counter() - t < 400 and server.poll() is None:
-                try:
+                with contextlib.suppress(httpx.HTTPError):
                     healthy = client.get("/health").status_code == 200
-                except httpx.HTTPError:
-                    time.sleep(2)
+                time.sleep(0 if healthy else 2)
         job.save(vllm_serve_start_s=round(time.perf_counter() - t, 1), vllm_serve_up=healthy)
         if not healthy:
             sys.exit("vllm serve did not come up")
 
         async def measure() -> dict:
-            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}",
-                                         timeout=300) as client:
+            async with httpx.AsyncClient(   # httpx's pool holds 100 connections by default
+                    base_url=f"http://127.0.0.1:{port}", timeout=300,
+                    limits=httpx.Limits(max_connections=args.in_flight)) as client:
                 await completions(client)
                 cold, warm = [], []
                 for _ in range(VLLM_REPEAT):
@@ -447,8 +449,12 @@ def run_serve(args: argparse.Namespace) -> None:
                     f"{key}_in_flight": args.in_flight}
         job.save(**asyncio.run(measure()))
     finally:
-        os.killpg(server.pid, 15)
-        server.wait(60)
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
     if args.redis_server:
         job.save(**spinf_service(args, job, model_dir))
 
@@ -543,6 +549,11 @@ def table(row: dict) -> str:
     lines += ["", "| comparison | spinf q/s | vLLM q/s (run) | ratio |", "|---|---|---|---|"]
     for name, r in row["ratio"].items():
         lines.append(f"| {name} | {r['spinf']} | {r['vllm']} ({r['vllm_run']}) | {r['ratio']} |")
+    serve = row["parts"].get("serve", {})
+    if serve:
+        lines += ["", "Over HTTP: " + ", ".join(f"{k.removesuffix('_questions_per_s')} {v} q/s"
+                                               for k, v in serve.items()
+                                               if k.endswith("_questions_per_s"))]
     agree = row["parts"].get("agree-vllm", {})
     if "prompt_logprobs_options" in agree:
         shape = row["parts"].get("agree-spinf", {}).get("shape", "?")

@@ -67,6 +67,8 @@ def test_report_merges_the_parts_with_a_ratio_per_comparison(tmp_path, capsys):
         part("agree-vllm", scheme="bf16", agree_docs=4, prompt_logprobs_options=448,
              prompt_logprobs_max_abs_dlogprob=0.03, prompt_logprobs_mean_abs_dlogprob=0.004,
              prompt_logprobs_top1_agreement=0.99, top20_questions=224, top20_both_options=0),
+        part("serve", vllm_serve_bf16_cold_questions_per_s=400.0,
+             spinf_serve_bf16_questions_per_s=1000.0),
     ]
     for p in parts:
         (tmp_path / f"{p['date']}-peers-{p['part']}-{p['commit']}.json").write_text(json.dumps(p))
@@ -76,7 +78,7 @@ def test_report_merges_the_parts_with_a_ratio_per_comparison(tmp_path, capsys):
     args = type("Args", (), {"out": tmp_path, "results": results, "commit": "abc1234"})()
     peers_gpu.run_report(args)
     row = json.loads((results / "2026-12-03-peers-abc1234.json").read_text())
-    assert sorted(row["parts"]) == ["agree-vllm", "spinf", "vllm-bf16", "vllm-fp8"]
+    assert sorted(row["parts"]) == ["agree-vllm", "serve", "spinf", "vllm-bf16", "vllm-fp8"]
     ratio = row["ratio"]
     assert ratio["fp8_default_cold"]["ratio"] == round(2000 / 640, 2)
     assert ratio["fp8_vs_vllm_best_cold"]["vllm_run"] == "vllm_fp8_nodetok_cold"
@@ -87,6 +89,7 @@ def test_report_merges_the_parts_with_a_ratio_per_comparison(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| fp8, logprobs=20 | 640.0 | 600.0 | 2000.0 |" in out
     assert "top-1 agreement 0.99 over 448 options" in out
+    assert "vllm_serve_bf16_cold 400.0 q/s, spinf_serve_bf16 1000.0 q/s" in out
 
 
 def test_report_without_parts_says_so(tmp_path):
