@@ -1,0 +1,637 @@
+"""The news job against vLLM on one GPU: spinf-serve in-process against vLLM's offline engine
+(and, optionally, both over HTTP), each part in its own process, one after the other (vLLM
+holds ~85% of the device's memory), each writing ``<out>/<date>-peers-<part>-<commit>.json``
+as soon as it has figures.
+
+    python benchmarks/peers_gpu.py spinf --tokenizer TOK --data DATA --out OUT
+    python benchmarks/peers_gpu.py vllm --scheme bf16 --tokenizer TOK --data DATA --out OUT
+    python benchmarks/peers_gpu.py vllm --scheme fp8 ...
+    python benchmarks/peers_gpu.py agree-spinf --weights DIR ...   # writes DIR if absent
+    python benchmarks/peers_gpu.py agree-vllm --weights DIR ...
+    python benchmarks/peers_gpu.py serve ...                        # optional: over HTTP
+    python benchmarks/peers_gpu.py report --out OUT                 # merged JSON + table
+
+The job: the first 24 articles of news_articles.jsonl cut to 470 tokens x the 56 two-option
+questions of news_questions.json (spinf_worker/tools/news_job.py). spinf-serve answers it as
+24 requests (``Engine.score_batch``, fp8 and bf16, random weights of the Gemma-3-12B shape,
+timed as gpu_bench.py times it). vLLM answers one request per question, built as gpu_bench's
+transformers baseline builds it (BOS + the document's tokens + the template's tokens up to the
+slot), ``max_tokens=1, logprobs=20, temperature=0``, prefix caching on, ``load_format="dummy"``:
+cold (after ``reset_prefix_cache()``) and warm, with and without detokenizing.
+
+Agreement needs the same weights on both sides: ``agree-spinf`` writes random weights of a
+smaller shape (``--shape``, default the Gemma 3 1B's: the 12B's would be 24 GB) as an HF
+directory (Gemma3ForCausalLM names, bf16 safetensors) and scores it; ``agree-vllm`` loads the
+directory with ``load_format="safetensors"`` and scores each (question, option) prompt with
+``prompt_logprobs=1`` (the option token's logprob, whatever its rank), and each question's
+prompt with ``logprobs=20`` (an option counts there when it is in the top 20).
+
+``--tiny``: the spinf parts on the CPU with a tiny random Gemma 3 (fp32; figures mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+from gpu_bench import GEMMA_12B, GEMMA_270M  # noqa: E402
+from gpu_jobs import TINY  # noqa: E402
+
+from spinf_worker.tools.news_job import load_docs, load_questions  # noqa: E402
+
+GEMMA_1B = dict(GEMMA_12B, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+                num_attention_heads=4, num_key_value_heads=1, sliding_window=512,
+                max_position_embeddings=32768)
+SHAPES = {"12b": GEMMA_12B, "1b": GEMMA_1B, "270m": GEMMA_270M, "tiny": TINY}
+VLLM_REPEAT = 3
+
+
+# --- the job and its records ------------------------------------------------------------------
+
+class Job:
+    """The documents, questions and output file of one part."""
+
+    def __init__(self, args: argparse.Namespace, part: str):
+        from tokenizers import Tokenizer
+
+        self.args, self.part = args, part
+        self.tokenizer = Tokenizer.from_file(str(args.tokenizer / "tokenizer.json"))
+        self.tokenizer.post_processor = None
+        self.questions = load_questions(args.questions)
+        self.docs = load_docs(args.data, self.tokenizer, args.docs, args.doc_tokens)
+        commit = args.commit or os.environ.get("COMMIT") or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+            cwd=ROOT).stdout.strip() or "unknown"
+        self.row = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "part": part,
+                    "docs": len(self.docs), "questions_per_doc": len(self.questions["queries"]),
+                    "tiny": bool(getattr(args, "tiny", False))}
+        args.out.mkdir(parents=True, exist_ok=True)
+        self.path = args.out / f"{self.row['date']}-peers-{part}-{commit}.json"
+
+    def save(self, **figures) -> None:   # after every stage: a run cut short keeps its figures
+        self.row.update(figures)
+        self.path.write_text(json.dumps(self.row, indent=1))
+        print(json.dumps(figures), flush=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def prompts(self, n_docs: int | None = None) -> list[list[int]]:
+        """One prompt per (document, question): BOS, the document, the template up to the slot
+        (gpu_bench.run_baseline's sequences)."""
+        prefixes = [self.encode(q["template"].split("{?}")[0]) for q in self.questions["queries"]]
+        return [[2, *self.encode(d), *p] for d in self.docs[:n_docs] for p in prefixes]
+
+    def option_ids(self) -> list[list[list[int]]]:
+        """Each question's options as token ids."""
+        return [[self.encode(o) for o in q["options"]] for q in self.questions["queries"]]
+
+
+def smi() -> str:
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=memory.used,memory.total",
+                               "--format=csv,noheader"], capture_output=True, text=True,
+                              timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError) as err:
+        return repr(err)
+
+
+# --- spinf-serve ------------------------------------------------------------------------------
+
+def spinf_engine(checkpoint, scheme: str, device: str):
+    from spinf_worker.engine import Engine, EngineSettings
+
+    return Engine(checkpoint, device=device,
+                  settings=EngineSettings(scheme=scheme, presentation="raw"))
+
+
+def random_checkpoint(config: dict, tokenizer):
+    from spinf_worker.models.loader import Checkpoint
+
+    return Checkpoint(name="random", config=config, weights=None, tokenizer=tokenizer,
+                      bos_token_id=2, eos_token_id=1, chat_template=None,
+                      weights_digest="random", path=Path("."))
+
+
+def timed(fn, device: str, repeat: int) -> float:
+    """Median wall seconds of ``fn``, the device synchronised around each call."""
+    import torch
+
+    times = []
+    for _ in range(repeat):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def run_spinf(args: argparse.Namespace) -> None:
+    """Engine.score_batch of the 24 requests, timed as gpu_bench.run_engine times it: a first
+    call, two more (their pass sizes compile), the median of five."""
+    import torch
+
+    from spinf_worker.tools.news_job import build_requests, checked, questions_answered
+
+    job = Job(args, "spinf")
+    device = "cpu" if args.tiny else "cuda"
+    checkpoint = random_checkpoint(SHAPES["tiny" if args.tiny else args.shape], job.tokenizer)
+    requests = build_requests(job.docs, job.questions)
+    job.save(model="tiny" if args.tiny else f"gemma-3-{args.shape} shape, random weights",
+             device="cpu" if args.tiny else torch.cuda.get_device_name(), torch=torch.__version__)
+    for scheme in (["fp32"] if args.tiny else args.schemes.split(",")):
+        if device == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        t = time.perf_counter()
+        engine = spinf_engine(checkpoint, scheme, device)
+        load_s = time.perf_counter() - t
+        t = time.perf_counter()
+        checked(engine.score_batch(requests))
+        first_s = time.perf_counter() - t
+        for _ in range(2):
+            engine.score_batch(requests)
+        seconds = timed(lambda engine=engine: engine.score_batch(requests), device,
+                        1 if args.tiny else 5)
+        questions = questions_answered(checked(engine.score_batch(requests)))
+        job.save(**{f"spinf_{scheme}_questions_per_s": round(questions / seconds, 1),
+                    f"spinf_{scheme}_seconds": round(seconds, 4),
+                    f"spinf_{scheme}_questions": questions,
+                    f"spinf_{scheme}_load_s": round(load_s, 1),
+                    f"spinf_{scheme}_first_call_s": round(first_s, 2),
+                    f"spinf_{scheme}_peak_gpu_gib": (
+                        round(torch.cuda.max_memory_allocated() / 2**30, 2)
+                        if device == "cuda" else None)})
+        del engine
+
+
+# --- shared random weights --------------------------------------------------------------------
+
+def hf_config(config: dict) -> dict:
+    """config.json of a Gemma3ForCausalLM of ``config``'s shape (the fields vLLM 0.26 and
+    transformers 5 read)."""
+    layers = config["num_hidden_layers"]
+    types = config.get("layer_types") or [
+        "full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)]
+    return {**config, "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+            "layer_types": types, "hidden_activation": "gelu_pytorch_tanh",
+            "rope_scaling": None, "final_logit_softcapping": None,
+            "attn_logit_softcapping": None, "attention_bias": False, "attention_dropout": 0.0,
+            "rope_parameters": {
+                "full_attention": {"rope_type": "default", "rope_theta": config["rope_theta"]},
+                "sliding_attention": {"rope_type": "default",
+                                      "rope_theta": config["rope_local_base_freq"]}},
+            "dtype": "bfloat16"}
+
+
+def hf_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """Gemma3ForCausalLM's tensor names and shapes (tied embeddings: no lm_head)."""
+    h, i, hd = config["hidden_size"], config["intermediate_size"], config["head_dim"]
+    q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
+    shapes = {"model.embed_tokens.weight": (config["vocab_size"], h), "model.norm.weight": (h,)}
+    for n in range(config["num_hidden_layers"]):
+        p = f"model.layers.{n}."
+        shapes.update({
+            p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+            p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,),
+            p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+            p + "mlp.down_proj.weight": (h, i),
+            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+            p + "pre_feedforward_layernorm.weight": (h,),
+            p + "post_feedforward_layernorm.weight": (h,)})
+    return shapes
+
+
+def write_weights(directory: Path, config: dict, tokenizer_dir: Path, seed: int = 0) -> None:
+    """Random weights as models/build.py draws them (N(0, 0.02), norms 0: Gemma scales by
+    1 + w), in bf16 safetensors under Gemma3ForCausalLM names, with config and tokenizer."""
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device=device).manual_seed(seed)
+    tensors = {}
+    for name, shape in hf_shapes(config).items():
+        t = torch.empty(shape, dtype=torch.float32, device=device)
+        if name.endswith("norm.weight"):
+            t.zero_()
+        else:
+            t.normal_(0.0, 0.02, generator=gen)
+        tensors[name] = t.to(torch.bfloat16).cpu()
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(hf_config(config), indent=1))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (tokenizer_dir / name).is_file():
+            shutil.copy(tokenizer_dir / name, directory / name)
+
+
+def run_agree_spinf(args: argparse.Namespace) -> None:
+    """spinf-serve's option logprobs on the shared weights (bf16; fp32 with --tiny)."""
+    from spinf_worker.models.loader import load_checkpoint
+    from spinf_worker.tools.news_job import build_requests, checked
+
+    job = Job(args, "agree-spinf")
+    shape = "tiny" if args.tiny else args.shape
+    if not (args.weights / "model.safetensors").is_file():
+        t = time.perf_counter()
+        write_weights(args.weights, SHAPES[shape], args.tokenizer)
+        job.save(weights_written_s=round(time.perf_counter() - t, 1))
+    scheme = "fp32" if args.tiny else args.scheme
+    engine = spinf_engine(load_checkpoint(str(args.weights)), scheme,
+                          "cpu" if args.tiny else "cuda")
+    responses = checked(engine.score_batch(build_requests(job.docs[:args.agree_docs],
+                                                          job.questions)))
+    logprobs = [[[o.logprob for o in q.combinations[0].options] for q in r.results[0].queries]
+                for r in responses]
+    job.save(shape=shape, scheme=scheme, weights=str(args.weights), agree_docs=len(responses),
+             option_logprobs=logprobs)
+
+
+# --- vLLM -------------------------------------------------------------------------------------
+
+def vllm_llm(model_dir: Path, scheme: str, load_format: str):
+    """vLLM's offline engine as the tested recipe runs it."""
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    from vllm import LLM
+
+    return LLM(model=str(model_dir), tokenizer=str(model_dir), load_format=load_format,
+               dtype="bfloat16", enable_prefix_caching=True, max_model_len=2048,
+               gpu_memory_utilization=0.85, quantization="fp8" if scheme == "fp8" else None,
+               seed=0)
+
+
+def shape_dir(args: argparse.Namespace) -> Path:
+    """A model directory of ``--shape`` with no weights (vLLM's dummy load): config.json and
+    the tokenizer."""
+    model_dir = args.model_dir / f"{args.shape}-shape"
+    model_dir.mkdir(parents=True, exist_ok=True)
+    (model_dir / "config.json").write_text(json.dumps(hf_config(SHAPES[args.shape]), indent=1))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (args.tokenizer / name).is_file():
+            (model_dir / name).write_bytes((args.tokenizer / name).read_bytes())
+    return model_dir
+
+
+def run_vllm(args: argparse.Namespace) -> None:
+    """One request per question, cold and warm, detokenizing and not; medians of three."""
+    t = time.perf_counter()
+    import vllm
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    job = Job(args, f"vllm-{args.scheme}")
+    job.save(vllm_version=vllm.__version__, import_s=round(time.perf_counter() - t, 1),
+             scheme=args.scheme)
+    model_dir = shape_dir(args)
+    ids = job.prompts()
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in ids]
+    t = time.perf_counter()
+    llm = vllm_llm(model_dir, args.scheme, "dummy")
+    job.save(shape=args.shape, init_s=round(time.perf_counter() - t, 1), smi_after_init=smi(),
+             requests=len(prompts), prompt_tokens=sum(map(len, ids)))
+
+    def generate(params) -> tuple[float, int]:
+        t = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - t
+        assert all(o.outputs and o.outputs[0].logprobs for o in outs), "a request lacks logprobs"
+        return seconds, sum(o.num_cached_tokens or 0 for o in outs)
+
+    for mode, detokenize in (("default", True), ("nodetok", False)):
+        params = SamplingParams(max_tokens=1, logprobs=20, temperature=0.0, detokenize=detokenize)
+        first, _ = generate(params)     # untimed: compiles what the first batch needs
+        for state in ("cold", "warm"):
+            runs, cached = [], []
+            for _ in range(VLLM_REPEAT):
+                if state == "cold":
+                    llm.reset_prefix_cache()
+                seconds, tokens = generate(params)
+                runs.append(seconds)
+                cached.append(tokens)
+            key = f"vllm_{args.scheme}_{mode}_{state}"
+            job.save(**{f"{key}_questions_per_s": round(len(prompts) / statistics.median(runs), 1),
+                        f"{key}_seconds": [round(s, 3) for s in runs],
+                        f"{key}_cached_tokens": cached,
+                        f"vllm_{args.scheme}_{mode}_first_s": round(first, 3)})
+    job.save(smi_after_runs=smi())
+
+
+def run_agree_vllm(args: argparse.Namespace) -> None:
+    """vLLM's option logprobs on the shared weights, against agree-spinf's."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    job = Job(args, "agree-vllm")
+    ours = json.loads(next(args.out.glob(f"*-peers-agree-spinf-{job.row['commit']}.json"))
+                      .read_text())["option_logprobs"]
+    llm = vllm_llm(args.weights, args.scheme, "safetensors")
+    options = job.option_ids()
+    prompts = job.prompts(len(ours))
+    # each (question, option): the option's tokens' logprobs, read off prompt_logprobs
+    opt_prompts = [(p + o, len(o)) for i, p in enumerate(prompts) for o in options[i % len(options)]]
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p, _ in opt_prompts],
+                        SamplingParams(max_tokens=1, prompt_logprobs=1, temperature=0.0),
+                        use_tqdm=False)
+    theirs = [sum(o.prompt_logprobs[-n + k][tok].logprob for k, tok in enumerate(p[-n:]))
+              for (p, n), o in zip(opt_prompts, outs, strict=True)]
+    # each question: the options found among the next token's top 20
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                        SamplingParams(max_tokens=1, logprobs=20, temperature=0.0),
+                        use_tqdm=False)
+    top20 = []
+    for i, o in enumerate(outs):
+        top = o.outputs[0].logprobs[0]
+        single = [ids[0] for ids in options[i % len(options)] if len(ids) == 1]
+        top20.append([top[t].logprob for t in single]
+                     if len(single) == 2 and all(t in top for t in single) else None)
+    flat_ours = [lp for doc in ours for q in doc for lp in q]
+    job.save(scheme=args.scheme, weights=str(args.weights), agree_docs=len(ours),
+             options_single_token=all(len(o) == 1 for q in options for o in q),
+             **compare(flat_ours, theirs, "prompt_logprobs"))
+    pairs = [(flat_ours[2 * i:2 * i + 2], t) for i, t in enumerate(top20) if t is not None]
+    job.save(top20_questions=len(top20), top20_both_options=len(pairs),
+             **(compare([x for a, _ in pairs for x in a], [x for _, b in pairs for x in b],
+                        "top20") if pairs else {}))
+
+
+def compare(ours: list[float], theirs: list[float], name: str) -> dict:
+    """max and mean |Δ logprob| of two option lists, and how often the pairs' top-1 agree."""
+    deltas = [abs(a - b) for a, b in zip(ours, theirs, strict=True)]
+    top1 = [(ours[i] >= ours[i + 1]) == (theirs[i] >= theirs[i + 1])
+            for i in range(0, len(ours), 2)]
+    return {f"{name}_options": len(deltas), f"{name}_max_abs_dlogprob": round(max(deltas), 5),
+            f"{name}_mean_abs_dlogprob": round(sum(deltas) / len(deltas), 5),
+            f"{name}_top1_agreement": round(sum(top1) / len(top1), 4)}
+
+
+# --- over HTTP (optional) ---------------------------------------------------------------------
+
+def run_serve(args: argparse.Namespace) -> None:
+    """vLLM's OpenAI server (/v1/completions, token-id prompts, ``--in-flight`` at a time),
+    then, with ``--redis-server``, spinf-serve's service (/v1/score, the 24 requests at once)."""
+    import asyncio
+
+    import httpx
+
+    job = Job(args, "serve")
+    ids = job.prompts()
+    model_dir = shape_dir(args)
+    port = 8011
+    # dev mode: the server's POST /reset_prefix_cache, for the cold runs
+    env = {**os.environ, "VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_NO_USAGE_STATS": "1",
+           "VLLM_SERVER_DEV_MODE": "1"}
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model_dir),
+           "--load-format", "dummy", "--dtype", "bfloat16", "--enable-prefix-caching",
+           "--max-model-len", "2048", "--gpu-memory-utilization", "0.85", "--port", str(port),
+           "--seed", "0", *(["--quantization", "fp8"] if args.scheme == "fp8" else [])]
+
+    async def completions(client: httpx.AsyncClient) -> float:
+        gate = asyncio.Semaphore(args.in_flight)
+
+        async def one(p: list[int]) -> None:
+            async with gate:
+                r = await client.post("/v1/completions", json={
+                    "model": str(model_dir), "prompt": p, "max_tokens": 1, "logprobs": 20,
+                    "temperature": 0})
+                r.raise_for_status()
+
+        t = time.perf_counter()
+        await asyncio.gather(*(one(p) for p in ids))
+        return time.perf_counter() - t
+
+    async def reset(client: httpx.AsyncClient) -> None:
+        (await client.post("/reset_prefix_cache")).raise_for_status()
+
+    server = subprocess.Popen(cmd, env=env, start_new_session=True)
+    try:
+        t, healthy = time.perf_counter(), False
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}") as client:
+            while not healthy and time.perf_counter() - t < 400 and server.poll() is None:
+                with contextlib.suppress(httpx.HTTPError):
+                    healthy = client.get("/health").status_code == 200
+                time.sleep(0 if healthy else 2)
+        job.save(vllm_serve_start_s=round(time.perf_counter() - t, 1), vllm_serve_up=healthy)
+        if not healthy:
+            sys.exit("vllm serve did not come up")
+
+        async def measure() -> dict:
+            async with httpx.AsyncClient(   # httpx's pool holds 100 connections by default
+                    base_url=f"http://127.0.0.1:{port}", timeout=300,
+                    limits=httpx.Limits(max_connections=args.in_flight)) as client:
+                await completions(client)
+                cold, warm = [], []
+                for _ in range(VLLM_REPEAT):
+                    await reset(client)
+                    cold.append(await completions(client))
+                for _ in range(VLLM_REPEAT):
+                    warm.append(await completions(client))
+            key = f"vllm_serve_{args.scheme}"
+            return {f"{key}_cold_questions_per_s": round(len(ids) / statistics.median(cold), 1),
+                    f"{key}_warm_questions_per_s": round(len(ids) / statistics.median(warm), 1),
+                    f"{key}_in_flight": args.in_flight}
+        job.save(**asyncio.run(measure()))
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+    if args.redis_server:
+        job.save(**spinf_service(args, job, model_dir))
+
+
+def spinf_service(args: argparse.Namespace, job: Job, model_dir: Path) -> dict:
+    """spinf-serve's service (service_gpu.py's: a private redis-server, ``spinf-serve api``, one
+    worker) on the same shape: the 24 requests as 24 concurrent ``POST /v1/score``, twice
+    untimed (the passes compile), then the median of three."""
+    import asyncio
+    import tempfile
+
+    import httpx
+    from service_gpu import Service
+
+    from spinf_worker.tools.news_job import build_requests
+
+    requests = build_requests(job.docs, job.questions)
+    settings = argparse.Namespace(redis_server=args.redis_server, load_format="dummy",
+                                  quant="fp32" if args.tiny else args.scheme,
+                                  docs=len(requests), api_workers=2, model=str(model_dir),
+                                  device="cpu" if args.tiny else "cuda")
+
+    async def scores(url: str) -> list[float]:
+        async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+            async def one(body: dict) -> None:
+                (await client.post("/v1/score", json=body)).raise_for_status()
+
+            runs = []
+            for _ in range(2 + VLLM_REPEAT):
+                t = time.perf_counter()
+                await asyncio.gather(*(one(b) for b in requests))
+                runs.append(time.perf_counter() - t)
+            return runs[2:]
+
+    with tempfile.TemporaryDirectory() as tmp:
+        service = Service(settings, Path(tmp))
+        try:
+            service.start()
+            service.wait_ready()
+            runs = asyncio.run(scores(service.url))
+        except Exception as err:   # the vLLM side's figures stand without it
+            return {"spinf_serve_error": f"{err!r}"[-1500:] + service.tail("worker")}
+        finally:
+            service.stop()
+    questions = len(requests) * len(job.questions["queries"])
+    return {f"spinf_serve_{args.scheme}_questions_per_s": round(
+                questions / statistics.median(runs), 1),
+            f"spinf_serve_{args.scheme}_seconds": [round(r, 3) for r in runs]}
+
+
+# --- report -----------------------------------------------------------------------------------
+
+RATIOS = {   # name: (spinf key, vLLM keys: the best of them)
+    "fp8_default_cold": ("spinf_fp8", ["vllm_fp8_default_cold"]),
+    "fp8_vs_vllm_best_cold": ("spinf_fp8", ["vllm_bf16_nodetok_cold", "vllm_fp8_nodetok_cold",
+                                            "vllm_bf16_default_cold", "vllm_fp8_default_cold"]),
+    "bf16_default_warm": ("spinf_bf16", ["vllm_bf16_default_warm"]),
+    "bf16_best_warm": ("spinf_bf16", ["vllm_bf16_nodetok_warm", "vllm_bf16_default_warm"]),
+}
+
+
+def merge(parts: list[dict]) -> dict:
+    """The parts' figures under their names (less agree-spinf's raw logprobs), with a ratio
+    (spinf q/s over vLLM q/s) per comparison."""
+    row = {"date": max(p["date"] for p in parts), "commit": parts[0]["commit"],
+           "parts": {p["part"]: {k: v for k, v in p.items()
+                                 if k not in ("date", "commit", "part", "option_logprobs")}
+                     for p in parts}}
+    rates = {k: v for p in parts for k, v in p.items() if k.endswith("_questions_per_s")}
+    ratio = {}
+    for name, (ours, theirs) in RATIOS.items():
+        q = rates.get(f"{ours}_questions_per_s")
+        best = max(((rates[f"{k}_questions_per_s"], k) for k in theirs
+                    if rates.get(f"{k}_questions_per_s")), default=None)
+        if q and best:
+            ratio[name] = {"spinf": q, "vllm": best[0], "vllm_run": best[1],
+                           "ratio": round(q / best[0], 2)}
+    row["ratio"] = ratio
+    return row
+
+
+def table(row: dict) -> str:
+    """The markdown table for RESULTS.md."""
+    rates = {k: v for p in row["parts"].values() for k, v in p.items()}
+    lines = ["| | vLLM cold | vLLM warm | spinf-serve |", "|---|---|---|---|"]
+    for scheme in ("bf16", "fp8"):
+        for mode, label in (("default", "logprobs=20"), ("nodetok", "logprobs=20, detokenize=False")):
+            cold = rates.get(f"vllm_{scheme}_{mode}_cold_questions_per_s", "")
+            warm = rates.get(f"vllm_{scheme}_{mode}_warm_questions_per_s", "")
+            ours = rates.get(f"spinf_{scheme}_questions_per_s", "") if mode == "default" else ""
+            lines.append(f"| {scheme}, {label} | {cold} | {warm} | {ours} |")
+    lines += ["", "| comparison | spinf q/s | vLLM q/s (run) | ratio |", "|---|---|---|---|"]
+    for name, r in row["ratio"].items():
+        lines.append(f"| {name} | {r['spinf']} | {r['vllm']} ({r['vllm_run']}) | {r['ratio']} |")
+    serve = row["parts"].get("serve", {})
+    if serve:
+        lines += ["", "Over HTTP: " + ", ".join(f"{k.removesuffix('_questions_per_s')} {v} q/s"
+                                               for k, v in serve.items()
+                                               if k.endswith("_questions_per_s"))]
+    agree = row["parts"].get("agree-vllm", {})
+    if "prompt_logprobs_options" in agree:
+        shape = row["parts"].get("agree-spinf", {}).get("shape", "?")
+        lines += ["", f"Agreement ({shape} shape, the same random weights on both sides, "
+                      f"{agree['scheme']}, {agree['agree_docs']} documents): max |Δ logprob| "
+                      f"{agree['prompt_logprobs_max_abs_dlogprob']}, mean "
+                      f"{agree['prompt_logprobs_mean_abs_dlogprob']}, top-1 agreement "
+                      f"{agree['prompt_logprobs_top1_agreement']} over "
+                      f"{agree['prompt_logprobs_options']} options; both options in vLLM's "
+                      f"top 20 for {agree.get('top20_both_options')} of "
+                      f"{agree.get('top20_questions')} questions."]
+    return "\n".join(lines)
+
+
+def run_report(args: argparse.Namespace) -> None:
+    files = sorted(args.out.glob(f"*-peers-*-{args.commit}.json" if args.commit
+                                 else "*-peers-*.json"))
+    parts = [json.loads(f.read_text()) for f in files]
+    parts = [p for p in parts if "part" in p]
+    if not parts:
+        sys.exit(f"no peers part in {args.out}")
+    row = merge(parts)
+    args.results.mkdir(parents=True, exist_ok=True)
+    path = args.results / f"{row['date']}-peers-{row['commit']}.json"
+    path.write_text(json.dumps(row, indent=1))
+    print(f"wrote {path}\n")
+    print(table(row))
+
+
+# --- command line -----------------------------------------------------------------------------
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="part", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--tokenizer", type=Path, default=None,
+                        help="dir with tokenizer.json (default: the default model's)")
+    common.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
+    common.add_argument("--questions", type=Path,
+                        default=ROOT / "benchmarks" / "news_questions.json")
+    common.add_argument("--docs", type=int, default=24)
+    common.add_argument("--doc-tokens", type=int, default=470)
+    common.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    common.add_argument("--commit", default=None, help="when the checkout has no .git")
+    common.add_argument("--tiny", action="store_true",
+                        help="CPU, a tiny random Gemma 3 (spinf parts only)")
+    common.add_argument("--shape", choices=sorted(SHAPES), default=None)
+    common.add_argument("--scheme", choices=("bf16", "fp8"), default="bf16")
+    common.add_argument("--model-dir", type=Path, default=Path("/tmp/peers-models"),
+                        help="vllm, serve: where the shape's config and tokenizer are written")
+    common.add_argument("--weights", type=Path, default=Path("/tmp/peers-weights"),
+                        help="agree-*: the shared random weights' HF directory")
+    common.add_argument("--agree-docs", type=int, default=4)
+    for name, fn, shape in (("spinf", run_spinf, "12b"), ("vllm", run_vllm, "12b"),
+                            ("agree-spinf", run_agree_spinf, "1b"),
+                            ("agree-vllm", run_agree_vllm, "1b"), ("serve", run_serve, "12b")):
+        p = sub.add_parser(name, parents=[common])
+        p.set_defaults(fn=fn, default_shape=shape)
+        if name == "spinf":
+            p.add_argument("--schemes", default="fp8,bf16")
+        if name == "serve":
+            p.add_argument("--in-flight", type=int, default=128)
+            p.add_argument("--redis-server", default=None,
+                           help="also time spinf-serve's service (its private redis-server)")
+    p = sub.add_parser("report")
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
+    p.add_argument("--commit", default=None, help="only this commit's parts")
+    p.set_defaults(fn=run_report)
+    args = parser.parse_args()
+    if args.part != "report":
+        args.shape = args.shape or args.default_shape
+        if args.tokenizer is None:
+            from spinf_worker.models.loader import load_checkpoint
+
+            args.tokenizer = load_checkpoint(None, load_format="dummy").path
+    args.fn(args)
+
+
+if __name__ == "__main__":
+    main()
