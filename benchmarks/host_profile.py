@@ -27,7 +27,9 @@ under cProfile (one more run; its overhead inflates Python-heavy functions).
     python benchmarks/host_profile.py --docs 240 --repeat 5 --out benchmarks/results
 
 Each stage is the median over ``--repeat`` runs (after one untimed run that scores the
-floors). Writes ``<out>/<date>-cpu-host-profile-<commit>.json``.
+floors, and the heap frozen as a worker freezes it), in the process's CPU seconds by default
+(``--clock wall``: wall seconds; CPU time moves less on a machine shared with other work).
+The cyclic collector runs inside whichever stage allocates: its share is shown apart. Writes ``<out>/<date>-cpu-host-profile-<commit>.json``.
 """
 
 from __future__ import annotations
@@ -88,15 +90,16 @@ class CollectorTime:
     """Seconds the cyclic garbage collector ran (it runs inside whichever stage allocates, so
     its share is shown apart too)."""
 
-    def __init__(self):
+    def __init__(self, clock=time.perf_counter):
+        self.clock = clock
         self.seconds, self.collections, self._t0 = 0.0, 0, 0.0
         gc.callbacks.append(self._note)
 
     def _note(self, phase: str, info: dict) -> None:
         if phase == "start":
-            self._t0 = time.perf_counter()
+            self._t0 = self.clock()
         else:
-            self.seconds += time.perf_counter() - self._t0
+            self.seconds += self.clock() - self._t0
             self.collections += 1
 
 
@@ -104,7 +107,8 @@ class Timers:
     """Own time per stage: a wrapped function's time less that of the wrapped functions it
     calls. ``device`` is the model's share (left out of the host total)."""
 
-    def __init__(self):
+    def __init__(self, clock=time.perf_counter):
+        self.clock = clock
         self.own: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
         self._stack: list[list[float]] = []   # per open call: its children's time
@@ -113,11 +117,11 @@ class Timers:
         @functools.wraps(fn)
         def timed(*args, **kwargs):
             self._stack.append([0.0])
-            t0 = time.perf_counter()
+            t0 = self.clock()
             try:
                 return fn(*args, **kwargs)
             finally:
-                spent = time.perf_counter() - t0
+                spent = self.clock() - t0
                 children = self._stack.pop()[0]
                 self.own[stage] += spent - children
                 self.calls[stage] += 1
@@ -161,11 +165,11 @@ def instrument(engine, timers: Timers, stub: bool) -> None:
 def run_once(engine, requests: list[dict], timers: Timers, collector: CollectorTime) -> dict:
     timers.reset()
     collector.seconds = collector.collections = 0
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), timers.clock()
     responses = checked(engine.score_batch(requests))
-    wall = time.perf_counter() - t0
+    wall, spent = time.perf_counter() - t0, timers.clock() - c0
     stages = {s: timers.own.get(s, 0.0) for s in STAGES if s != "other"}
-    stages["other"] = wall - sum(stages.values()) - timers.own.get("device", 0.0)
+    stages["other"] = spent - sum(stages.values()) - timers.own.get("device", 0.0)
     return dict(wall_s=wall, device_s=timers.own.get("device", 0.0), stages_s=stages,
                 passes=timers.calls.get("launch", 0), gc_s=collector.seconds,
                 gc_collections=collector.collections,
@@ -196,6 +200,10 @@ def main() -> None:
                     help="rows a pass (default: the CUDA passes' 16384)")
     ap.add_argument("--forward", choices=("stub", "real"), default="stub")
     ap.add_argument("--case-insensitive", action="store_true")
+    ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
+                    help="time stages in the process's CPU seconds (default: steadier on a "
+                         "machine shared with other work; the tokenizer's threads count) or "
+                         "wall seconds")
     ap.add_argument("--no-freeze", action="store_true",
                     help="leave the loaded heap to the cyclic collector (a worker freezes it: "
                          "engine.freeze_heap)")
@@ -211,7 +219,8 @@ def main() -> None:
 
     engine = Engine.load(None, device="cpu",
                          settings=EngineSettings(max_pass_tokens=args.max_pass_tokens))
-    timers, collector = Timers(), CollectorTime()
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    timers, collector = Timers(clock), CollectorTime(clock)
     instrument(engine, timers, args.forward == "stub")
     docs = windows(data_dir(args.data or ROOT.parent / "shared" / "data"),
                    engine.checkpoint.tokenizer, args.docs)
@@ -237,7 +246,7 @@ def main() -> None:
         machine=f"{sh('lscpu | sed -n s/^Model.name:.//p').strip()}, {os.cpu_count()} cores",
         load_avg_1m_at_start=load_at_start, torch=torch.__version__,
         forward=args.forward, docs=len(docs), questions=questions, passes=passes,
-        max_pass_tokens=args.max_pass_tokens, frozen_heap=not args.no_freeze,
+        max_pass_tokens=args.max_pass_tokens, clock=args.clock, frozen_heap=not args.no_freeze,
         case_insensitive=args.case_insensitive,
         repeat=args.repeat, wall_s=med("wall_s"), device_s=med("device_s"),
         gc_s=med("gc_s"), gc_collections=med("gc_collections"),
@@ -246,8 +255,8 @@ def main() -> None:
         stages_ms=stages_table(stages, passes, questions),
     )
     print(f"{len(docs)} docs x 56 q = {questions} questions, {passes} passes of "
-          f"<= {args.max_pass_tokens} rows, forward {args.forward}; median of {args.repeat} "
-          f"(load {load_at_start:.2f})")
+          f"<= {args.max_pass_tokens} rows, forward {args.forward}; {args.clock} time, median "
+          f"of {args.repeat} (load {load_at_start:.2f})")
     print(f"{'stage':<12}{'ms/run':>10}{'ms/pass':>10}{'ms/1k q (us/q)':>16}")
     for s, row in result["stages_ms"].items():
         print(f"{s:<12}{row['run']:>10.1f}{row['per_pass']:>10.2f}"
