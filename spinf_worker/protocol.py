@@ -23,6 +23,7 @@ from pydantic import (
     StrictInt,
     StrictStr,
     Tag,
+    TypeAdapter,
     ValidationError,
     field_validator,
     model_serializer,
@@ -818,11 +819,15 @@ class _Optional(BaseModel):
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler):   # unannotated: the schema stays the model's
+        self._complete()
         data = handler(self)
         for name in self.OPTIONAL:
             if data.get(name, 0) is None:
                 del data[name]
         return data
+
+    def _complete(self) -> None:
+        """Validate any field held back until it is read (ScoreResponse.of_engine's)."""
 
 
 class Answer(_Optional):
@@ -945,6 +950,45 @@ class ScoreResponse(_Optional):
     # the data the engine validated this reply from, less its timing (engine/respond.py)
     _plain: dict | None = PrivateAttr(default=None)
 
+    @classmethod
+    def of_engine(cls, data: dict[str, Any], timing: dict[str, int]) -> ScoreResponse:
+        """The reply of data the engine built in the hosted shape (``plain`` less the
+        timing), its ``results`` (nearly all of it) validated only once read: a worker hands
+        the data on with ``plain`` and never builds a model per query and option (thousands
+        a second, each one more object for the cyclic collector to walk)."""
+        response = cls.model_validate({**data, "results": [], "timing": timing})
+        del response.__dict__["results"]
+        response._plain = data
+        return response
+
+    def _complete(self) -> None:
+        fields = self.__dict__
+        if "results" not in fields:
+            # in its place among the fields: dumps and reprs list them in this order
+            now = {**fields, "results": _INPUT_RESULTS.validate_python(self._plain["results"])}
+            fields.clear()
+            fields.update((name, now[name]) for name in type(self).model_fields if name in now)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "results":   # held back by of_engine
+            self._complete()
+            return self.__dict__["results"]
+        return super().__getattr__(name)
+
+    def __eq__(self, other: object) -> bool:
+        self._complete()
+        if isinstance(other, ScoreResponse):
+            other._complete()
+        return super().__eq__(other)
+
+    def __iter__(self):
+        self._complete()
+        return super().__iter__()
+
+    def __repr_args__(self):
+        self._complete()
+        return super().__repr_args__()
+
     def plain(self) -> dict[str, Any]:
         """``model_dump()``, without dumping the model where the engine kept the data it was
         built from (a worker stores thousands of replies a second): that data with the
@@ -953,6 +997,9 @@ class ScoreResponse(_Optional):
         if self._plain is None:
             return self.model_dump()
         return {**self._plain, "timing": self.timing.model_dump()}
+
+
+_INPUT_RESULTS = TypeAdapter(list[InputResult])
 
 
 class ErrorBody(BaseModel):

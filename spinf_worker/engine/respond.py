@@ -22,8 +22,8 @@ def build_response(p: PreparedRequest, scores: list[DocScores], floors: dict[tup
                    *, model: str, fingerprint: str, started: float) -> ScoreResponse:
     """The response of one prepared request, from its inputs' scores and their queries' floor
     scores (by floor key)."""
-    # Built as plain data and validated once: a bulk job answers thousands of options a
-    # second, and one validation of the whole response costs less than a model per option.
+    # Built as plain data, its results validated only when read (ScoreResponse.of_engine): a
+    # bulk job answers thousands of options a second, and a worker stores the data as it is.
     results, warnings = [], []
     counts = {"queries": 0, "combinations": 0, "options": 0, "prompts": 0, "floor_prompts": 0}
     extraction = {"slots": 0, "text": 0, "number": 0, "currency": 0}
@@ -112,10 +112,8 @@ def build_response(p: PreparedRequest, scores: list[DocScores], floors: dict[tup
         data["endpoint"] = p.request.endpoint
     data.update(system_fingerprint=fingerprint, results=results, warnings=warnings,
                 usage=usage)
-    response = ScoreResponse.model_validate(
-        {**data, "timing": {"wall_ms": elapsed_ms, "score_ms": elapsed_ms}})
+    response = ScoreResponse.of_engine(data, {"wall_ms": elapsed_ms, "score_ms": elapsed_ms})
     response._rows, response._padded_rows = rows, padded
-    response._plain = data
     return response
 
 
