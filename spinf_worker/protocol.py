@@ -488,7 +488,23 @@ class Scoring(BaseModel):
         return self.case_insensitive is not False
 
     _layout_key: tuple[str, ...] | None = PrivateAttr(default=None)
+    _params: dict[str, str] | None = PrivateAttr(default=None)
+    _shared: dict[str, Query] | None = PrivateAttr(default=None)
+    _fits: Limits | None = PrivateAttr(default=None)   # the queries passed these limits
     _checked: bool = PrivateAttr(default=False)
+
+    def shared_queries(self) -> dict[str, Query]:
+        """The queries by id, computed once like ``layout_key``."""
+        if self._shared is None:
+            self._shared = {q.id: q for q in self.queries}
+        return self._shared
+
+    def query_params(self) -> dict[str, str]:
+        """Per query id where the query is (``scoring.queries.K``), computed once like
+        ``layout_key``."""
+        if self._params is None:
+            self._params = {q.id: f"scoring.queries.{k}" for k, q in enumerate(self.queries)}
+        return self._params
 
     def layout_key(self) -> tuple[str, ...]:
         """Per query its JSON without the id (computed once; a validated block is shared by
@@ -666,11 +682,13 @@ class ScoreRequest(BaseModel):
 
     def _split(self) -> list[Document]:
         scoring, limits = self.scoring, self.effective_limits
-        shared = {q.id: q for q in scoring.queries}
+        shared = scoring.shared_queries()
         if self.inputs is None:
             messages = (self.messages if self.messages is not None
                         else [Message(role="user", content=self.text)])
-            self._check_queries(list(shared.values()), limits, "scoring.queries")
+            if scoring._fits != limits:   # a shared block is checked once per limits
+                self._check_queries(list(shared.values()), limits, "scoring.queries")
+                scoring._fits = limits
             check_media(messages, limits, "messages")
             return [Document("0", messages, list(shared.values()), scoring.layout_key(), None)]
         documents, ids = [], set()
@@ -963,14 +981,14 @@ class ScoreResponse(_Optional):
 
     def _complete(self) -> None:
         fields = self.__dict__
-        if "results" not in fields:
+        if "results" not in fields and self._plain is not None:
             # in its place among the fields: dumps and reprs list them in this order
             now = {**fields, "results": _INPUT_RESULTS.validate_python(self._plain["results"])}
             fields.clear()
             fields.update((name, now[name]) for name in type(self).model_fields if name in now)
 
     def __getattr__(self, name: str) -> Any:
-        if name == "results":   # held back by of_engine
+        if name == "results" and self._plain is not None:   # held back by of_engine
             self._complete()
             return self.__dict__["results"]
         return super().__getattr__(name)
