@@ -23,6 +23,7 @@ from pydantic import (
     StrictInt,
     StrictStr,
     Tag,
+    TypeAdapter,
     ValidationError,
     field_validator,
     model_serializer,
@@ -487,7 +488,23 @@ class Scoring(BaseModel):
         return self.case_insensitive is not False
 
     _layout_key: tuple[str, ...] | None = PrivateAttr(default=None)
+    _params: dict[str, str] | None = PrivateAttr(default=None)
+    _shared: dict[str, Query] | None = PrivateAttr(default=None)
+    _fits: Limits | None = PrivateAttr(default=None)   # the queries passed these limits
     _checked: bool = PrivateAttr(default=False)
+
+    def shared_queries(self) -> dict[str, Query]:
+        """The queries by id, computed once like ``layout_key``."""
+        if self._shared is None:
+            self._shared = {q.id: q for q in self.queries}
+        return self._shared
+
+    def query_params(self) -> dict[str, str]:
+        """Per query id where the query is (``scoring.queries.K``), computed once like
+        ``layout_key``."""
+        if self._params is None:
+            self._params = {q.id: f"scoring.queries.{k}" for k, q in enumerate(self.queries)}
+        return self._params
 
     def layout_key(self) -> tuple[str, ...]:
         """Per query its JSON without the id (computed once; a validated block is shared by
@@ -665,11 +682,13 @@ class ScoreRequest(BaseModel):
 
     def _split(self) -> list[Document]:
         scoring, limits = self.scoring, self.effective_limits
-        shared = {q.id: q for q in scoring.queries}
+        shared = scoring.shared_queries()
         if self.inputs is None:
             messages = (self.messages if self.messages is not None
                         else [Message(role="user", content=self.text)])
-            self._check_queries(list(shared.values()), limits, "scoring.queries")
+            if scoring._fits != limits:   # a shared block is checked once per limits
+                self._check_queries(list(shared.values()), limits, "scoring.queries")
+                scoring._fits = limits
             check_media(messages, limits, "messages")
             return [Document("0", messages, list(shared.values()), scoring.layout_key(), None)]
         documents, ids = [], set()
@@ -818,11 +837,15 @@ class _Optional(BaseModel):
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler):   # unannotated: the schema stays the model's
+        self._complete()
         data = handler(self)
         for name in self.OPTIONAL:
             if data.get(name, 0) is None:
                 del data[name]
         return data
+
+    def _complete(self) -> None:
+        """Validate any field held back until it is read (ScoreResponse.of_engine's)."""
 
 
 class Answer(_Optional):
@@ -945,6 +968,45 @@ class ScoreResponse(_Optional):
     # the data the engine validated this reply from, less its timing (engine/respond.py)
     _plain: dict | None = PrivateAttr(default=None)
 
+    @classmethod
+    def of_engine(cls, data: dict[str, Any], timing: dict[str, int]) -> ScoreResponse:
+        """The reply of data the engine built in the hosted shape (``plain`` less the
+        timing), its ``results`` (nearly all of it) validated only once read: a worker hands
+        the data on with ``plain`` and never builds a model per query and option (thousands
+        a second, each one more object for the cyclic collector to walk)."""
+        response = cls.model_validate({**data, "results": [], "timing": timing})
+        del response.__dict__["results"]
+        response._plain = data
+        return response
+
+    def _complete(self) -> None:
+        fields = self.__dict__
+        if "results" not in fields and self._plain is not None:
+            # in its place among the fields: dumps and reprs list them in this order
+            now = {**fields, "results": _INPUT_RESULTS.validate_python(self._plain["results"])}
+            fields.clear()
+            fields.update((name, now[name]) for name in type(self).model_fields if name in now)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "results" and self._plain is not None:   # held back by of_engine
+            self._complete()
+            return self.__dict__["results"]
+        return super().__getattr__(name)
+
+    def __eq__(self, other: object) -> bool:
+        self._complete()
+        if isinstance(other, ScoreResponse):
+            other._complete()
+        return super().__eq__(other)
+
+    def __iter__(self):
+        self._complete()
+        return super().__iter__()
+
+    def __repr_args__(self):
+        self._complete()
+        return super().__repr_args__()
+
     def plain(self) -> dict[str, Any]:
         """``model_dump()``, without dumping the model where the engine kept the data it was
         built from (a worker stores thousands of replies a second): that data with the
@@ -953,6 +1015,9 @@ class ScoreResponse(_Optional):
         if self._plain is None:
             return self.model_dump()
         return {**self._plain, "timing": self.timing.model_dump()}
+
+
+_INPUT_RESULTS = TypeAdapter(list[InputResult])
 
 
 class ErrorBody(BaseModel):

@@ -174,9 +174,11 @@ def check_media_kinds(messages: list[Message], readable: Collection[str], model:
 def query_params(request: ScoreRequest, index: int, doc: Document) -> tuple[str, list[str]]:
     """(where the input is in the request, where each of its queries is)."""
     where = f"inputs.{index}" if request.inputs is not None else "messages"
-    shared = {q.id: f"scoring.queries.{k}" for k, q in enumerate(request.scoring.queries)}
+    shared = request.scoring.query_params()
     own = {q.id: f"{where}.queries.{k}" for k, q in enumerate(
         request.inputs[index].queries or [] if request.inputs is not None else [])}
+    if not own:
+        return where, [shared[q.id] for q in doc.queries]
     return where, [own.get(q.id) or shared[q.id] for q in doc.queries]
 
 

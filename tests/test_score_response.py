@@ -5,12 +5,13 @@ model and endpoint echoed, floors on or off per call and per query, combinations
 from __future__ import annotations
 
 import json
+import pickle
 import re
 
 import pytest
 
 from spinf_worker.model_names import HOSTED_ALIASES
-from spinf_worker.protocol import ScoredQuery
+from spinf_worker.protocol import ScoredQuery, ScoreResponse
 
 from .test_engine_parity import NEWS, QUERIES
 
@@ -151,6 +152,27 @@ def test_timing_is_whole_milliseconds(tiny_engine):
 def same_json(a, b) -> bool:
     """Equal as JSON, types included (0 and 0.0 are written differently)."""
     return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+
+
+def test_a_reply_reads_the_same_before_its_results_are_built(tiny_engine):
+    """The engine's replies validate their results only once read (ScoreResponse.of_engine):
+    a copy and a pickled copy equal the reply whose results were read, and dump and print as
+    a reply validated from its dump does, whichever is asked first."""
+    request = {"inputs": [{"id": "a", "messages": [{"content": NEWS}]},
+                          {"id": "b", "messages": [{"content": "Short."}]}],
+               "scoring": {"queries": QUERIES}, "endpoint": "triage"}
+    reply = tiny_engine.score(request)
+    copied, pickled = reply.model_copy(deep=True), pickle.loads(pickle.dumps(reply))
+    again = reply.model_copy(deep=True)
+    assert "results" not in reply.__dict__   # held back until read
+    validated = ScoreResponse.model_validate(json.loads(reply.model_dump_json()))
+    assert copied == reply and reply == pickled
+    assert repr(again) == repr(validated)
+    assert pickled.model_dump() == validated.model_dump()
+    assert [q.id for q in again.results[1].queries] == [q["id"] for q in QUERIES]
+    assert list(reply.model_dump()) == list(validated.model_dump())   # the fields' order
+    other = tiny_engine.score({**request, "endpoint": None})
+    assert other != reply and other.results[0].input_id == "a"
 
 
 def test_the_plain_reply_is_the_models_dump(tiny_engine):

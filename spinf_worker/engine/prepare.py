@@ -66,6 +66,8 @@ class QuerySet:
     query_tokens: int                  # branch tokens, before prefix sharing (usage)
     floor_tokens: int                  # the same for the queries with a floor
     decode_budget: int                 # the most tokens its slots may decode (beams x steps)
+    # usage's scoring, extraction and generation counts of an input asking it (respond.py)
+    counts: tuple[dict, dict, dict] | None = None
 
 
 @dataclass

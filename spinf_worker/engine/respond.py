@@ -11,7 +11,7 @@ from ..ids import new_ulid
 from ..protocol import Query, ScoreResponse
 from ..templates import Combination
 from .prepare import Prepared, PreparedRequest
-from .runner import DocScores
+from .runner import DocScores, ScoreLists
 from .slots import extraction_result
 
 # the mean residual over which a query's one-token options probably do not fit its template
@@ -22,8 +22,8 @@ def build_response(p: PreparedRequest, scores: list[DocScores], floors: dict[tup
                    *, model: str, fingerprint: str, started: float) -> ScoreResponse:
     """The response of one prepared request, from its inputs' scores and their queries' floor
     scores (by floor key)."""
-    # Built as plain data and validated once: a bulk job answers thousands of options a
-    # second, and one validation of the whole response costs less than a model per option.
+    # Built as plain data, its results validated only when read (ScoreResponse.of_engine): a
+    # bulk job answers thousands of options a second, and a worker stores the data as it is.
     results, warnings = [], []
     counts = {"queries": 0, "combinations": 0, "options": 0, "prompts": 0, "floor_prompts": 0}
     extraction = {"slots": 0, "text": 0, "number": 0, "currency": 0}
@@ -63,21 +63,10 @@ def build_response(p: PreparedRequest, scores: list[DocScores], floors: dict[tup
         floor_tokens += qs.floor_tokens
         rows += doc.flat.tokens
         padded += doc.flat.length
-        for q, grid, fkey, kind in zip(doc.queries, qs.grids, qs.floor_keys, qs.kinds,
-                                       strict=True):
-            if kind == "?":
-                counts["queries"] += 1
-                counts["combinations"] += len(grid)
-                counts["options"] += len(q.options)
-                counts["prompts"] += len(grid)
-                counts["floor_prompts"] += len(grid) if fkey is not None else 0
-            elif q.generation is not None:
-                generation["slots"] += len(grid)
-                generation["sequences"] += len(grid) * q.generation.n
-                generation["max_tokens"] += len(grid) * q.max_tokens
-            else:
-                extraction["slots"] += len(grid)
-                extraction[q.kind] += len(grid)
+        for total, mine in zip((counts, extraction, generation), _query_counts(doc),
+                               strict=True):
+            for name, n in mine.items():
+                total[name] += n
         decoded += _decoded_tokens(doc, doc_scores)
     prompt_tokens = content_tokens + query_tokens + floor_tokens
     text_tokens = (content_tokens - media["image_tokens"] - media["video_tokens"]
@@ -112,16 +101,43 @@ def build_response(p: PreparedRequest, scores: list[DocScores], floors: dict[tup
         data["endpoint"] = p.request.endpoint
     data.update(system_fingerprint=fingerprint, results=results, warnings=warnings,
                 usage=usage)
-    response = ScoreResponse.model_validate(
-        {**data, "timing": {"wall_ms": elapsed_ms, "score_ms": elapsed_ms}})
+    response = ScoreResponse.of_engine(data, {"wall_ms": elapsed_ms, "score_ms": elapsed_ms})
     response._rows, response._padded_rows = rows, padded
-    response._plain = data
     return response
+
+
+def _query_counts(doc: Prepared) -> tuple[dict, dict, dict]:
+    """An input's scoring, extraction and generation counts (usage): its query set's, the
+    same for every input that asks it, so counted once per set."""
+    qs = doc.query_set
+    if qs.counts is not None:
+        return qs.counts
+    counts = {"queries": 0, "combinations": 0, "options": 0, "prompts": 0, "floor_prompts": 0}
+    extraction = {"slots": 0, "text": 0, "number": 0, "currency": 0}
+    generation = {"slots": 0, "sequences": 0, "max_tokens": 0}
+    for q, grid, fkey, kind in zip(doc.queries, qs.grids, qs.floor_keys, qs.kinds, strict=True):
+        if kind == "?":
+            counts["queries"] += 1
+            counts["combinations"] += len(grid)
+            counts["options"] += len(q.options)
+            counts["prompts"] += len(grid)
+            counts["floor_prompts"] += len(grid) if fkey is not None else 0
+        elif q.generation is not None:
+            generation["slots"] += len(grid)
+            generation["sequences"] += len(grid) * q.generation.n
+            generation["max_tokens"] += len(grid) * q.max_tokens
+        else:
+            extraction["slots"] += len(grid)
+            extraction[q.kind] += len(grid)
+    qs.counts = (counts, extraction, generation)
+    return qs.counts
 
 
 def _decoded_tokens(doc: Prepared, scores: DocScores) -> int:
     """Tokens decoded for an input's slots: every generated sequence's, and for a searched
     slot the decoding steps it ran (its longest answer; its beams ran side by side)."""
+    if not scores.found:   # nothing decoded (no slots)
+        return 0
     total, b = 0, 0
     qs = doc.query_set
     for q, grid, kind in zip(doc.queries, qs.grids, qs.kinds, strict=True):
@@ -143,6 +159,7 @@ def _query_results(doc: Prepared, scores: DocScores, floors: dict[tuple, DocScor
     """Every query of one input (the caller's, then its packs'), in the hosted shape."""
     out, b = [], 0
     qs = doc.query_set
+    lists = scores.lists
     for q, grid, fkey, starts, kind in zip(doc.queries, qs.grids, qs.floor_keys, qs.spellings,
                                            qs.kinds, strict=True):
         if kind != "?":
@@ -155,8 +172,11 @@ def _query_results(doc: Prepared, scores: DocScores, floors: dict[tuple, DocScor
             b += len(grid)
             continue
         floor = floors[fkey] if fkey is not None else None
-        combos = [_option_scores(q, c, scores, b + k, floor, k, starts)
-                  for k, c in enumerate(grid)]
+        if starts is None:   # the options themselves: the runner's figures, bit for bit
+            combos = _plain_options(q.options, grid, lists, b, floor)
+        else:
+            combos = [_option_scores(q, c, scores, b + k, floor, k, starts)
+                      for k, c in enumerate(grid)]
         b += len(grid)
         out.append({"id": q.id, "combinations": combos})
         mean_residual = sum(c["residual"] for c in combos) / len(combos)
@@ -168,13 +188,40 @@ def _query_results(doc: Prepared, scores: DocScores, floors: dict[tuple, DocScor
     return out
 
 
+def _plain_options(options: list[str], grid: list[Combination], lists: ScoreLists, b: int,
+                   floor: DocScores | None) -> list[dict]:
+    """``_option_scores`` of a query's combinations (branches b, b + 1, ...) whose options
+    are scored as given, in one loop: a bulk job answers thousands of them a second."""
+    logprobs, probs, starts, residual = lists
+    floor_lists = floor.lists if floor is not None else None
+    combos = []
+    for k, combo in enumerate(grid):
+        at, end = starts[b + k], starts[b + k + 1]
+        if floor_lists is None:
+            floor_probs, floor_residual = [None] * (end - at), None
+        else:
+            f_at, f_end = floor_lists.branch_start[k], floor_lists.branch_start[k + 1]
+            floor_probs, floor_residual = floor_lists.probs[f_at:f_end], floor_lists.residual[k]
+        combos.append({"values": combo.values,
+                       "options": [{"text": o, "logprob": lp, "p": p, "floor_p": fp}
+                                   for o, lp, p, fp in zip(options, logprobs[at:end],
+                                                           probs[at:end], floor_probs,
+                                                           strict=True)],
+                       "residual": residual[b + k], "floor_residual": floor_residual})
+    return combos
+
+
 def _option_scores(q: Query, combo: Combination, scores: DocScores, b: int,
                    floor: DocScores | None, floor_b: int, starts: list[int] | None) -> dict:
     """Branch b's options: logprobs, probabilities over the options, floor probabilities
     (branch floor_b of the floor's DocTree), as a ScoredCombination's data."""
     logprobs, probs, residual = _read(scores, b, starts)
     if floor is not None:
-        _, floor_probs, floor_residual = _read(floor, floor_b, starts)
+        # the same floor in every input that asks the query: its spellings summed once
+        key = (floor_b, tuple(starts) if starts is not None else None)
+        if (read := floor.reads.get(key)) is None:
+            read = floor.reads[key] = _read(floor, floor_b, starts)
+        _, floor_probs, floor_residual = read
     else:
         floor_probs, floor_residual = [None] * len(q.options), None
     return {"values": combo.values,

@@ -46,6 +46,9 @@ class DocScores:
     # a completion prompt (FlatDoc.echo): per readout the next token's logprob [R] (NaN where
     # none), the top-N logprobs [R, N] and their token ids [R, N]
     echo: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    # a floor's branches as responses read them, kept (engine/respond.py): (branch, spelling
+    # starts) -> (logprobs, probabilities, residual)
+    reads: dict = field(default_factory=dict, repr=False, compare=False)
 
     def branch(self, b: int) -> np.ndarray:
         return self.option_logprobs[self.branch_start[b]:self.branch_start[b + 1]]
