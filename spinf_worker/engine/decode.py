@@ -250,9 +250,17 @@ def _on_device(values: list[int], device: torch.device) -> torch.Tensor:
 
 
 def _top(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's ``k`` largest values and their columns, largest first, ties to the lower
-    column. The order is strict (value, then column), so a row's picks are the same whatever
-    rows are beside it and however the device's topk breaks ties."""
+    """Each row's ``k`` largest values and their columns, largest first; a row's picks its
+    own whatever rows are beside it. On the CPU torch.topk works row by row alike; CUDA's
+    picks its way by the number of rows, which can change the picks among equal values."""
+    if not x.is_cuda:
+        return torch.topk(x, k, dim=1)
+    return _strict_top(x, k)
+
+
+def _strict_top(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_top`` in a strict order (value, then the lower column): the same picks however
+    topk works."""
     bits = x.contiguous().view(torch.int32)
     order = bits ^ ((bits >> 31) & 0x7FFFFFFF)        # ordered as the floats are
     keys = order.long().bitwise_left_shift_(32)
@@ -420,7 +428,7 @@ class SlotDecoder:
             mine = logprobs.index_select(0, index[at:at + len(members)])
             at += len(members)
             if len(key) == 2:
-                mine = mine.masked_fill(vocab.ends(key[0])[1], -math.inf)
+                mine.masked_fill_(vocab.ends(key[0])[1], -math.inf)   # a copy: its own
             else:
                 mine = mine.index_select(1, vocab.extensions(*key[:2])[0])
             values, picks = _top(mine, key[-1])
