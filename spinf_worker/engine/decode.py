@@ -418,19 +418,20 @@ class SlotDecoder:
         index = _on_device([rows[i] for group in groups for i in group], logprobs.device)
         parts: list[torch.Tensor] = []
         at = 0
-        for key, members in ends.items():
-            mine = logprobs.index_select(0, index[at:at + len(members)])
-            at += len(members)
+        for key, members in ends.items():   # only the group's rows and columns are copied
             columns = (vocab.end_ids(key[0]) if len(key) == 1
                        else vocab.extensions(*key)[0])
-            parts.append(_logsumexp_rows(mine.index_select(1, columns)))
-        for key, members in tops.items():
-            mine = logprobs.index_select(0, index[at:at + len(members)])
+            mine = logprobs[index[at:at + len(members), None], columns]
             at += len(members)
+            parts.append(_logsumexp_rows(mine))
+        for key, members in tops.items():
             if len(key) == 2:
+                mine = logprobs.index_select(0, index[at:at + len(members)])
                 mine.masked_fill_(vocab.ends(key[0])[1], -math.inf)   # a copy: its own
             else:
-                mine = mine.index_select(1, vocab.extensions(*key[:2])[0])
+                columns = vocab.extensions(*key[:2])[0]
+                mine = logprobs[index[at:at + len(members), None], columns]
+            at += len(members)
             values, picks = _top(mine, key[-1])
             parts += [values.double().flatten(), picks.double().flatten()]
         # fp32 logprobs and token indices are exact in float64
