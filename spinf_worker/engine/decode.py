@@ -86,6 +86,7 @@ class DecodePlan:
     gen_k: dict[int, torch.Tensor] = field(default_factory=dict)   # per layer [beams, t, Hkv, D]
     gen_v: dict[int, torch.Tensor] = field(default_factory=dict)
     gen_pos: torch.Tensor = None     # [beams, t]
+    step_pos: torch.Tensor = None    # [beams, t + 1]: gen_pos and this step's q_pos
 
     def attend(self, q, k, v, *, layer: int, sliding: bool, scale: float) -> torch.Tensor:
         n = self.beam_slot.shape[0]
@@ -95,7 +96,7 @@ class DecodePlan:
         self.gen_k[layer], self.gen_v[layer] = gk, gv
         kept_k, kept_v = self.kept[layer]
         out = q.new_zeros(-(-n // ROW_TILE) * ROW_TILE, *q.shape[1:])
-        gen_pos = torch.cat((self.gen_pos, self.q_pos[:, None]), 1)
+        gen_pos = self.step_pos
         if q.is_cuda:   # each beam from its own keys alone (kernels/decode_attention.py)
             from ..kernels.decode_attention import decode_attention
 
@@ -119,9 +120,13 @@ class DecodePlan:
         out[:n] = o
         return out
 
+    def begin_step(self) -> None:
+        """Before a step's forward: the positions its beams attend to, once for all layers."""
+        self.step_pos = torch.cat((self.gen_pos, self.q_pos[:, None]), 1)
+
     def advance(self, parents: torch.Tensor) -> None:
         """Keep the beams ``parents`` (indices into this step's beams), in that order."""
-        self.gen_pos = torch.cat((self.gen_pos, self.q_pos[:, None]), 1)[parents]
+        self.gen_pos = self.step_pos[parents]
         self.gen_k = {layer: t[parents] for layer, t in self.gen_k.items()}
         self.gen_v = {layer: t[parents] for layer, t in self.gen_v.items()}
         self.beam_slot = self.beam_slot[parents]
@@ -135,6 +140,7 @@ class _Read:
 
     end: float
     top: list[tuple[float, int, int]]
+    texts: list[str] | None = None   # a text beam: each continuation's decoded text
 
 
 @dataclass
@@ -234,6 +240,60 @@ def _first_stop(text: str, since: int, stops: tuple[str, ...]) -> int | None:
     return min(hits) if hits else None
 
 
+def _on_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """A host list of ints on ``device`` without the host waiting for the device (pinned,
+    asynchronous; a pageable copy would wait for the work queued before it)."""
+    t = torch.tensor(values, dtype=torch.long)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t
+
+
+def _top(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's ``k`` largest values and their columns, largest first; a row's picks its
+    own whatever rows are beside it. On the CPU torch.topk works row by row alike; CUDA's
+    picks its way by the number of rows, which can change the picks among equal values."""
+    if not x.is_cuda:
+        return torch.topk(x, k, dim=1)
+    return _strict_top(x, k)
+
+
+def _strict_top(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_top`` in a strict order (value, then the lower column): the same picks however
+    topk works."""
+    bits = x.contiguous().view(torch.int32)
+    order = bits ^ ((bits >> 31) & 0x7FFFFFFF)        # ordered as the floats are
+    keys = order.long().bitwise_left_shift_(32)
+    keys += (0xFFFFFFFF - torch.arange(x.shape[1], device=x.device))
+    picks = torch.topk(keys, k, dim=1).indices
+    return x.gather(1, picks), picks
+
+
+def _logsumexp_rows(x: torch.Tensor) -> torch.Tensor:
+    """log(sum(exp)) of each row of ``x`` [rows, n] in float64, each row's bits its own: on
+    the CPU torch.logsumexp row by row; on CUDA, whose reductions split a row by how many
+    rows there are, a pairwise sum of a fixed order."""
+    if x.shape[1] == 0:
+        return torch.full((x.shape[0],), -math.inf, dtype=torch.float64, device=x.device)
+    if not x.is_cuda:
+        return torch.stack([torch.logsumexp(row, 0) for row in x]).double()
+    return _pairwise_logsumexp(x)
+
+
+def _pairwise_logsumexp(x: torch.Tensor) -> torch.Tensor:
+    """``_logsumexp_rows`` from elementwise operations alone: the row's max, then its terms
+    added in pairs (column j to j + half) until one is left."""
+    top = x.amax(1, keepdim=True).double()             # a max is exact in any order
+    top = torch.where(torch.isinf(top), 0.0, top)      # a row of -inf sums to 0: -inf
+    terms = torch.exp(x.double() - top)
+    width = 1 << (x.shape[1] - 1).bit_length()
+    terms = torch.nn.functional.pad(terms, (0, width - x.shape[1]))
+    while terms.shape[1] > 1:
+        half = terms.shape[1] // 2
+        terms = terms[:, :half] + terms[:, half:]
+    return terms[:, 0].log() + top[:, 0]
+
+
 class SlotDecoder:
     def __init__(self, model, tokenizer, eos_id: int, pad_id: int):
         self.model, self.tokenizer, self.eos_id, self.pad_id = model, tokenizer, eos_id, pad_id
@@ -266,22 +326,21 @@ class SlotDecoder:
         vocab = self._vocab(int(jobs[0].first_logprobs.shape[-1]), dev)
         found: list[list[Found]] = [[] for _ in jobs]
         starts = [b for s, job in enumerate(jobs) for b in self._starts(s, job)]
-        firsts = [job.first_logprobs.to(dev) for job in jobs]
-        # the first step reads the pass's own logprobs
-        beams = [b for _, b in self._next(jobs, starts, [firsts[b.slot] for b in starts],
+        # the first step reads the pass's own logprobs: a slot's row serves all its beams
+        firsts = torch.stack([job.first_logprobs.to(dev) for job in jobs])
+        beams = [b for _, b in self._next(jobs, starts, firsts, [b.slot for b in starts],
                                           found, vocab)]
         next_pos = [int(j.context_pos.max()) + 1 for j in jobs]
         plan.gen_pos = torch.zeros(len(beams), 0, dtype=torch.long, device=dev)
-        plan.beam_slot = torch.tensor([b.slot for b in beams], dtype=torch.long, device=dev)
-        plan.q_pos = torch.tensor([next_pos[b.slot] for b in beams], dtype=torch.long,
-                                  device=dev)
+        plan.beam_slot = _on_device([b.slot for b in beams], dev)
+        plan.q_pos = _on_device([next_pos[b.slot] for b in beams], dev)
         while beams:
             logprobs = self._step(beams, plan)
-            survivors = self._next(jobs, beams, list(logprobs), found, vocab)
+            survivors = self._next(jobs, beams, logprobs, list(range(len(beams))), found,
+                                   vocab)
             beams = [b for _, b in survivors]
             if beams:
-                plan.advance(torch.tensor([i for i, _ in survivors], dtype=torch.long,
-                                          device=dev))
+                plan.advance(_on_device([i for i, _ in survivors], dev))
         for answers, job in zip(found, jobs, strict=True):
             if job.sample is not None:
                 answers.sort(key=lambda f: f.sequence)
@@ -297,11 +356,14 @@ class SlotDecoder:
         return [_Beam(slot, [], 0.0, "", sequence=j, stream=_stream(job.sample.seed, j))
                 for j in range(job.sample.n)]
 
-    def _next(self, jobs: list[SlotJob], beams: list[_Beam], logprobs: list[torch.Tensor],
-              found: list[list[Found]], vocab: _Vocabulary) -> list[tuple[int, _Beam]]:
-        """One step of every slot: finished answers go to ``found``; the beams that live on
-        come back, slot by slot, with their parents' indices into ``beams``."""
-        reads = self._reads(jobs, beams, logprobs, vocab)
+    def _next(self, jobs: list[SlotJob], beams: list[_Beam], logprobs: torch.Tensor,
+              rows: list[int], found: list[list[Found]], vocab: _Vocabulary
+              ) -> list[tuple[int, _Beam]]:
+        """One step of every slot (beam i's next-token logprobs: ``logprobs[rows[i]]``):
+        finished answers go to ``found``; the beams that live on come back, slot by slot,
+        with their parents' indices into ``beams``."""
+        reads = self._reads(jobs, beams, logprobs, rows, vocab)
+        self._decode_texts(jobs, beams, reads)
         mine: dict[int, list[int]] = {}
         for i, beam in enumerate(beams):
             mine.setdefault(beam.slot, []).append(i)
@@ -311,74 +373,109 @@ class SlotDecoder:
                 continue
             own = [beams[i] for i in mine[s]]
             if job.sample is not None:
-                grown = self._grow_generated(job, own, [logprobs[i] for i in mine[s]],
+                grown = self._grow_generated(job, own, [logprobs[rows[i]] for i in mine[s]],
                                              found[s], vocab)
             else:
                 grown = self._grow(job, own, [reads[i] for i in mine[s]], found[s], vocab)
             survivors += [(mine[s][parent], child) for parent, child in grown]
         return survivors
 
-    def _reads(self, jobs: list[SlotJob], beams: list[_Beam], logprobs: list[torch.Tensor],
-               vocab: _Vocabulary) -> list[_Read | None]:
+    def _reads(self, jobs: list[SlotJob], beams: list[_Beam], logprobs: torch.Tensor,
+               rows: list[int], vocab: _Vocabulary) -> list[_Read | None]:
         """What each searched beam's step needs of its next-token logprobs: log P(end) and
-        its best continuations, worked out on the device for every beam and read back in one
-        transfer (beam by beam, the host would wait on the device several times per beam).
-        None for the beams of generated slots."""
-        parts: list[torch.Tensor] = []
-        pending = []    # per beam: (end or None when read back, top size, tokens, states)
-        for beam, lp in zip(beams, logprobs, strict=True):
+        its best continuations. Beams that need the same columns (text beams of one set of
+        stops; value beams in one grammar state) are worked out together on the device, and
+        everything is read back in one transfer: per beam, the host would launch a dozen
+        kernels and the device would idle between them. None for generated slots' beams."""
+        size = logprobs.shape[1]
+        ends: dict[tuple, list[int]] = {}    # the columns of P(end) -> beams
+        tops: dict[tuple, list[int]] = {}    # the columns a beam may go on with, k -> beams
+        known: dict[int, float] = {}         # beams whose P(end) the grammar alone says
+        for i, beam in enumerate(beams):
             job = jobs[beam.slot]
             if job.sample is not None:
-                pending.append(None)
                 continue
-            end: float | None = None
-            tokens = states = None
-            top = None
             grows = len(beam.tokens) < job.max_tokens
             if job.grammar is None:
-                parts.append(torch.logsumexp(lp[vocab.end_ids(job.stops)], 0).reshape(1))
+                ends.setdefault((job.stops,), []).append(i)
                 if grows:
-                    _, blocked = vocab.ends(job.stops)
-                    top = torch.topk(lp.masked_fill(blocked, -math.inf),
-                                     min(job.beam_width, lp.shape[0]))
-            else:
-                ids, tokens, states = vocab.extensions(job.grammar, beam.state)
-                if not job.grammar.accepts(beam.state):
-                    end = -math.inf
-                elif not tokens:
-                    end = 0.0
-                else:
-                    parts.append(torch.logsumexp(lp[ids], 0).reshape(1))
-                if grows and tokens:
-                    top = torch.topk(lp[ids], min(job.beam_width, len(tokens)))
-            if top is not None:
-                parts += [top.values, top.indices]
-            pending.append((end, 0 if top is None else top.values.shape[0], tokens, states))
-        # fp32 logprobs and token indices are exact in float64
-        values = torch.cat([p.double() for p in parts]).tolist() if parts else []
-        reads: list[_Read | None] = []
-        at = 0
-        for beam, entry in zip(beams, pending, strict=True):
-            if entry is None:
-                reads.append(None)
+                    tops.setdefault((job.stops, min(job.beam_width, size)), []).append(i)
                 continue
-            end, k, tokens, states = entry
-            grammar = jobs[beam.slot].grammar
-            if end is None:
-                end = values[at]
-                at += 1
-                if grammar is not None:
-                    end = _log1mexp(min(end, 0.0))
-            picks = [int(i) for i in values[at + k:at + 2 * k]]
-            top_values = values[at:at + k]
-            at += 2 * k
-            if grammar is None:
-                reads.append(_Read(end, [(v, t, 0) for v, t in zip(top_values, picks,
-                                                                    strict=True)]))
+            _, tokens, _ = vocab.extensions(job.grammar, beam.state)
+            if not job.grammar.accepts(beam.state):
+                known[i] = -math.inf
+            elif not tokens:
+                known[i] = 0.0
             else:
-                reads.append(_Read(end, [(v, tokens[i], states[i])
-                                         for v, i in zip(top_values, picks, strict=True)]))
-        return reads
+                ends.setdefault((job.grammar, beam.state), []).append(i)
+            if grows and tokens:
+                tops.setdefault((job.grammar, beam.state, min(job.beam_width, len(tokens))),
+                                []).append(i)
+        groups = [*ends.values(), *tops.values()]
+        if not groups:
+            return [None if jobs[b.slot].sample is not None else _Read(known[i], [])
+                    for i, b in enumerate(beams)]
+        index = _on_device([rows[i] for group in groups for i in group], logprobs.device)
+        parts: list[torch.Tensor] = []
+        at = 0
+        for key, members in ends.items():   # only the group's rows and columns are copied
+            columns = (vocab.end_ids(key[0]) if len(key) == 1
+                       else vocab.extensions(*key)[0])
+            mine = logprobs[index[at:at + len(members), None], columns]
+            at += len(members)
+            parts.append(_logsumexp_rows(mine))
+        for key, members in tops.items():
+            if len(key) == 2:
+                mine = logprobs.index_select(0, index[at:at + len(members)])
+                mine.masked_fill_(vocab.ends(key[0])[1], -math.inf)   # a copy: its own
+            else:
+                columns = vocab.extensions(*key[:2])[0]
+                mine = logprobs[index[at:at + len(members), None], columns]
+            at += len(members)
+            values, picks = _top(mine, key[-1])
+            parts += [values.double().flatten(), picks.double().flatten()]
+        # fp32 logprobs and token indices are exact in float64
+        read = torch.cat(parts).tolist()
+        end = dict(known)
+        at = 0
+        for key, members in ends.items():
+            for i, value in zip(members, read[at:at + len(members)], strict=True):
+                end[i] = value if len(key) == 1 else _log1mexp(min(value, 0.0))
+            at += len(members)
+        top: dict[int, list[tuple[float, int, int]]] = {}
+        for key, members in tops.items():
+            k = key[-1]
+            values, picks = read[at:at + k * len(members)], read[at + k * len(members):
+                                                               at + 2 * k * len(members)]
+            at += 2 * k * len(members)
+            for n, i in enumerate(members):
+                mine = zip(values[n * k:(n + 1) * k], picks[n * k:(n + 1) * k], strict=True)
+                if len(key) == 2:
+                    top[i] = [(v, int(t), 0) for v, t in mine]
+                else:
+                    _, tokens, states = vocab.extensions(*key[:2])
+                    top[i] = [(v, tokens[int(c)], states[int(c)]) for v, c in mine]
+        return [None if jobs[b.slot].sample is not None else _Read(end[i], top.get(i, []))
+                for i, b in enumerate(beams)]
+
+    def _decode_texts(self, jobs: list[SlotJob], beams: list[_Beam],
+                      reads: list[_Read | None]) -> None:
+        """The text of every continuation of every text beam, decoded in one call."""
+        sequences, owners = [], []
+        for beam, read in zip(beams, reads, strict=True):
+            if read is None or jobs[beam.slot].grammar is not None:
+                continue
+            owners.append(read)
+            for value, token, _ in read.top:
+                if value == -math.inf:
+                    break
+                sequences.append([*beam.tokens, token])
+        texts = (self.tokenizer.decode_batch(sequences, skip_special_tokens=False)
+                 if sequences else [])
+        at = 0
+        for read in owners:
+            n = sum(1 for value, _, _ in read.top if value > -math.inf)
+            read.texts, at = texts[at:at + n], at + n
 
     def _grow(self, job: SlotJob, beams: list[_Beam], reads: list[_Read], found: list[Found],
               vocab: _Vocabulary) -> list[tuple[int, _Beam]]:
@@ -389,7 +486,7 @@ class SlotDecoder:
             if read.end > -math.inf and (job.grammar is not None or beam.text.strip()):
                 found.append(Found(beam.text, beam.logprob + read.end, beam.tokens))
             if len(beam.tokens) < job.max_tokens:
-                children += [(i, c) for c in self._continuations(job, beam, read.top, found,
+                children += [(i, c) for c in self._continuations(job, beam, read, found,
                                                                  vocab)]
         children.sort(key=lambda item: -item[1].logprob)
         # A beam only loses probability as it grows: one below the `candidates`-th answer
@@ -398,20 +495,20 @@ class SlotDecoder:
         floor = ranked[job.candidates - 1] if len(ranked) >= job.candidates else -math.inf
         return [(i, c) for i, c in children[:job.beam_width] if c.logprob > floor]
 
-    def _continuations(self, job: SlotJob, beam: _Beam, top: list[tuple[float, int, int]],
-                       found: list[Found], vocab: _Vocabulary) -> list[_Beam]:
-        """``beam``'s ``beam_width`` most likely ways on (``top``: logprob, token, grammar
-        state). A text token that holds a stop after some text of its own (`September".`:
-        no, it starts with the quote; `Sept.\n`: yes) ends the answer there."""
+    def _continuations(self, job: SlotJob, beam: _Beam, read: _Read, found: list[Found],
+                       vocab: _Vocabulary) -> list[_Beam]:
+        """``beam``'s ``beam_width`` most likely ways on (``read.top``: logprob, token,
+        grammar state). A text token that holds a stop after some text of its own
+        (`September".`: no, it starts with the quote; `Sept.\\n`: yes) ends the answer
+        there."""
         if job.grammar is not None:
             return [_Beam(beam.slot, [*beam.tokens, token], beam.logprob + value,
                           beam.text + vocab.pieces[token], state=state)
-                    for value, token, state in top]
+                    for value, token, state in read.top]
         out = []
-        for value, token, _ in top:
-            if value == -math.inf:
-                break
-            child = self._child(job, beam, token, value)
+        # texts stop where the continuations do (at the first -inf)
+        for (value, token, _), text in zip(read.top, read.texts, strict=False):
+            child = self._child(job, beam, token, value, text)
             if isinstance(child, Found):
                 if child.text.strip():
                     found.append(child)
@@ -419,10 +516,13 @@ class SlotDecoder:
                 out.append(child)
         return out
 
-    def _child(self, job: SlotJob, beam: _Beam, token: int, logprob: float) -> _Beam | Found:
-        """``beam`` + ``token``: a longer beam, or the answer it ends (at a stop inside)."""
+    def _child(self, job: SlotJob, beam: _Beam, token: int, logprob: float,
+               text: str | None = None) -> _Beam | Found:
+        """``beam`` + ``token`` (whose text is ``text`` when already decoded): a longer beam,
+        or the answer it ends (at a stop inside)."""
         tokens = [*beam.tokens, token]
-        text = self._text(tokens)
+        if text is None:
+            text = self._text(tokens)
         total = beam.logprob + logprob
         cut = _first_stop(text, len(beam.text), job.stops)
         if cut is not None:
@@ -455,10 +555,10 @@ class SlotDecoder:
         n = len(beams)
         padded = -(-n // ROW_TILE) * ROW_TILE
         dev = plan.q_pos.device
-        ids = torch.full((padded,), self.pad_id, dtype=torch.long, device=dev)
-        ids[:n] = torch.tensor([b.tokens[-1] for b in beams], device=dev)
+        ids = _on_device([b.tokens[-1] for b in beams] + [self.pad_id] * (padded - n), dev)
         pos = torch.zeros(padded, dtype=torch.long, device=dev)
         pos[:n] = plan.q_pos
+        plan.begin_step()
         hidden = self.model(ids, pos, plan)
         readout = -(-n // 32) * 32
         return self.model.readout_logprobs(hidden[:readout])[:n]
