@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import os
 import pickle
+import signal
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -119,7 +121,10 @@ class EngineProcess:
             from ..serve import load_engine as load
         context = multiprocessing.get_context("spawn")     # no CUDA state to inherit
         conn, child_conn = context.Pipe()
-        process = context.Process(target=_child, args=(child_conn, load, spec, settings),
+        from ..logs import logging_config
+
+        process = context.Process(target=_child, args=(child_conn, load, spec, settings,
+                                                        os.getpid(), logging_config()),
                                   name="spinf-engine", daemon=True)
         process.start()
         child_conn.close()     # only the child holds its end: its death ends our reads
@@ -221,14 +226,24 @@ class RemoteBatch:
 # ---- the child -------------------------------------------------------------------------
 
 
-def _child(conn, load, spec, settings) -> None:
+def _child(conn, load, spec, settings, parent: int, logging=None) -> None:
     """Load the engine, send what the worker needs of it, then run what comes, in order."""
     from ..child_processes import dies_with_parent
     from ..engine.engine import freeze_heap
     from ..engine.prepare import ROOT_CACHE
+    from ..logs import configure_logging
 
-    if (die := dies_with_parent()) is not None:
+    if logging is not None:       # the worker's (JSON lines or a console's)
+        configure_logging(*logging)
+
+    # The worker stops it, after its last pass: a Ctrl-C or a SIGTERM to the whole group
+    # (systemd's control group) is the worker's to handle. Its death is not: then this ends.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if (die := dies_with_parent(signal.SIGKILL)) is not None:
         die()
+    if os.getppid() != parent:    # it died before that
+        return
     try:
         engine = load(spec, settings)
     except BaseException as err:  # noqa: BLE001 - the worker raises it
@@ -263,7 +278,10 @@ def _child(conn, load, spec, settings) -> None:
             reply = ("ok", [_plain(o) for o in outcomes])
         except Exception as err:  # noqa: BLE001 - the worker handles it as an engine error
             reply = ("error", _portable(err))
-        conn.send(reply)
+        try:
+            conn.send(reply)
+        except (pickle.PicklingError, TypeError, AttributeError) as err:   # nothing was sent
+            conn.send(("error", RuntimeError(f"a reply could not be sent: {err!r}")))
 
 
 def _started(engine, payloads: list):

@@ -113,7 +113,7 @@ def test_a_dead_engine_process_makes_the_worker_exit_non_zero(settings, tmp_path
     try:
         wait_for(lambda: (_registered(settings, "split") and json.loads(
             _worker_entry(settings))["status"] == "available") or worker.poll() is not None,
-            WAIT_S, interval=0.2, what="the worker to load its engine")
+            2 * WAIT_S, interval=0.2, what="the worker to load its engine")
         assert worker.poll() is None, log.read_text()[-4000:]
         engine_pids = engine_processes(worker.pid)
         assert len(engine_pids) == 1, engine_pids
