@@ -203,7 +203,7 @@ class EngineProcess:
 
     def close(self) -> None:
         """Stop the child after its passes (blocks up to STOP_TIMEOUT_S, then kills it)."""
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(EngineProcessDied):
             self._send("stop", 0, None, None)
         self._process.join(STOP_TIMEOUT_S)
         if self._process.is_alive():
