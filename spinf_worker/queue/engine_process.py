@@ -24,6 +24,7 @@ document of 470 tokens and 56 questions):
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import multiprocessing
 import os
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 from ..completions import CompletionRequest
+from ..logs import logging_config
 from ..protocol import ScoreRequest, ScoreResponse, Timing
 from . import jsonio
 
@@ -121,8 +123,6 @@ class EngineProcess:
             from ..serve import load_engine as load
         context = multiprocessing.get_context("spawn")     # no CUDA state to inherit
         conn, child_conn = context.Pipe()
-        from ..logs import logging_config
-
         process = context.Process(target=_child, args=(child_conn, load, spec, settings,
                                                         os.getpid(), logging_config()),
                                   name="spinf-engine", daemon=True)
@@ -139,7 +139,7 @@ class EngineProcess:
             raise value
         return cls(process, conn, value)
 
-    # ---- what the Worker calls (on the engine thread) ------------------------------------
+    # ---- what the Worker calls: row_parts as it parses entries, the rest on the engine thread
 
     def row_parts(self, request: ScoreRequest | CompletionRequest):
         if isinstance(request, CompletionRequest):
@@ -189,8 +189,6 @@ class EngineProcess:
 
     async def died(self) -> EngineProcessDied:
         """Returns once the child has ended (the Worker stops then): its error."""
-        import asyncio
-
         loop = asyncio.get_running_loop()
         ended = loop.create_future()
         loop.add_reader(self._process.sentinel,
