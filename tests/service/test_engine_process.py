@@ -4,6 +4,7 @@ bit; a clean stop; an engine process that dies makes the worker exit non-zero, n
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -15,13 +16,18 @@ from pathlib import Path
 
 import httpx
 import pytest
+import pytest_asyncio
 
 from spinf_worker.queue.engine_process import EngineProcess
-from spinf_worker.serve import WorkerSpec
+from spinf_worker.queue.producer import Producer, Submission
+from spinf_worker.queue.redis_client import connect
+from spinf_worker.queue.worker import Worker
+from spinf_worker.serve import WorkerSpec, load_engine
 
 from ..conftest import WAIT_S
 from .live import InProcessWorker, LiveServer, _registered, jsonl, wait_for
 from .test_batches import batch_in, lines_of, score_line, upload
+from .test_worker import body, results_of, running
 
 ROOT = Path(__file__).resolve().parents[2]
 QUESTION = {"id": "sport", "template": "\nIs it about sport? Answer:{?}",
@@ -139,3 +145,60 @@ def _worker_entry(settings) -> str:
         return client.hget(Keys(settings.prefix).workers, "split") or "{}"
     finally:
         client.close()
+
+
+@pytest_asyncio.fixture
+async def redis(redis_url):
+    client = connect(redis_url, socket_timeout=WAIT_S)
+    yield client
+    await client.aclose()
+
+
+class PoisonedEngine:
+    """The engine, whose passes raise when a request's text says POISON (in the child)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def _check(self, requests) -> None:
+        if any("POISON" in (r.text or "") for r in requests):
+            raise RuntimeError("poisoned pass")
+
+    def start_batch(self, requests):
+        self._check(requests)
+        return self.engine.start_batch(requests)
+
+    def score_batch(self, requests):
+        self._check(requests)
+        return self.engine.score_batch(requests)
+
+
+def poisoned_engine(spec, settings) -> PoisonedEngine:
+    """EngineProcess.start's ``load`` (the child imports this module for it)."""
+    return PoisonedEngine(load_engine(spec, settings))
+
+
+@pytest.mark.asyncio
+async def test_a_pass_raising_in_the_engine_process_is_scored_entry_by_entry(redis, keys,
+                                                                              settings):
+    engine = await asyncio.to_thread(EngineProcess.start, WorkerSpec(device="cpu"), settings,
+                                     poisoned_engine)
+    try:
+        producer = Producer(redis, keys, settings)
+        good = [(await producer.submit(Submission(body(i))))[0] for i in range(2)]
+        poisoned, _ = await producer.submit(Submission({**body(9), "text": "POISON"}))
+        async with running(Worker(engine, redis, keys, settings)):
+            results = await results_of(redis, keys, good)
+            record = await redis.hgetall(keys.job(poisoned))
+            while "last_error" not in record:
+                await asyncio.sleep(0.05)
+                record = await redis.hgetall(keys.job(poisoned))
+    finally:
+        await asyncio.to_thread(engine.close)
+    assert [r["status_code"] for r in results] == [200, 200]
+    # the poisoned entry is left pending with its error, to be retried, then dead-lettered
+    assert "poisoned pass" in record["last_error"]
+    assert await redis.get(keys.result(poisoned)) is None
