@@ -27,7 +27,7 @@ from spinf_worker.serve import WorkerSpec, load_engine
 from ..conftest import WAIT_S
 from .live import InProcessWorker, LiveServer, _registered, jsonl, wait_for
 from .test_batches import batch_in, lines_of, score_line, upload
-from .test_worker import body, results_of, running
+from .test_worker import results_of, running
 
 ROOT = Path(__file__).resolve().parents[2]
 QUESTION = {"id": "sport", "template": "\nIs it about sport? Answer:{?}",
@@ -73,7 +73,8 @@ def answers(settings, engine) -> dict:
         batch = client.post("/batches", json={"input_file_id": uploaded["id"],
                                               "endpoint": "/v1/score",
                                               "completion_window": "24h"}).json()
-        done = batch_in(client, batch["id"], "completed", "failed")
+        # the real model on a CPU shared with others: its passes may take a minute
+        done = batch_in(client, batch["id"], "completed", "failed", timeout=3 * WAIT_S)
         lines = {line["custom_id"]: line["response"]["body"]
                  for line in lines_of(client, done["output_file_id"])}
     for response in [*scored, completion]:
@@ -188,12 +189,14 @@ async def test_a_pass_raising_in_the_engine_process_is_scored_entry_by_entry(red
                                      poisoned_engine)
     try:
         producer = Producer(redis, keys, settings)
-        good = [(await producer.submit(Submission(body(i))))[0] for i in range(2)]
-        poisoned, _ = await producer.submit(Submission({**body(9), "text": "POISON"}))
+        bodies = score_bodies()
+        good = [(await producer.submit(Submission(b)))[0] for b in bodies[:2]]
+        poisoned, _ = await producer.submit(Submission({**bodies[0], "text": "POISON"}))
         async with running(Worker(engine, redis, keys, settings)):
-            results = await results_of(redis, keys, good)
+            results = await results_of(redis, keys, good, timeout=3 * WAIT_S)
             record = await redis.hgetall(keys.job(poisoned))
-            while "last_error" not in record:
+            deadline = time.monotonic() + WAIT_S
+            while "last_error" not in record and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
                 record = await redis.hgetall(keys.job(poisoned))
     finally:
