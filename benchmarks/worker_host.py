@@ -8,9 +8,12 @@ engine's ``score_batch`` is replaced by one that answers at once with a response
 shape (56 queries, two options each), so what is left is the worker's own work.
 
     python benchmarks/worker_host.py [--code DIR] [--docs 280] [--repeat 3] [--out FILE]
+                                     [--engine-process]
 
 ``--code DIR``: measure the ``spinf_worker/`` of another checkout (``git worktree add``), the
-benchmark itself staying this one.
+benchmark itself staying this one. ``--engine-process``: the answering engine in a process of
+its own (queue/engine_process.py), so that what is measured is the worker's process alone:
+``cpu_ms_per_entry`` is its CPU time (every thread), the child's not counted.
 """
 
 from __future__ import annotations
@@ -37,18 +40,21 @@ REDIS_URL = os.environ.get("SPINF_REDIS_URL", "redis://127.0.0.1:6379/0")
 class AnsweringEngine:
     """The real engine's rows() and settings; score_batch answers at once (its time noted)."""
 
+    def __getattr__(self, name):     # what queue/engine_process.py sends of the engine
+        return getattr(self.engine, name)
+
     def __init__(self, engine, template):
         self.engine, self.template = engine, template
         self.settings, self.model_name = engine.settings, engine.model_name
         self.fingerprint, self.device = engine.fingerprint, engine.device
-        self.stub_s = 0.0
+        self.stub_s = self.stub_cpu_s = 0.0
         self.docs_per_pass: list[int] = []
 
     def row_parts(self, request):
         return self.engine.row_parts(request)
 
     def score_batch(self, requests):
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.thread_time()
         out = []
         for request in requests:
             response = self.template.model_copy(deep=True)
@@ -59,11 +65,20 @@ class AnsweringEngine:
                 self.engine.preparer._roots.pop(doc.messages[0].content, None)
         self.docs_per_pass.append(len(requests))
         self.stub_s += time.perf_counter() - started
+        self.stub_cpu_s += time.thread_time() - cpu
         return out
 
     def start_batch(self, requests):
         out = self.score_batch(requests)
         return SimpleNamespace(finish=lambda: out)
+
+
+def answering_engine(spec, settings) -> AnsweringEngine:
+    """``--engine-process``: the child's engine (EngineProcess.start's ``load``)."""
+    from spinf_worker.engine import Engine
+
+    return AnsweringEngine(Engine.load(device="cpu"),
+                           response_template(json.loads(QUESTIONS.read_text())))
 
 
 def response_template(questions: dict):
@@ -74,7 +89,7 @@ def response_template(questions: dict):
         "options": [{"text": o, "logprob": -1.390878677368164 - k, "p": 0.8818953040921418,
                      "floor_p": 0.9492888394486824} for k, o in enumerate(q["options"])]}]}
         for q in questions["queries"]]
-    return ScoreResponse.model_validate({
+    template = ScoreResponse.model_validate({
         "id": "scr_01M8VR7EW2BXEHRRZM0EFVZ1F9", "created": 1796227709,
         "model": "google/gemma-3-270m", "system_fingerprint": "fp_2d2dc302d0",
         "results": [{"input_id": "0", "queries": queries}],
@@ -82,6 +97,9 @@ def response_template(questions: dict):
                   "prompt_tokens_details": {}, "inputs": 1, "content": {"tokens": 471},
                   "scoring": {"tokens": 556}, "processed_tokens": 1027},
         "timing": {"score_ms": 40}})
+    # as the engine builds replies (engine/respond.py): plain() need not dump the model
+    template._plain = template.model_dump(exclude={"timing"})
+    return template
 
 
 async def one_run(engine, docs: list[str], questions: dict, n: int, rows: int) -> dict:
@@ -108,24 +126,29 @@ async def one_run(engine, docs: list[str], questions: dict, n: int, rows: int) -
                                        metadata=None, ttl_s=600)
     settings = settings.model_copy(update={"max_backlog": n + 1})
     await batches.enqueue_batch(redis, keys, Producer(redis, keys, settings), batch["id"])
-    engine.stub_s, engine.docs_per_pass = 0.0, []
+    if isinstance(engine, AnsweringEngine):
+        engine.stub_s, engine.stub_cpu_s, engine.docs_per_pass = 0.0, 0.0, []
     worker = Worker(engine, redis, keys, settings, name="bench")
     stop = asyncio.Event()
+    cpu = time.process_time()
     started = time.perf_counter()
     task = asyncio.create_task(worker.run(stop))
     while (await batches.get_batch(redis, keys, batch["id"]))["status"] != "completed":
         await asyncio.sleep(0.002)
     wall = time.perf_counter() - started
+    cpu = time.process_time() - cpu
     stop.set()
     await task
     async for key in redis.scan_iter(match=f"{prefix}:*", count=1000):
         await redis.delete(key)
     await redis.aclose()
-    host = wall - engine.stub_s
-    passes = len(engine.docs_per_pass)
+    stub_s = getattr(engine, "stub_s", 0.0)     # in this process: not the worker's own
+    host = wall - stub_s
+    passes = worker.passes
     return {"wall_s": wall, "host_ms_per_entry": 1000 * host / n,
+            "cpu_ms_per_entry": 1000 * (cpu - getattr(engine, "stub_cpu_s", 0.0)) / n,
             "host_ms_per_pass": 1000 * host / passes, "passes": passes,
-            "docs_per_pass": statistics.mean(engine.docs_per_pass)}
+            "docs_per_pass": n / passes}
 
 
 def parse_per_entry(engine, docs: list[str], questions: dict, n: int) -> dict:
@@ -163,6 +186,8 @@ def main() -> None:
     parser.add_argument("--docs", type=int, default=280)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--out", type=Path, help="write the figures there as JSON too")
+    parser.add_argument("--engine-process", action="store_true",
+                        help="the answering engine in a process of its own")
     args = parser.parse_args()
     if args.code is not None:
         sys.path.insert(0, str(args.code.resolve()))
@@ -179,13 +204,24 @@ def main() -> None:
     rows = max(padded_rows(1027), engine.rows({"text": docs[0], "scoring": {
         **questions, "case_insensitive": False}}))
     parse = parse_per_entry(answering, docs, questions, 200)
-    runs = [asyncio.run(one_run(answering, docs, questions, args.docs, rows))
-            for _ in range(args.repeat)]
+    measured = answering
+    if args.engine_process:
+        from spinf_worker.queue.engine_process import EngineProcess
+
+        measured = EngineProcess.start(None, None, load=answering_engine)
+    try:
+        runs = [asyncio.run(one_run(measured, docs, questions, args.docs, rows))
+                for _ in range(args.repeat)]
+    finally:
+        if measured is not answering:
+            measured.close()
     best = min(runs, key=lambda r: r["wall_s"])
     figures = {"code": str(Path(spinf_worker.__file__).parent), **parse,
                "median_host_ms_per_entry": statistics.median(
                    r["host_ms_per_entry"] for r in runs),
                "median_host_ms_per_pass": statistics.median(r["host_ms_per_pass"] for r in runs),
+               "median_cpu_ms_per_entry": statistics.median(r["cpu_ms_per_entry"] for r in runs),
+               "engine_process": args.engine_process,
                "best": best, "runs": runs}
     text = json.dumps(figures, indent=1)
     if args.out is not None:

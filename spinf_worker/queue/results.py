@@ -56,7 +56,9 @@ class JobResult(BaseModel):
 
     @classmethod
     def ok(cls, response: ScoreResponse | dict) -> JobResult:
-        body = response.plain() if isinstance(response, ScoreResponse) else response
+        """``response``: a ScoreResponse, its plain data, or what has ``plain()`` like it
+        (queue/engine_process.Scored)."""
+        body = response if isinstance(response, dict) else response.plain()
         return cls(status_code=200, body=body)
 
     @classmethod
