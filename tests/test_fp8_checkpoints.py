@@ -29,7 +29,7 @@ from spinf_worker.errors import UnsupportedModelError
 from .test_engine_parity import NEWS, QUERIES, oracle_scores, prefix_of, score
 from .test_families import _randomise
 from .test_fp8_static import HF_INPUTS
-from .test_gptq import BODY, build
+from .test_gptq import BODY, assert_config_refused, build
 
 FP8 = torch.float8_e4m3fn
 INV_448 = torch.tensor(1 / 448.0, dtype=torch.float32)
@@ -442,18 +442,7 @@ BAD = [
 def test_unsupported_fp8_config(qcfg, named, tmp_path, tiny_tokenizer_dir):
     """A clear one-line error naming what is unsupported, before any weight is read (the
     directory has none); ``spinf-serve models`` says the same from the config alone."""
-    from spinf_worker.models.loader import load_checkpoint
-    from spinf_worker.tools.model_cache import check_dir
-
-    config = build("llama").config.to_dict()
-    config["quantization_config"] = qcfg
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    shutil.copy(tiny_tokenizer_dir / "tokenizer.json", tmp_path / "tokenizer.json")
-    with pytest.raises(UnsupportedModelError) as err:
-        load_checkpoint(str(tmp_path))
-    assert named in err.value.message and "\n" not in err.value.message
-    assert err.value.message.startswith("quantised checkpoint not supported: ")
-    assert check_dir(tmp_path) == ("Llama", err.value.message)
+    assert_config_refused(tmp_path, tiny_tokenizer_dir, "llama", "Llama", qcfg, named)
 
 
 def test_weight_only_fp8_refused(tmp_path, tiny_tokenizer_dir):

@@ -210,20 +210,27 @@ BAD = [({"desc_act": True}, "act-order (desc_act: true)"),
 def test_gptq_unsupported_config(change, named, tmp_path, tiny_tokenizer_dir):
     """A clear one-line error naming what is unsupported, before any weight is read (the
     directory has none); ``spinf-serve models`` says the same from the config alone."""
+    qcfg = transformers.GPTQConfig(bits=4, group_size=128).to_dict()
+    qcfg.update(change)
+    assert_config_refused(tmp_path, tiny_tokenizer_dir, "qwen3", "Qwen3", qcfg, named)
+
+
+def assert_config_refused(path: Path, tokenizer_dir: Path, family: str, label: str,
+                          qcfg: dict, named: str) -> None:
+    """A tiny ``family`` config with ``qcfg`` as its quantization_config (no weights) is
+    refused in one line naming ``named``, by the loader and by ``spinf-serve models``."""
     from spinf_worker.models.loader import load_checkpoint
     from spinf_worker.tools.model_cache import check_dir
 
-    qcfg = transformers.GPTQConfig(bits=4, group_size=128).to_dict()
-    qcfg.update(change)
-    config = build("qwen3").config.to_dict()
+    config = build(family).config.to_dict()
     config["quantization_config"] = qcfg
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    shutil.copy(tiny_tokenizer_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    (path / "config.json").write_text(json.dumps(config))
+    shutil.copy(tokenizer_dir / "tokenizer.json", path / "tokenizer.json")
     with pytest.raises(UnsupportedModelError) as err:
-        load_checkpoint(str(tmp_path))
+        load_checkpoint(str(path))
     assert named in err.value.message and "\n" not in err.value.message
     assert err.value.message.startswith("quantised checkpoint not supported: ")
-    assert check_dir(tmp_path) == ("Qwen3", err.value.message)
+    assert check_dir(path) == (label, err.value.message)
 
 
 def test_gptq_not_requantised():
