@@ -55,6 +55,7 @@ case ${1:-} in
     [ -f "$src/vllm-trimmed.sha256" ] && cp "$src/vllm-trimmed.sha256" $R/
     [ -f "$src/news_articles.jsonl" ] && cp "$src/news_articles.jsonl" $R/data/
     [ -f "$src/redis-server" ] && cp "$src/redis-server" $R/ && chmod +x $R/redis-server
+    [ -d "$src/redis-libs" ] && mkdir -p $R/redis-libs && cp "$src"/redis-libs/* $R/redis-libs/
     [ -f "$src/tokenizer_config.json" ] && cp "$src/tokenizer_config.json" $R/tok/
     if [ -f "$src/tokenizer.json.xz" ]; then
       $PY -c "import lzma, sys; open('$R/tok/tokenizer.json', 'wb').write(lzma.open(sys.argv[1]).read())" \
@@ -104,7 +105,8 @@ case ${1:-} in
   poll)
     end=$((SECONDS + ${2:-540}))
     while [ $SECONDS -lt $end ] && [ ! -f $R/pipeline.done ]; do sleep 5; done
-    mkdir -p "$OUT/logs"; cp $R/out/*.json "$OUT"/ 2>/dev/null; cp $R/logs/*.log "$OUT/logs/" 2>/dev/null
+    # two files back ($OUT returns at most eight): the parts' JSON and the logs
+    tar -czf "$OUT/parts.tgz" -C $R out 2>/dev/null; tar -czf "$OUT/logs.tgz" -C $R logs 2>/dev/null
     for f in spinf-pipeline pipeline; do echo "=== $f"; cat $R/logs/$f.log 2>/dev/null; done
     for f in spinf agree-spinf vllm-bf16 vllm-fp8 agree-vllm; do
       echo "=== $f"
@@ -117,8 +119,10 @@ case ${1:-} in
     ;;
   serve)
     redis=(); [ -x $R/redis-server ] && redis=(--redis-server $R/redis-server)
+    export LD_LIBRARY_PATH=$R/redis-libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
     cd $R/proj && run serve 560 $PY $R/proj/benchmarks/peers_gpu.py serve ${ARGS[*]} ${redis[*]}
-    cp $R/out/*-peers-serve-*.json "$OUT"/ 2>/dev/null; tail -c 3000 $R/logs/serve.log
+    cp $R/out/*-peers-serve-*.json "$OUT"/ 2>/dev/null; tar -czf "$OUT/serve-logs.tgz" -C $R logs
+    tail -c 3000 $R/logs/serve.log
     ;;
   *)
     sed -n 2,19p "$0"; exit 2 ;;

@@ -93,7 +93,13 @@ done
 echo "$n" > "$PEERS/c1/calls"
 # the optional `serve` part's spinf-serve service runs a private redis-server (7.0 ran there)
 REDIS=$(command -v redis-server || true)
-if [ -n "$REDIS" ]; then cp "$(readlink -f "$REDIS")" "$PEERS/c$n/redis-server"; fi
+if [ -n "$REDIS" ]; then
+  cp "$(readlink -f "$REDIS")" "$PEERS/c$n/redis-server"
+  # the libraries Debian's build links that the GPU machine lacks (libc, ssl, systemd it has)
+  mkdir -p "$PEERS/c$n/redis-libs"
+  ldd "$(readlink -f "$REDIS")" | awk '/jemalloc|lzf|atomic/ {print $3}' \
+    | xargs -r cp -L -t "$PEERS/c$n/redis-libs"
+fi
 
 echo "== sizes"
 du -sh "$WHEEL" "$TAR" "$PEERS/dl/wheels"
