@@ -13,7 +13,7 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PEERS=$ROOT/.dev/peers
 TOKENIZER=${SPINF_TOKENIZER:-$HOME/.cache/spinf-serve/models/google--gemma-3-270m}
 DATA=${SPINF_SHARED_DATA:-$ROOT/../shared/data}
-BUDGET=$((60 * 1024 * 1024))        # bytes a call carries (the limit is 64 MiB)
+BUDGET=$((58 * 1024 * 1024))        # bytes a call carries: 64 MiB less the checkout (~4 MiB)
 while [ $# -gt 0 ]; do
   case $1 in
     --tokenizer) TOKENIZER=$2; shift 2 ;;
