@@ -30,11 +30,12 @@ rm -rf "$PEERS/dl/wheels"     # this run's versions only
 mkdir -p "$PEERS/dl/vllm" "$PEERS/dl/wheels"
 # vLLM itself, then what it and the engine import that the device lacks (it has torch 2.11,
 # numpy, transformers 5.17, tokenizers, safetensors, triton, jinja2, pyyaml, tqdm, requests).
-# Version bounds are vLLM 0.26's own (its METADATA).
+# Version bounds are vLLM 0.26's own (its METADATA); xgrammar 0.2.8 and later need a newer
+# apache-tvm-ffi than the one vLLM pins.
 "${PIP[@]}" -d "$PEERS/dl/vllm" vllm==0.26.0
 SMALL=(cbor2 pyzmq msgspec pybase64 cachetools "openai>=2.0.0,<3" jiter httpx httpcore h11 anyio
        sniffio idna certifi distro truststore "openai-harmony>=0.0.3" "llguidance>=1.7.0,<1.8.0"
-       "xgrammar>=0.2.1,<1.0.0" apache-tvm-ffi==0.1.10 "fastapi>=0.133.0,<0.137.0"
+       "xgrammar>=0.2.1,<0.2.8" apache-tvm-ffi==0.1.10 "fastapi>=0.133.0,<0.137.0"
        "starlette>=1.0.1" python-multipart email-validator dnspython partial-json-parser
        "pydantic>=2.12.0" annotated-types typing-inspection "mistral_common>=1.11.5"
        pydantic-extra-types pycountry "jsonschema>=4.23.0" referencing rpds-py
