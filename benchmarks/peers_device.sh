@@ -16,6 +16,7 @@
 #                                  then spinf-serve's service (the carried redis-server)
 #
 # COMMIT (env): the commit the figures are recorded under (the copy has no .git).
+# AGREE=0 (env, on start-spinf and start-vllm): skip the agreement parts.
 set -uo pipefail
 R=/root/peers
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -75,7 +76,7 @@ case ${1:-} in
     setsid nohup bash -c "
       $(declare -f run); R=$R
       run spinf 900 $PY $R/proj/benchmarks/peers_gpu.py spinf ${ARGS[*]}
-      run agree-spinf 600 $PY $R/proj/benchmarks/peers_gpu.py agree-spinf ${ARGS[*]}
+      [ ${AGREE:-1} = 1 ] && run agree-spinf 600 $PY $R/proj/benchmarks/peers_gpu.py agree-spinf ${ARGS[*]}
       touch $R/spinf.done" > $R/logs/spinf-pipeline.log 2>&1 < /dev/null &
     sleep 20; cat $R/logs/spinf-pipeline.log; tail -c 1500 $R/logs/spinf.log
     ;;
@@ -98,13 +99,16 @@ case ${1:-} in
       cd $R/proj
       run vllm-bf16 480 $PY $R/proj/benchmarks/peers_gpu.py vllm --scheme bf16 ${ARGS[*]}
       run vllm-fp8 480 $PY $R/proj/benchmarks/peers_gpu.py vllm --scheme fp8 ${ARGS[*]}
-      run agree-vllm 400 $PY $R/proj/benchmarks/peers_gpu.py agree-vllm ${ARGS[*]}
+      [ ${AGREE:-1} = 1 ] && run agree-vllm 400 $PY $R/proj/benchmarks/peers_gpu.py agree-vllm ${ARGS[*]}
       kill \$smi; touch $R/pipeline.done" > $R/logs/pipeline.log 2>&1 < /dev/null &
+    echo $! > $R/pipeline.pid
     echo "pipeline started"
     ;;
   poll)
     end=$((SECONDS + ${2:-540}))
-    while [ $SECONDS -lt $end ] && [ ! -f $R/pipeline.done ]; do sleep 5; done
+    # a fresh machine has no pipeline: don't wait for one
+    while [ $SECONDS -lt $end ] && [ ! -f $R/pipeline.done ] \
+          && kill -0 "$(cat $R/pipeline.pid 2>/dev/null || echo 0)" 2>/dev/null; do sleep 5; done
     # two files back ($OUT returns at most eight): the parts' JSON and the logs
     tar -czf "$OUT/parts.tgz" -C $R out 2>/dev/null; tar -czf "$OUT/logs.tgz" -C $R logs 2>/dev/null
     for f in spinf-pipeline pipeline; do echo "=== $f"; cat $R/logs/$f.log 2>/dev/null; done
