@@ -90,6 +90,9 @@ case ${1:-} in
     timeout 150 $PY -c "import vllm; from vllm import LLM, SamplingParams; print('vllm', vllm.__version__)" 2>&1 | tail -5
     ;;
   start-vllm)
+    # a pipeline left by an earlier call (still waiting for the spinf parts) would run beside
+    # this one and take the GPU: end it first
+    [ -f $R/pipeline.pid ] && kill -- -"$(cat $R/pipeline.pid)" 2>/dev/null
     rm -f $R/pipeline.done
     setsid nohup bash -c "
       $(declare -f run); R=$R
