@@ -25,12 +25,8 @@ in-process engine's ``torch.cuda.max_memory_allocated``).
 ``--load-format dummy`` with a directory holding config.json and tokenizer.json measures a
 model's shapes with random weights (the same weights in-process and in the worker).
 
-``--engine-process on``: the worker's engine in a process of its own
-(queue/engine_process.py); ``both``: phases b-d once with the engine thread, then again with
-the engine process on a fresh service, that run's figures named ``split_...``.
-
     python benchmarks/service_gpu.py --model DIR --load-format dummy --quant fp8 \\
-        --redis-server PATH --data DIR --docs 2000 --out OUT [--engine-process both]
+        --redis-server PATH --data DIR --docs 2000 --out OUT
 """
 
 from __future__ import annotations
@@ -130,8 +126,7 @@ class MemorySampler:
 
 
 def tree_pids(pid: int) -> list[int]:
-    """A process and its descendants (uvicorn's worker processes, the worker's engine
-    process, which its engine thread starts: every thread's children)."""
+    """A process and its descendants (uvicorn's worker processes): every thread's children."""
     pids, frontier = [pid], [pid]
     while frontier:
         children = []
@@ -163,10 +158,10 @@ def tier_cpu_s(tiers: dict[str, int]) -> dict[str, float]:
 class Service:
     """A private redis-server, ``spinf-serve api`` and one ``spinf-serve worker``."""
 
-    def __init__(self, args: argparse.Namespace, tmp: Path, engine_process: bool = False):
+    def __init__(self, args: argparse.Namespace, tmp: Path):
         from service_http import free_port
 
-        self.args, self.tmp, self.engine_process = args, tmp, engine_process
+        self.args, self.tmp = args, tmp
         self.port, self.redis_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.procs: dict[str, subprocess.Popen] = {}
@@ -193,8 +188,7 @@ class Service:
         time.sleep(0.5)
         self._start("api", api)
         self._start("worker", [*cli, "worker", "--model", self.args.model, "--device",
-                               self.args.device, "--log-format", "json",
-                               *(["--engine-process"] if self.engine_process else [])])
+                               self.args.device, "--log-format", "json"])
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -473,16 +467,11 @@ def main() -> None:
     parser.add_argument("--client-procs", type=int, default=4)
     parser.add_argument("--api-workers", type=int, default=1)
     parser.add_argument("--trickle-ms", type=float, default=200.0)
-    parser.add_argument("--engine-process", nargs="?", const="on", default="off",
-                        choices=("off", "on", "both"),
-                        help="the worker's engine in a process of its own; both: the service "
-                             "phases with each, the engine process's as split_...")
     parser.add_argument("--name", default=None, help="the row's name (default: model + quant)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--commit", default=None)
     args = parser.parse_args()
-    name = args.name or f"{Path(args.model).name}-{args.quant}" + (
-        "-engine-process" if args.engine_process == "on" else "")
+    name = args.name or f"{Path(args.model).name}-{args.quant}"
     commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
                                            capture_output=True, text=True).stdout.strip()
     from tokenizers import Tokenizer
@@ -496,7 +485,7 @@ def main() -> None:
     row = {"date": datetime.date.today().isoformat(), "commit": commit, "name": name,
            "model": args.model, "load_format": args.load_format, "quant": args.quant,
            "docs": len(requests), "api_workers": args.api_workers, "clients": args.clients,
-           "client_procs": args.client_procs, "engine_process": args.engine_process}
+           "client_procs": args.client_procs}
     with MemorySampler() as engine_memory:
         engine = run_engine(args, requests)
     reference = engine.pop("bodies")
@@ -507,30 +496,23 @@ def main() -> None:
                engine_peak_allocated_gib=engine["peak_allocated_gib"],
                engine_nvidia_smi_peak_gib=round(engine_memory.peak_mib / 1024, 2))
     print(json.dumps(row), flush=True)
-    modes = {"off": [False], "on": [True], "both": [False, True]}[args.engine_process]
-    for split in modes:
-        # with both, the engine process's figures are named split_...
-        label = "split_" if split and len(modes) > 1 else ""
-        with tempfile.TemporaryDirectory(prefix="spinf-service-gpu-") as tmp:
-            service = Service(args, Path(tmp), engine_process=split)
-            try:
-                with MemorySampler() as service_memory:
-                    service.start()
-                    service.wait_ready()
-                    figures = asyncio.run(run_service(args, service, requests, reference))
-                figures["service_nvidia_smi_peak_gib"] = round(service_memory.peak_mib / 1024,
-                                                               2)
-            except Exception:
-                for tier in ("worker", "api"):
-                    print(f"--- {tier} log ---\n{service.tail(tier)}", file=sys.stderr)
-                raise
-            finally:
-                service.stop()
-        for key in ("batch", "concurrent"):
-            figures[f"{key}_vs_engine"] = round(figures[f"{key}_questions_per_s"]
-                                                / row["engine_questions_per_s"], 3)
-        row.update({label + k: v for k, v in figures.items()})
-        print(json.dumps(row), flush=True)
+    with tempfile.TemporaryDirectory(prefix="spinf-service-gpu-") as tmp:
+        service = Service(args, Path(tmp))
+        try:
+            with MemorySampler() as service_memory:
+                service.start()
+                service.wait_ready()
+                row.update(asyncio.run(run_service(args, service, requests, reference)))
+            row["service_nvidia_smi_peak_gib"] = round(service_memory.peak_mib / 1024, 2)
+        except Exception:
+            for tier in ("worker", "api"):
+                print(f"--- {tier} log ---\n{service.tail(tier)}", file=sys.stderr)
+            raise
+        finally:
+            service.stop()
+    for key in ("batch", "concurrent"):
+        row[f"{key}_vs_engine"] = round(row[f"{key}_questions_per_s"]
+                                        / row["engine_questions_per_s"], 3)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{row['date']}-service-gpu-{name}-{commit}.json"
     path.write_text(json.dumps(row, indent=1))

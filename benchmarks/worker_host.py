@@ -8,12 +8,10 @@ engine's ``score_batch`` is replaced by one that answers at once with a response
 shape (56 queries, two options each), so what is left is the worker's own work.
 
     python benchmarks/worker_host.py [--code DIR] [--docs 280] [--repeat 3] [--out FILE]
-                                     [--engine-process]
 
 ``--code DIR``: measure the ``spinf_worker/`` of another checkout (``git worktree add``), the
-benchmark itself staying this one. ``--engine-process``: the answering engine in a process of
-its own (queue/engine_process.py), so that what is measured is the worker's process alone:
-``cpu_ms_per_entry`` is its CPU time (every thread), the child's not counted.
+benchmark itself staying this one. ``cpu_ms_per_entry`` is the process's CPU time (every
+thread) less the answering ``score_batch``'s.
 """
 
 from __future__ import annotations
@@ -40,15 +38,11 @@ REDIS_URL = os.environ.get("SPINF_REDIS_URL", "redis://127.0.0.1:6379/0")
 class AnsweringEngine:
     """The real engine's rows() and settings; score_batch answers at once (its time noted)."""
 
-    def __getattr__(self, name):     # what queue/engine_process.py sends of the engine
-        return getattr(self.engine, name)
-
     def __init__(self, engine, template):
         self.engine, self.template = engine, template
         self.settings, self.model_name = engine.settings, engine.model_name
         self.fingerprint, self.device = engine.fingerprint, engine.device
         self.stub_s = self.stub_cpu_s = 0.0
-        self.docs_per_pass: list[int] = []
 
     def row_parts(self, request):
         return self.engine.row_parts(request)
@@ -63,7 +57,6 @@ class AnsweringEngine:
             # what score_batch leaves in the engine's caches for this request
             for doc in request.documents():
                 self.engine.preparer._roots.pop(doc.messages[0].content, None)
-        self.docs_per_pass.append(len(requests))
         self.stub_s += time.perf_counter() - started
         self.stub_cpu_s += time.thread_time() - cpu
         return out
@@ -71,14 +64,6 @@ class AnsweringEngine:
     def start_batch(self, requests):
         out = self.score_batch(requests)
         return SimpleNamespace(finish=lambda: out)
-
-
-def answering_engine(spec, settings) -> AnsweringEngine:
-    """``--engine-process``: the child's engine (EngineProcess.start's ``load``)."""
-    from spinf_worker.engine import Engine
-
-    return AnsweringEngine(Engine.load(device="cpu"),
-                           response_template(json.loads(QUESTIONS.read_text())))
 
 
 def response_template(questions: dict):
@@ -126,8 +111,7 @@ async def one_run(engine, docs: list[str], questions: dict, n: int, rows: int) -
                                        metadata=None, ttl_s=600)
     settings = settings.model_copy(update={"max_backlog": n + 1})
     await batches.enqueue_batch(redis, keys, Producer(redis, keys, settings), batch["id"])
-    if isinstance(engine, AnsweringEngine):
-        engine.stub_s, engine.stub_cpu_s, engine.docs_per_pass = 0.0, 0.0, []
+    engine.stub_s, engine.stub_cpu_s = 0.0, 0.0
     worker = Worker(engine, redis, keys, settings, name="bench")
     stop = asyncio.Event()
     cpu = time.process_time()
@@ -142,11 +126,10 @@ async def one_run(engine, docs: list[str], questions: dict, n: int, rows: int) -
     async for key in redis.scan_iter(match=f"{prefix}:*", count=1000):
         await redis.delete(key)
     await redis.aclose()
-    stub_s = getattr(engine, "stub_s", 0.0)     # in this process: not the worker's own
-    host = wall - stub_s
+    host = wall - engine.stub_s
     passes = worker.passes
     return {"wall_s": wall, "host_ms_per_entry": 1000 * host / n,
-            "cpu_ms_per_entry": 1000 * (cpu - getattr(engine, "stub_cpu_s", 0.0)) / n,
+            "cpu_ms_per_entry": 1000 * (cpu - engine.stub_cpu_s) / n,
             "host_ms_per_pass": 1000 * host / passes, "passes": passes,
             "docs_per_pass": n / passes}
 
@@ -186,8 +169,6 @@ def main() -> None:
     parser.add_argument("--docs", type=int, default=280)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--out", type=Path, help="write the figures there as JSON too")
-    parser.add_argument("--engine-process", action="store_true",
-                        help="the answering engine in a process of its own")
     args = parser.parse_args()
     if args.code is not None:
         sys.path.insert(0, str(args.code.resolve()))
@@ -204,24 +185,14 @@ def main() -> None:
     rows = max(padded_rows(1027), engine.rows({"text": docs[0], "scoring": {
         **questions, "case_insensitive": False}}))
     parse = parse_per_entry(answering, docs, questions, 200)
-    measured = answering
-    if args.engine_process:
-        from spinf_worker.queue.engine_process import EngineProcess
-
-        measured = EngineProcess.start(None, None, load=answering_engine)
-    try:
-        runs = [asyncio.run(one_run(measured, docs, questions, args.docs, rows))
-                for _ in range(args.repeat)]
-    finally:
-        if measured is not answering:
-            measured.close()
+    runs = [asyncio.run(one_run(answering, docs, questions, args.docs, rows))
+            for _ in range(args.repeat)]
     best = min(runs, key=lambda r: r["wall_s"])
     figures = {"code": str(Path(spinf_worker.__file__).parent), **parse,
                "median_host_ms_per_entry": statistics.median(
                    r["host_ms_per_entry"] for r in runs),
                "median_host_ms_per_pass": statistics.median(r["host_ms_per_pass"] for r in runs),
                "median_cpu_ms_per_entry": statistics.median(r["cpu_ms_per_entry"] for r in runs),
-               "engine_process": args.engine_process,
                "best": best, "runs": runs}
     text = json.dumps(figures, indent=1)
     if args.out is not None:

@@ -4,26 +4,23 @@ exec, for SIGTERM when its parent dies (PR_SET_PDEATHSIG), even by SIGKILL, so a
 
 from __future__ import annotations
 
-import functools
 import signal
 import sys
 
 _prctl = None
 
 
-def _die_with_parent(sig: int = signal.SIGTERM) -> None:
+def _die_with_parent() -> None:
     if _prctl is not None:
-        _prctl(1, sig)    # PR_SET_PDEATHSIG
+        _prctl(1, signal.SIGTERM)    # PR_SET_PDEATHSIG
 
 
-def dies_with_parent(sig: int = signal.SIGTERM):
-    """``preexec_fn`` for such a child (None off Linux), sent ``sig`` when its parent dies.
-    prctl is looked up here, before the fork: the child only calls it."""
+def dies_with_parent():
+    """``preexec_fn`` for such a child (None off Linux). prctl is looked up here, before the
+    fork: the child only calls it."""
     global _prctl
     if sys.platform.startswith("linux") and _prctl is None:
         import ctypes
 
         _prctl = ctypes.CDLL(None, use_errno=True).prctl
-    if _prctl is None:
-        return None
-    return _die_with_parent if sig == signal.SIGTERM else functools.partial(_die_with_parent, sig)
+    return _die_with_parent if _prctl is not None else None

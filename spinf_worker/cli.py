@@ -189,8 +189,7 @@ def _service_settings(args: argparse.Namespace):
              "quant": getattr(args, "quant", None),
              "fp8_scales": getattr(args, "fp8_scales", None),
              "load_format": getattr(args, "load_format", None),
-             "api_workers": getattr(args, "workers", None),
-             "engine_process": getattr(args, "engine_process", None) or None}
+             "api_workers": getattr(args, "workers", None)}
     settings = ServiceSettings(**{k: v for k, v in flags.items() if v is not None})
     if settings.packs and args.command != "dispatcher":
         from .pack_sources import pin_sources
@@ -572,12 +571,6 @@ def _model_options(parser: argparse.ArgumentParser) -> None:
                              "speed runs (default: $SPINF_LOAD_FORMAT or auto)")
 
 
-def _engine_process_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--engine-process", action="store_true", default=None,
-                        help="the worker's engine in a process of its own, the worker's doing "
-                             "I/O (default: $SPINF_ENGINE_PROCESS or off)")
-
-
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -604,7 +597,6 @@ def build_parser() -> argparse.ArgumentParser:
                        help="one worker process per device (as `worker --devices`); default: "
                             "every GPU when more than one is visible, else the worker runs in "
                             "this process")
-    _engine_process_option(serve)
     serve.add_argument("--state-dir", default=None, type=Path,
                        help="private Redis data and the webhook secret (default: the user data "
                             "dir, e.g. ~/.local/share/spinf-serve)")
@@ -625,7 +617,6 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--name", default=None,
                         help="consumer name; a restarted worker with the same name first "
                              "finishes its own pending entries (default: host-pid-random)")
-    _engine_process_option(worker)
     worker.add_argument("--callbacks", action="store_true",
                         help="also run a callback dispatcher in this process")
     worker.add_argument("--devices", default=None, metavar="all|0,1,...",

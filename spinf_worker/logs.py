@@ -10,13 +10,6 @@ import structlog
 
 # Loggers that install handlers of their own; theirs are dropped so records reach the root once.
 _THIRD_PARTY = ("uvicorn", "uvicorn.error", "uvicorn.access", "httpx", "asyncio")
-_configured: tuple[bool, str | int] | None = None     # the last configure_logging's
-
-
-def logging_config() -> tuple[bool, str | int] | None:
-    """``configure_logging``'s arguments as last called (None: never), for a child process
-    to log the same way (queue/engine_process.py)."""
-    return _configured
 
 
 class _StderrHandler(logging.StreamHandler):
@@ -36,10 +29,8 @@ def configure_logging(json: bool | None = None, level: str | int = "INFO") -> No
     """JSON lines on stderr, or colourful console lines when ``json`` is None and stderr is a
     terminal. Context bound with ``structlog.contextvars.bind_contextvars`` (job, request ids)
     is merged into every line. Safe to call again (tests, a changed level)."""
-    global _configured
     if json is None:
         json = not sys.stderr.isatty()
-    _configured = (json, level)
     shared: list = [
         structlog.contextvars.merge_contextvars,
         structlog.stdlib.add_log_level,

@@ -302,14 +302,8 @@ async def _run_worker(spec: WorkerSpec, settings: ServiceSettings, redis, keys: 
     started_ms = _now_ms()
     registering = asyncio.create_task(
         _register_loading(redis, keys, settings, name, spec, started_ms), name="registration")
-    # On the thread that will run every pass (queue/engine_thread.py), or, with
-    # engine_process, in a child process that thread talks to.
-    if settings.engine_process:
-        from .queue.engine_process import EngineProcess
-
-        loading = ENGINE_THREAD.run(EngineProcess.start, spec, settings)
-    else:
-        loading = ENGINE_THREAD.run(load_engine, spec, settings)
+    # On the thread that will run every pass (queue/engine_thread.py).
+    loading = ENGINE_THREAD.run(load_engine, spec, settings)
     stopping = asyncio.ensure_future(stop.wait())
     try:
         await asyncio.wait([loading, stopping], return_when=asyncio.FIRST_COMPLETED)
@@ -339,11 +333,7 @@ async def _run_worker(spec: WorkerSpec, settings: ServiceSettings, redis, keys: 
     # (run from the engine thread, a worker now and then never woke from loading).
     freeze_heap()
 
-    try:
-        await Worker(engine, redis, keys, settings, name=name, started_ms=started_ms).run(stop)
-    finally:
-        if hasattr(engine, "close"):     # the engine's process (queue/engine_process.py)
-            await asyncio.to_thread(engine.close)
+    await Worker(engine, redis, keys, settings, name=name, started_ms=started_ms).run(stop)
 
 
 def _api_config(app, host: str, port: int, **more):

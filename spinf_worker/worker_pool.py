@@ -120,8 +120,7 @@ class WorkerPool:
         settings = self.settings
         env = {**os.environ, "SPINF_REDIS_URL": settings.redis_url or "",
                "SPINF_PREFIX": settings.prefix, "SPINF_PACKS": json.dumps(settings.packs),
-               "SPINF_QUANT": settings.quant, "SPINF_LOAD_FORMAT": settings.load_format,
-               "SPINF_ENGINE_PROCESS": str(settings.engine_process).lower()}
+               "SPINF_QUANT": settings.quant, "SPINF_LOAD_FORMAT": settings.load_format}
         if settings.fp8_scales:
             env["SPINF_FP8_SCALES"] = settings.fp8_scales
         device = child.device

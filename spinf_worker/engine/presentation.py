@@ -37,25 +37,12 @@ class Presenter:
         self.tokenizer, self.bos_id, self.mode = tokenizer, bos_id, mode
         self.frame = frame
         self.bos_text, self.eos_text = bos_text, eos_text
-        self.chat_template = chat_template
-        self._compile()
-
-    def _compile(self) -> None:
         self._template = None
-        if self.mode == "chat":
+        if mode == "chat":
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = _raise
-            self._template = env.from_string(self.chat_template)
+            self._template = env.from_string(chat_template)
         self.encode = lru_cache(maxsize=65536)(self._encode)
-
-    # pickled without the compiled template and the cache (queue/engine_process.py sends an
-    # engine's Preparer to the worker's process)
-    def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k not in ("_template", "encode")}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._compile()
 
     def _encode(self, text: str) -> tuple[int, ...]:
         return tuple(self.tokenizer.encode(text, add_special_tokens=False).ids)

@@ -56,8 +56,7 @@ class JobResult(BaseModel):
 
     @classmethod
     def ok(cls, response: ScoreResponse | dict) -> JobResult:
-        """``response``: a ScoreResponse, its plain data, or what has ``plain()`` like it
-        (queue/engine_process.Scored)."""
+        """``response``: a ScoreResponse or its plain data."""
         body = response if isinstance(response, dict) else response.plain()
         return cls(status_code=200, body=body)
 

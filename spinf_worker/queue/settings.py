@@ -48,11 +48,6 @@ class ServiceSettings(BaseSettings):
     load_format: Literal["auto", "dummy"] = Field(
         "auto", description="`dummy` (`--load-format`): the model's config and tokenizer with "
                             "random weights of its shapes, for capacity and speed runs")
-    engine_process: bool = Field(
-        False, description="the worker's engine in a process of its own "
-                           "(`--engine-process`; queue/engine_process.py): the worker's "
-                           "queue work and the engine's host work then do not share one "
-                           "interpreter lock")
     max_wait_ms: int = Field(50, description="a lone request is not held longer than this for "
                                              "a fuller pass")
     interactive_pass_tokens: int | None = Field(

@@ -28,8 +28,7 @@ from ..completions import CompletionRequest, CompletionResponse
 from ..errors import SpinfError
 from ..protocol import ScoreRequest, ScoreResponse
 from ..tiles import ROW_TILE, PassRows, RowPart
-from . import batches
-from .engine_process import Scored, Sent, read_request, score_counts
+from . import batches, jsonio
 from .engine_thread import ENGINE_THREAD
 from .keys import GROUP, Keys
 from .results import JobResult
@@ -77,10 +76,28 @@ class Entry:
         return deadline is not None and int(float(deadline)) <= at_ms
 
 
+def read_request(payload: str | bytes) -> ScoreRequest | CompletionRequest:
+    """A work entry's request from its JSON text (raises the request's own SpinfError)."""
+    body, exact = jsonio.read(payload)
+    if isinstance(body, dict) and "completion" in body:
+        # POST /v1/completions: the request the API validated (completions.py)
+        return CompletionRequest.model_validate(body["completion"])
+    scoring = body.get("scoring") if isinstance(body, dict) else None
+    # read by orjson, the block written back by orjson is its exact JSON text: the key of
+    # the block ScoreRequest.parse has validated already (bulk jobs repeat it)
+    key = jsonio.dumps(scoring) if exact and isinstance(scoring, dict) else None
+    return ScoreRequest.parse(body, scoring_json=key)
+
+
+def score_counts(response: ScoreResponse) -> tuple[int, int, int, int]:
+    """What the queue's statistics count of a reply: documents, questions, real rows, rows."""
+    questions = sum(len(q.combinations) for r in response.results for q in r.queries)
+    return len(response.results), questions, response._rows, response._padded_rows
+
+
 def pass_counts(outcomes: list, busy_s: float) -> dict[str, int | float]:
     """What a pass adds to the stats hash (docs/QUEUE.md)."""
-    counts = [o.counts if isinstance(o, Scored) else score_counts(o) for o in outcomes
-              if isinstance(o, ScoreResponse | Scored)]
+    counts = [score_counts(o) for o in outcomes if isinstance(o, ScoreResponse)]
     tokens = sum(c[2] for c in counts)
     # a document takes its rows padded to the tile: real_rows/rows is the fill
     return {"passes": 1, "docs": sum(c[0] for c in counts), "tokens": tokens,
@@ -144,7 +161,6 @@ class Worker:
         self._claim_cursor: dict[str, str] = {s: "0-0" for s in keys.streams}
         self._need_groups = True
         self._interactive_seen = -math.inf    # when an interactive entry was last admitted
-        self._engine_died: Exception | None = None   # queue/engine_process.py
 
     @property
     def budget(self) -> int:
@@ -159,8 +175,6 @@ class Worker:
         self.log.info("worker started", model=self.engine.model_name, budget=self.budget)
         chores = [asyncio.create_task(self._heartbeat_loop(stop)),
                   asyncio.create_task(self._claim_loop(stop))]
-        if hasattr(self.engine, "died"):
-            chores.append(asyncio.create_task(self._watch_engine(stop)))
         stopped = asyncio.create_task(stop.wait())
         try:
             await self._work(stop, stopped)
@@ -172,16 +186,6 @@ class Worker:
             await asyncio.gather(*chores, return_exceptions=True)
             await self._leave()
             self.log.info("worker stopped", passes=self.passes)
-        if self._engine_died is not None:
-            raise self._engine_died
-
-    async def _watch_engine(self, stop: asyncio.Event) -> None:
-        """An engine process that dies stops the worker, which then raises its error: the
-        process exits non-zero and its supervisor starts it again. Entries of passes lost
-        with it stay pending and are reclaimed."""
-        self._engine_died = await self.engine.died()
-        self.log.error("the engine process died; stopping", error=str(self._engine_died))
-        stop.set()
 
     async def _drain(self) -> None:
         """Finish every pass started: the one being launched, then every read-back."""
@@ -428,13 +432,6 @@ class Worker:
 
     # ---- passes ------------------------------------------------------------------------
 
-    def _requests(self, entries: list[Entry]) -> list:
-        """The entries' requests as the engine takes them; an engine in a process of its own
-        (queue/engine_process.py) reads each again there from its entry's JSON."""
-        if getattr(self.engine, "takes_payloads", False):
-            return [Sent(e.request, e.fields["payload"]) for e in entries]
-        return [e.request for e in entries]
-
     @property
     def interactive_budget(self) -> int:
         """Rows up to which bulk entries fill a pass that holds interactive ones."""
@@ -488,7 +485,8 @@ class Worker:
             marking = asyncio.create_task(self._mark_running(live))
             pass_ = Launched(live, marking, now_ms(), 0.0)
             self.passes += 1
-            flight = ENGINE_THREAD.run(timed, self.engine.start_batch, self._requests(live))
+            flight = ENGINE_THREAD.run(timed, self.engine.start_batch,
+                                       [e.request for e in live])
             self._read_back()          # queued behind the launch
             try:
                 pass_.flight, pass_.busy_s = await flight
@@ -531,7 +529,7 @@ class Worker:
             for entry, outcome in zip(live, outcomes, strict=True):
                 if isinstance(outcome, CompletionResponse):
                     answered.append((entry, JobResult.ok(outcome.model_dump()), "succeeded"))
-                elif isinstance(outcome, ScoreResponse | Scored):
+                elif isinstance(outcome, ScoreResponse):
                     queued_ms = queue_wait_ms(entry.id, pass_.started_ms)
                     timing = outcome.timing
                     timing.queue_ms = queued_ms
@@ -563,7 +561,7 @@ class Worker:
         for entry in live:
             try:
                 outcomes.extend(await ENGINE_THREAD.run(self.engine.score_batch,
-                                                        self._requests([entry])))
+                                                        [entry.request]))
             except Exception as one:
                 outcomes.append(one)
         return outcomes
