@@ -51,9 +51,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 if torch.cuda.is_available():
     from spinf_worker.engine import Engine
     from spinf_worker.engine.engine import EngineSettings
-    from spinf_worker.engine.runner import ModelRunner, doc_span, pass_rows
-    from spinf_worker.kernels.attention import AttentionPlan, packed_tree_attention
-    from spinf_worker.kernels.flex_tree import TreeTokens, build_flex_plan, flex_tree_attention
+    from spinf_worker.engine.runner import ModelRunner
     from spinf_worker.models.gemma3 import Gemma3Config, Gemma3Model
     from spinf_worker.models.layers import Linear
 
@@ -171,25 +169,14 @@ def test_flex_attention_with_images_equals_cpu_tree_attention(mode, window):
     """FlexAttention with each row's media group (images of 5 to 256 rows, across blocks and
     the window; an audio, causal) against the CPU attention's per-document root masks."""
     from ..test_flex_blocks import _media_docs
+    from .test_gpu_engine import _flex_and_cpu_attention, rel_err
 
     docs = _media_docs(1) + _media_docs(2)
-    rows = sum(d.length for d in docs)
-    inputs = torch.from_numpy(pass_rows(docs, -(-rows // 4096) * 4096, 0))
-    torch.manual_seed(0)
-    q = torch.randn(inputs.shape[1], 4, 64)
-    k, v = torch.randn(2, inputs.shape[1], 2, 64).unbind(0)
     starts = [sum(d.length for d in docs[:i]) for i in range(len(docs))]
-    cpu_plan = AttentionPlan([doc_span(d, s, window, torch.device("cpu"), mode)
-                              for d, s in zip(docs, starts, strict=True)])
-    plan = build_flex_plan(TreeTokens.of_pass(inputs.cuda()), window, mode)
     real = torch.cat([torch.arange(s, s + d.tokens) for d, s in zip(docs, starts, strict=True)])
     for sliding in (False, True):
-        want = packed_tree_attention(q[:rows], k[:rows], v[:rows], cpu_plan, sliding=sliding,
-                                     scale=0.125)
-        got = flex_tree_attention(q.cuda(), k.cuda(), v.cuda(), plan, sliding=sliding,
-                                  scale=0.125)
-        err = float((got.cpu()[real].double() - want[real].double()).norm()
-                    / want[real].double().norm())
+        _, got, want = _flex_and_cpu_attention(docs, window, mode, sliding)
+        err = rel_err(got[real], want[real])
         assert err < 1e-2, (sliding, err)
 
 
