@@ -260,12 +260,16 @@ def test_a_checkpoint_in_transformers_4_layout_loads_the_same(tiny_vision_dir, t
         option_logprobs(tiny_vision_engine.score(request))
 
 
-def test_extraction_slots_decode_after_an_image(tiny_vision_engine):
+def assert_extraction_after_an_image_packs_as_alone(engine) -> None:
     """An extraction slot's beams attend to the root's kept keys, image rows included: the
     answers are those of the same request decoded alone or packed with others."""
     query = {"id": "what", "template": "\nWhat is it? \"{*}\"", "max_tokens": 4}
     request = media_request(image_url(12), queries=[query, QUERIES[0]])
-    alone = tiny_vision_engine.score(request).results[0].queries[0]
+    alone = engine.score(request).results[0].queries[0]
     assert alone.combinations[0].answers
-    packed = tiny_vision_engine.score_batch([media_request(image_url(13)), request])[1]
+    packed = engine.score_batch([media_request(image_url(13)), request])[1]
     assert packed.results[0].queries[0] == alone
+
+
+def test_extraction_slots_decode_after_an_image(tiny_vision_engine):
+    assert_extraction_after_an_image_packs_as_alone(tiny_vision_engine)

@@ -33,6 +33,7 @@ from ..media_builders import (
 from ..test_batch_invariance import other_request
 from ..test_media_gemma3 import (
     QUERIES,
+    assert_extraction_after_an_image_packs_as_alone,
     media_request,
     option_logprobs,
     other_requests,
@@ -42,8 +43,8 @@ from ..test_media_gemma3 import oracle_scores as gemma3_oracle
 from ..test_media_gemma4 import oracle_scores as gemma4_scores
 from ..test_media_gemma4_audio import audio_request, tone, wav_b64
 from ..test_media_gemma4_audio import oracle_scores as audio_oracle
+from ..test_media_gemma4_video import assert_video_packs_as_alone, video_request
 from ..test_media_gemma4_video import oracle_scores as video_oracle
-from ..test_media_gemma4_video import video_request
 from ..test_media_requests import image_url
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -280,13 +281,7 @@ def test_gemma3_text_documents_keep_the_text_stacks_bits(engines, tiny_vision_di
 def test_gemma3_extraction_after_an_image(engines, tiny_vision_dir):
     """An extraction slot's beams read the root's kept keys, image rows included: the same
     answers alone and packed (passes with slots run eagerly)."""
-    engine = engines(tiny_vision_dir, "bf16")
-    query = {"id": "what", "template": "\nWhat is it? \"{*}\"", "max_tokens": 4}
-    request = media_request(image_url(12), queries=[query, QUERIES[0]])
-    alone = engine.score(request).results[0].queries[0]
-    assert alone.combinations[0].answers
-    packed = engine.score_batch([media_request(image_url(13)), request])[1]
-    assert packed.results[0].queries[0] == alone
+    assert_extraction_after_an_image_packs_as_alone(engines(tiny_vision_dir, "bf16"))
 
 
 @pytest.mark.parametrize("scheme", ["bf16", "fp8"])
@@ -371,13 +366,4 @@ def test_gemma4_bit_identical_alone_and_packed(engines, gemma4_dir, target, sche
 
 @pytest.mark.parametrize("scheme", ["bf16", "fp8"])
 def test_gemma4_video_bit_identical_alone_and_packed(engines, gemma4_video_dir, scheme):
-    engine = engines(gemma4_video_dir, scheme)
-    rng = random.Random(12)
-    request = video_request([image_url(50 + k, (36, 24)) for k in range(2)], [0, 3])
-
-    def others(position: int) -> list[dict]:
-        out = other_requests(rng, 6, max_side=90)
-        out[2] = video_request([image_url(60 + position, (50, 30))], [1])
-        return out
-
-    assert_packed_equals_alone(engine, request, others, positions=(0, 3, 6))
+    assert_video_packs_as_alone(engines(gemma4_video_dir, scheme))
