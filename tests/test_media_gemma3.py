@@ -127,16 +127,19 @@ def test_two_images_with_a_sliding_window_shorter_than_an_image(tiny_vision_engi
         assert abs(ours[("red", option)] - expected) <= 1e-4
 
 
-def test_floor_is_the_questions_without_the_media(tiny_vision_engine):
+def assert_floor_is_the_questions_without_the_media(engine) -> None:
     """floor_p: the same question over empty content, as for a text-only request."""
-    with_image = tiny_vision_engine.score(media_request(image_url(7)))
-    text_only = tiny_vision_engine.score({"text": "Something else entirely.",
-                                          "scoring": {"queries": QUERIES,
-                                                      "case_insensitive": False}})
+    with_image = engine.score(media_request(image_url(7)))
+    text_only = engine.score({"text": "Something else entirely.",
+                              "scoring": {"queries": QUERIES, "case_insensitive": False}})
     floors = [[o.floor_p for c in q.combinations for o in c.options]
               for r in (with_image.results[0], text_only.results[0]) for q in r.queries]
     assert floors[:2] == floors[2:]
     assert all(f is not None for f in floors[0])
+
+
+def test_floor_is_the_questions_without_the_media(tiny_vision_engine):
+    assert_floor_is_the_questions_without_the_media(tiny_vision_engine)
 
 
 def other_requests(rng, count: int, max_side: int = 70) -> list[dict]:
