@@ -61,6 +61,13 @@ GEMMA_270M = dict(GEMMA_12B, hidden_size=640, intermediate_size=2048, num_hidden
                   max_position_embeddings=32768)
 
 
+def random_checkpoint(config: dict, tokenizer) -> Checkpoint:
+    """A checkpoint of ``config``'s shape with random weights (the engine draws them)."""
+    return Checkpoint(name="random", config=config, weights=None, tokenizer=tokenizer,
+                      bos_token_id=2, eos_token_id=1, chat_template=None,
+                      weights_digest="random", path=Path("."))
+
+
 def cuda_time(fn, repeat: int = 3) -> float:
     """Median wall seconds of ``fn`` with the device synchronised around it."""
     times = []
@@ -346,18 +353,13 @@ def main() -> None:
         row.update(gate_up_rates(16384, [(2048, 640), (15360, 3840)]))
         print(json.dumps(row), flush=True)
 
-    def random_ckpt(cfg: dict) -> Checkpoint:
-        return Checkpoint(name="random", config=cfg, weights=None, tokenizer=tokenizer,
-                          bos_token_id=2, eos_token_id=1, chat_template=None,
-                          weights_digest="random", path=Path("."))
-
     path = args.out / f"{row['date']}-gpu-{commit}.json"
 
     def save() -> None:   # after every stage, so a run cut short still leaves its figures
         path.write_text(json.dumps(row, indent=1))
 
     if "270m" in only:
-        ckpt = load_checkpoint(args.model270) if args.model270 else random_ckpt(GEMMA_270M)
+        ckpt = load_checkpoint(args.model270) if args.model270 else random_checkpoint(GEMMA_270M, tokenizer)
         name = "270m" if args.model270 else "270m_random"
         results = {}
         for scheme in ("bf16", "fp8"):
@@ -380,7 +382,7 @@ def main() -> None:
         row.update(run_baseline(name, ckpt, docs, questions, args.baseline_docs_270m))
         print(json.dumps(row), flush=True)
     if "12b" in only:
-        ckpt = random_ckpt(GEMMA_12B)
+        ckpt = random_checkpoint(GEMMA_12B, tokenizer)
         for scheme in ("bf16", "fp8"):
             figures, _ = run_engine("12b", ckpt, scheme, requests)
             row.update(figures)
@@ -393,7 +395,7 @@ def main() -> None:
             print(json.dumps(figures), flush=True)
         row.update(run_baseline("12b", ckpt, docs, questions, args.baseline_docs_12b))
     if "qwen3" in only:   # the Llama/Qwen3 stack: fused forward against module by module
-        ckpt = random_ckpt(QWEN3_8B)
+        ckpt = random_checkpoint(QWEN3_8B, tokenizer)
         for name, scheme, fuse in (("qwen3_8b", "bf16", True), ("qwen3_8b", "fp8", True),
                                    ("qwen3_8b_unfused", "fp8", False)):
             figures, _ = run_engine(name, ckpt, scheme, requests, fuse=fuse)

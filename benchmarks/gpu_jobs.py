@@ -46,11 +46,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cpu_slots import SLOTS  # noqa: E402
-from gpu_bench import GEMMA_12B, invariance, nvidia_smi_used_gib  # noqa: E402
+from gpu_bench import GEMMA_12B, invariance, nvidia_smi_used_gib, random_checkpoint  # noqa: E402
 
 from spinf_worker.engine import Engine, EngineSettings  # noqa: E402
 from spinf_worker.engine.packer import pack  # noqa: E402
-from spinf_worker.models.loader import Checkpoint, load_checkpoint  # noqa: E402
+from spinf_worker.models.loader import load_checkpoint  # noqa: E402
 from spinf_worker.tools.news_job import (  # noqa: E402
     ARTICLES,
     build_requests,
@@ -128,10 +128,7 @@ class Bench:
         self.path.write_text(json.dumps(self.row, indent=1))
 
     def engine(self, config: dict, **settings) -> Engine:
-        checkpoint = Checkpoint(name="random", config=config, weights=None,
-                                tokenizer=self.tokenizer, bos_token_id=2, eos_token_id=1,
-                                chat_template=None, weights_digest="random", path=Path("."))
-        return Engine(checkpoint, device=self.device,
+        return Engine(random_checkpoint(config, self.tokenizer), device=self.device,
                       settings=EngineSettings(scheme=self.scheme, **settings))
 
     def release(self) -> None:

@@ -31,10 +31,10 @@ from gpu_bench import (  # noqa: E402
     cuda_time,
     doc_layouts,
     load_docs,
+    random_checkpoint,
 )
 
 from spinf_worker.engine import Engine, EngineSettings  # noqa: E402
-from spinf_worker.models.loader import Checkpoint  # noqa: E402
 
 
 def main() -> None:
@@ -55,9 +55,7 @@ def main() -> None:
     requests = build_requests(load_docs(args.data, tokenizer, 24, 470), questions,
                               args.case_insensitive)
     cfg = GEMMA_12B if args.model == "12b" else GEMMA_270M
-    ckpt = Checkpoint(name="random", config=cfg, weights=None, tokenizer=tokenizer,
-                      bos_token_id=2, eos_token_id=1, chat_template=None,
-                      weights_digest="random", path=Path("."))
+    ckpt = random_checkpoint(cfg, tokenizer)
     engine = Engine(ckpt, device="cuda", settings=EngineSettings(
         scheme=args.scheme, cuda_graphs=not args.no_graphs))
     engine.score_batch(requests)

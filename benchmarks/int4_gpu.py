@@ -14,10 +14,9 @@ import time
 from pathlib import Path
 
 import torch
-from gpu_bench import GEMMA_12B, QWEN3_8B, ROOT, run_engine
+from gpu_bench import GEMMA_12B, QWEN3_8B, ROOT, random_checkpoint, run_engine
 from tokenizers import Tokenizer
 
-from spinf_worker.models.loader import Checkpoint
 from spinf_worker.tools.news_job import build_requests, load_docs
 
 
@@ -38,9 +37,7 @@ def main() -> None:
            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "docs": args.docs}
     shapes = {"12b": GEMMA_12B, "qwen3_8b": QWEN3_8B}
     for name in args.shapes.split(","):
-        ckpt = Checkpoint(name="random", config=shapes[name], weights=None, tokenizer=tokenizer,
-                          bos_token_id=2, eos_token_id=1, chat_template=None,
-                          weights_digest="random", path=Path("."))
+        ckpt = random_checkpoint(shapes[name], tokenizer)
         for scheme in ("int4", "bf16", "fp8"):
             figures, _ = run_engine(name, ckpt, scheme, requests)
             row.update(figures)

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from gpu_bench import random_checkpoint
 
 from spinf_worker.engine import Engine, EngineSettings
 from spinf_worker.models.loader import Checkpoint
@@ -149,9 +150,7 @@ def checkpoint(tokenizer, tiny: bool) -> Checkpoint:
     config["vocab_size"] = max(config["vocab_size"], tokenizer.get_vocab_size())
     config["layer_types"] = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
                              for i in range(config["num_hidden_layers"])]
-    return Checkpoint(name="random", config=config, weights=None, tokenizer=tokenizer,
-                      bos_token_id=2, eos_token_id=1, chat_template=None,
-                      weights_digest="random", path=Path("."))
+    return random_checkpoint(config, tokenizer)
 
 
 def synchronize() -> None:

@@ -45,7 +45,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-from gpu_bench import GEMMA_12B, GEMMA_270M  # noqa: E402
+from gpu_bench import GEMMA_12B, GEMMA_270M, random_checkpoint  # noqa: E402
 from gpu_jobs import TINY  # noqa: E402
 
 from spinf_worker.tools.news_job import load_docs, load_questions  # noqa: E402
@@ -114,14 +114,6 @@ def spinf_engine(checkpoint, scheme: str, device: str):
 
     return Engine(checkpoint, device=device,
                   settings=EngineSettings(scheme=scheme, presentation="raw"))
-
-
-def random_checkpoint(config: dict, tokenizer):
-    from spinf_worker.models.loader import Checkpoint
-
-    return Checkpoint(name="random", config=config, weights=None, tokenizer=tokenizer,
-                      bos_token_id=2, eos_token_id=1, chat_template=None,
-                      weights_digest="random", path=Path("."))
 
 
 def timed(fn, device: str, repeat: int) -> float:

@@ -11,6 +11,7 @@ import inspect
 import json
 import os
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -144,11 +145,31 @@ def tiny_tokenizer_dir(tmp_path_factory) -> Path:
     return write_tiny_tokenizer(tmp_path_factory.mktemp("tiny-tokenizer"))
 
 
+def write_tiny_model(path: Path, tokenizer_dir: Path, config, randomise: Callable, *,
+                     tokenizer_files: tuple[str, ...] = ("tokenizer.json",)) -> Path:
+    """transformers' causal LM of ``config``, its weights set by ``randomise(model)``, saved by
+    transformers with the tiny tokenizer's ``tokenizer_files`` beside it."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(config)
+    randomise(model)
+    model.save_pretrained(path)
+    for name in tokenizer_files:
+        (path / name).write_bytes((tokenizer_dir / name).read_bytes())
+    return path
+
+
 def write_tiny_gemma3(path: Path, tokenizer_dir: Path, *, sliding_window: int = 16,
                       seed: int = 0) -> Path:
     """A random 4-layer Gemma 3 on the tiny tokenizer's vocabulary, saved by transformers,
     with non-trivial norm weights so a norm bug cannot hide behind zeros."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    from transformers import Gemma3TextConfig
+
+    def norms_random(model) -> None:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.normal_(0.0, 0.3)
 
     torch.manual_seed(seed)
     cfg = Gemma3TextConfig(
@@ -158,15 +179,8 @@ def write_tiny_gemma3(path: Path, tokenizer_dir: Path, *, sliding_window: int = 
         layer_types=["sliding_attention", "sliding_attention", "full_attention",
                      "sliding_attention"],
         bos_token_id=TINY_BOS, eos_token_id=TINY_EOS, pad_token_id=TINY_PAD)
-    model = Gemma3ForCausalLM(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(0.0, 0.3)
-    model.save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (path / name).write_bytes((tokenizer_dir / name).read_bytes())
-    return path
+    return write_tiny_model(path, tokenizer_dir, cfg, norms_random,
+                            tokenizer_files=("tokenizer.json", "tokenizer_config.json"))
 
 
 @pytest.fixture(scope="session")

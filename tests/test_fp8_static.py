@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -65,12 +67,10 @@ def stored_scales(calibrated: Path) -> dict[str, torch.Tensor]:
             for k, v in load_file(calibrated / "fp8-static-scales.safetensors").items()}
 
 
-def test_calibrated_scales_follow_the_rule(calibrated, tiny_oracle, tiny_dir):
-    """Every linear input's scale is max|x| * fp32(1/448), max|x| over the texts' rows as
-    transformers' own forward hooks see them (BOS + the text's tokens, one text a forward)."""
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(tiny_dir / "tokenizer.json"))
+@contextmanager
+def input_amax(model) -> Iterator[dict[str, float]]:
+    """max|x| of every linear input of transformers' ``model`` over the forwards run inside,
+    as its forward pre-hooks see them, keyed by the engine's layer reading the same input."""
     amax: dict[str, float] = {}
 
     def hook(name):
@@ -80,16 +80,25 @@ def test_calibrated_scales_follow_the_rule(calibrated, tiny_oracle, tiny_dir):
 
     hooks = [m.register_forward_pre_hook(hook(f"layers.{name.split('.')[2]}."
                                               + HF_INPUTS[name.split(".", 3)[3]]))
-             for name, m in tiny_oracle.named_modules()
+             for name, m in model.named_modules()
              if name.count(".") == 4 and name.split(".", 3)[3] in HF_INPUTS]
     try:
-        with torch.no_grad():
-            for text in calibration_texts():
-                ids = [TINY_BOS, *tok.encode(text, add_special_tokens=False).ids]
-                tiny_oracle(torch.tensor([ids]))
+        yield amax
     finally:
         for h in hooks:
             h.remove()
+
+
+def test_calibrated_scales_follow_the_rule(calibrated, tiny_oracle, tiny_dir):
+    """Every linear input's scale is max|x| * fp32(1/448), max|x| over the texts' rows as
+    transformers' own forward hooks see them (BOS + the text's tokens, one text a forward)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tiny_dir / "tokenizer.json"))
+    with input_amax(tiny_oracle) as amax, torch.no_grad():
+        for text in calibration_texts():
+            ids = [TINY_BOS, *tok.encode(text, add_special_tokens=False).ids]
+            tiny_oracle(torch.tensor([ids]))
     scales = stored_scales(calibrated)
     assert set(scales) == set(amax) and len(scales) == 4 * 4
     recipe = json.loads((calibrated / "recipe-fp8-static.json").read_text())
@@ -248,27 +257,13 @@ def test_calibration_with_questions_reads_every_row_scoring_reads(tiny_dir, tiny
                  "--queries", str(block), "--out", str(tmp_path), "--device", "cpu"]) == 0
     recipe = json.loads((tmp_path / "recipe-fp8-static.json").read_text())
 
-    enc, amax = tiny_engine.presenter.encode, {}
-
-    def hook(name):
-        def keep(module, args):
-            amax[name] = max(amax.get(name, 0.0), args[0].detach().abs().max().item())
-        return keep
-
-    hooks = [m.register_forward_pre_hook(hook(f"layers.{name.split('.')[2]}."
-                                              + HF_INPUTS[name.split(".", 3)[3]]))
-             for name, m in tiny_oracle.named_modules()
-             if name.count(".") == 4 and name.split(".", 3)[3] in HF_INPUTS]
-    try:
-        with torch.no_grad():
-            for root in [[TINY_BOS, *enc(t)] for t in texts] + [[TINY_BOS]]:
-                for query in queries:
-                    ctx = root + list(enc(query["template"].split("{?}")[0]))
-                    for option in query["options"]:
-                        tiny_oracle(torch.tensor([ctx + list(enc(option))[:-1]]))
-    finally:
-        for h in hooks:
-            h.remove()
+    enc = tiny_engine.presenter.encode
+    with input_amax(tiny_oracle) as amax, torch.no_grad():
+        for root in [[TINY_BOS, *enc(t)] for t in texts] + [[TINY_BOS]]:
+            for query in queries:
+                ctx = root + list(enc(query["template"].split("{?}")[0]))
+                for option in query["options"]:
+                    tiny_oracle(torch.tensor([ctx + list(enc(option))[:-1]]))
     assert set(recipe["layers"]) == set(amax)
     for name, layer in recipe["layers"].items():
         assert layer["amax"] == pytest.approx(amax[name], rel=1e-4), name

@@ -127,16 +127,19 @@ def test_two_images_with_a_sliding_window_shorter_than_an_image(tiny_vision_engi
         assert abs(ours[("red", option)] - expected) <= 1e-4
 
 
-def test_floor_is_the_questions_without_the_media(tiny_vision_engine):
+def assert_floor_is_the_questions_without_the_media(engine) -> None:
     """floor_p: the same question over empty content, as for a text-only request."""
-    with_image = tiny_vision_engine.score(media_request(image_url(7)))
-    text_only = tiny_vision_engine.score({"text": "Something else entirely.",
-                                          "scoring": {"queries": QUERIES,
-                                                      "case_insensitive": False}})
+    with_image = engine.score(media_request(image_url(7)))
+    text_only = engine.score({"text": "Something else entirely.",
+                              "scoring": {"queries": QUERIES, "case_insensitive": False}})
     floors = [[o.floor_p for c in q.combinations for o in c.options]
               for r in (with_image.results[0], text_only.results[0]) for q in r.queries]
     assert floors[:2] == floors[2:]
     assert all(f is not None for f in floors[0])
+
+
+def test_floor_is_the_questions_without_the_media(tiny_vision_engine):
+    assert_floor_is_the_questions_without_the_media(tiny_vision_engine)
 
 
 def other_requests(rng, count: int, max_side: int = 70) -> list[dict]:
@@ -260,12 +263,16 @@ def test_a_checkpoint_in_transformers_4_layout_loads_the_same(tiny_vision_dir, t
         option_logprobs(tiny_vision_engine.score(request))
 
 
-def test_extraction_slots_decode_after_an_image(tiny_vision_engine):
+def assert_extraction_after_an_image_packs_as_alone(engine) -> None:
     """An extraction slot's beams attend to the root's kept keys, image rows included: the
     answers are those of the same request decoded alone or packed with others."""
     query = {"id": "what", "template": "\nWhat is it? \"{*}\"", "max_tokens": 4}
     request = media_request(image_url(12), queries=[query, QUERIES[0]])
-    alone = tiny_vision_engine.score(request).results[0].queries[0]
+    alone = engine.score(request).results[0].queries[0]
     assert alone.combinations[0].answers
-    packed = tiny_vision_engine.score_batch([media_request(image_url(13)), request])[1]
+    packed = engine.score_batch([media_request(image_url(13)), request])[1]
     assert packed.results[0].queries[0] == alone
+
+
+def test_extraction_slots_decode_after_an_image(tiny_vision_engine):
+    assert_extraction_after_an_image_packs_as_alone(tiny_vision_engine)

@@ -17,6 +17,7 @@ from .conftest import TINY_BOS, TINY_GEMMA4_IMAGE_TOKENS
 from .media_builders import assert_packed_equals_alone, two_images_request
 from .test_media_gemma3 import (
     QUERIES,
+    assert_floor_is_the_questions_without_the_media,
     media_request,
     option_logprobs,
     other_requests,
@@ -162,14 +163,7 @@ def test_bit_identical_alone_and_packed_among_text_and_image_documents(
 
 
 def test_floor_is_the_questions_without_the_media(tiny_gemma4_vision_engine):
-    with_image = tiny_gemma4_vision_engine.score(media_request(image_url(7)))
-    text_only = tiny_gemma4_vision_engine.score({"text": "Something else entirely.",
-                                                 "scoring": {"queries": QUERIES,
-                                                             "case_insensitive": False}})
-    floors = [[o.floor_p for c in q.combinations for o in c.options]
-              for r in (with_image.results[0], text_only.results[0]) for q in r.queries]
-    assert floors[:2] == floors[2:]
-    assert all(f is not None for f in floors[0])
+    assert_floor_is_the_questions_without_the_media(tiny_gemma4_vision_engine)
 
 
 def test_video_is_not_read_by_gemma4_without_a_video_token(tiny_gemma4_vision_engine):

@@ -134,8 +134,9 @@ def test_the_frames_cap(tiny_gemma4_video_engine):
     assert not isinstance(tiny_gemma4_video_engine.score_batch([body])[0], Exception)
 
 
-def test_bit_identical_alone_and_packed_among_text_image_and_video_documents(
-        tiny_gemma4_video_engine):
+def assert_video_packs_as_alone(engine) -> None:
+    """A request of two videos scored alone and packed among text, image and video
+    documents at several places: the same bits."""
     import random
 
     rng = random.Random(12)
@@ -146,4 +147,9 @@ def test_bit_identical_alone_and_packed_among_text_image_and_video_documents(
         out[2] = video_request([image_url(60 + position, (50, 30))], [1])
         return out
 
-    assert_packed_equals_alone(tiny_gemma4_video_engine, request, others, (0, 3, 6))
+    assert_packed_equals_alone(engine, request, others, (0, 3, 6))
+
+
+def test_bit_identical_alone_and_packed_among_text_image_and_video_documents(
+        tiny_gemma4_video_engine):
+    assert_video_packs_as_alone(tiny_gemma4_video_engine)

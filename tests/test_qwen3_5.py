@@ -18,9 +18,10 @@ from safetensors.torch import load_file, save_file
 from spinf_worker.engine.layout import Branch, DocTree
 from spinf_worker.errors import InvalidRequestError, UnsupportedModelError
 
+from .conftest import write_tiny_model
 from .test_batch_invariance import assert_invariant
 from .test_engine_parity import NEWS, QUERIES, check_against_oracle, score
-from .test_families import SMALL, _randomise, _write
+from .test_families import SMALL, _randomise
 from .test_query_independence import TARGET, random_query, target_scores
 
 # three DeltaNet layers to one full-attention layer, and a DeltaNet layer after it; two q/k
@@ -36,9 +37,7 @@ def tiny_qwen3_5(path: Path, tokenizer_dir: Path) -> Path:
         **SMALL, num_hidden_layers=len(LAYERS), layer_types=LAYERS, head_dim=16,
         linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
         linear_num_value_heads=4, linear_conv_kernel_dim=4, tie_word_embeddings=False)
-    model = transformers.Qwen3_5ForCausalLM(cfg)
-    _randomise(model, 6)
-    return _write(model, path, tokenizer_dir)
+    return write_tiny_model(path, tokenizer_dir, cfg, lambda model: _randomise(model, 6))
 
 
 @pytest.fixture(scope="module")

@@ -87,25 +87,35 @@ def _random_docs(n: int, seed: int) -> list:
     return [doc().flatten(0) for _ in range(n)]
 
 
-@pytest.mark.parametrize("window", [4096, 64])
-def test_flex_tree_attention_equals_cpu_tree_attention(window):
-    """FlexAttention over the pass's block masks (partial and full blocks) against the CPU
-    path's per-document root + own-path attention."""
-    docs = _random_docs(6, seed=3)
+def _flex_and_cpu_attention(docs: list, window: int, media: str = "none",
+                            sliding: bool = True) -> tuple:
+    """Random q, k, v over the pass of ``docs``: the pass's input rows, FlexAttention's output
+    on the GPU (brought back to the CPU) and the CPU path's attention of the same rows, on a
+    sliding or a full layer; ``media``: where one image's rows see each other both ways."""
     rows = sum(d.length for d in docs)
     inputs = torch.from_numpy(pass_rows(docs, -(-rows // 4096) * 4096, 0))
     torch.manual_seed(0)
     q = torch.randn(inputs.shape[1], 4, 64)
     k, v = torch.randn(2, inputs.shape[1], 2, 64).unbind(0)
     starts = [sum(d.length for d in docs[:i]) for i in range(len(docs))]
-    cpu_plan = AttentionPlan([doc_span(d, s, window, torch.device("cpu"))
+    cpu_plan = AttentionPlan([doc_span(d, s, window, torch.device("cpu"), media)
                               for d, s in zip(docs, starts, strict=True)])
-    want = packed_tree_attention(q[:rows], k[:rows], v[:rows], cpu_plan, sliding=True,
+    want = packed_tree_attention(q[:rows], k[:rows], v[:rows], cpu_plan, sliding=sliding,
                                  scale=0.125)
-    plan = build_flex_plan(TreeTokens.of_pass(inputs.cuda()), window)
-    got = flex_tree_attention(q.cuda(), k.cuda(), v.cuda(), plan, sliding=True, scale=0.125)
+    plan = build_flex_plan(TreeTokens.of_pass(inputs.cuda()), window, media)
+    got = flex_tree_attention(q.cuda(), k.cuda(), v.cuda(), plan, sliding=sliding, scale=0.125)
+    return inputs, got.cpu(), want
+
+
+@pytest.mark.parametrize("window", [4096, 64])
+def test_flex_tree_attention_equals_cpu_tree_attention(window):
+    """FlexAttention over the pass's block masks (partial and full blocks) against the CPU
+    path's per-document root + own-path attention."""
+    docs = _random_docs(6, seed=3)
+    inputs, got, want = _flex_and_cpu_attention(docs, window)
+    starts = [sum(d.length for d in docs[:i]) for i in range(len(docs))]
     real = torch.cat([torch.arange(s, s + d.tokens) for d, s in zip(docs, starts, strict=True)])
-    assert rel_err(got.cpu()[real], want[real]) < 1e-2
+    assert rel_err(got[real], want[real]) < 1e-2
 
 
 def _runner(device: str, dtype: torch.dtype, fp8: bool = False, fuse: bool = True,
@@ -248,19 +258,9 @@ def test_flex_prompt_blocks_equal_cpu_block_attention(window):
     docs.insert(1, _random_docs(1, seed=4)[0])
     rows = sum(d.length for d in docs)
     assert rows < sum(d.length for d in prompts)
-    inputs = torch.from_numpy(pass_rows(docs, -(-rows // 4096) * 4096, 0))
-    torch.manual_seed(0)
-    q = torch.randn(inputs.shape[1], 4, 64)
-    k, v = torch.randn(2, inputs.shape[1], 2, 64).unbind(0)
-    starts = [sum(d.length for d in docs[:i]) for i in range(len(docs))]
-    cpu_plan = AttentionPlan([doc_span(d, s, window, torch.device("cpu"))
-                              for d, s in zip(docs, starts, strict=True)])
-    want = packed_tree_attention(q[:rows], k[:rows], v[:rows], cpu_plan, sliding=True,
-                                 scale=0.125)
-    plan = build_flex_plan(TreeTokens.of_pass(inputs.cuda()), window)
-    got = flex_tree_attention(q.cuda(), k.cuda(), v.cuda(), plan, sliding=True, scale=0.125)
+    inputs, got, want = _flex_and_cpu_attention(docs, window)
     real = torch.nonzero(inputs[2, :rows] >= 0).flatten()
-    assert rel_err(got.cpu()[real], want[real]) < 1e-2
+    assert rel_err(got[real], want[real]) < 1e-2
 
 
 @pytest.mark.parametrize("cuda_graphs", [True, False])

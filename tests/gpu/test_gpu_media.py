@@ -33,6 +33,7 @@ from ..media_builders import (
 from ..test_batch_invariance import other_request
 from ..test_media_gemma3 import (
     QUERIES,
+    assert_extraction_after_an_image_packs_as_alone,
     media_request,
     option_logprobs,
     other_requests,
@@ -42,8 +43,8 @@ from ..test_media_gemma3 import oracle_scores as gemma3_oracle
 from ..test_media_gemma4 import oracle_scores as gemma4_scores
 from ..test_media_gemma4_audio import audio_request, tone, wav_b64
 from ..test_media_gemma4_audio import oracle_scores as audio_oracle
+from ..test_media_gemma4_video import assert_video_packs_as_alone, video_request
 from ..test_media_gemma4_video import oracle_scores as video_oracle
-from ..test_media_gemma4_video import video_request
 from ..test_media_requests import image_url
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -51,9 +52,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 if torch.cuda.is_available():
     from spinf_worker.engine import Engine
     from spinf_worker.engine.engine import EngineSettings
-    from spinf_worker.engine.runner import ModelRunner, doc_span, pass_rows
-    from spinf_worker.kernels.attention import AttentionPlan, packed_tree_attention
-    from spinf_worker.kernels.flex_tree import TreeTokens, build_flex_plan, flex_tree_attention
+    from spinf_worker.engine.runner import ModelRunner
     from spinf_worker.models.gemma3 import Gemma3Config, Gemma3Model
     from spinf_worker.models.layers import Linear
 
@@ -171,25 +170,14 @@ def test_flex_attention_with_images_equals_cpu_tree_attention(mode, window):
     """FlexAttention with each row's media group (images of 5 to 256 rows, across blocks and
     the window; an audio, causal) against the CPU attention's per-document root masks."""
     from ..test_flex_blocks import _media_docs
+    from .test_gpu_engine import _flex_and_cpu_attention, rel_err
 
     docs = _media_docs(1) + _media_docs(2)
-    rows = sum(d.length for d in docs)
-    inputs = torch.from_numpy(pass_rows(docs, -(-rows // 4096) * 4096, 0))
-    torch.manual_seed(0)
-    q = torch.randn(inputs.shape[1], 4, 64)
-    k, v = torch.randn(2, inputs.shape[1], 2, 64).unbind(0)
     starts = [sum(d.length for d in docs[:i]) for i in range(len(docs))]
-    cpu_plan = AttentionPlan([doc_span(d, s, window, torch.device("cpu"), mode)
-                              for d, s in zip(docs, starts, strict=True)])
-    plan = build_flex_plan(TreeTokens.of_pass(inputs.cuda()), window, mode)
     real = torch.cat([torch.arange(s, s + d.tokens) for d, s in zip(docs, starts, strict=True)])
     for sliding in (False, True):
-        want = packed_tree_attention(q[:rows], k[:rows], v[:rows], cpu_plan, sliding=sliding,
-                                     scale=0.125)
-        got = flex_tree_attention(q.cuda(), k.cuda(), v.cuda(), plan, sliding=sliding,
-                                  scale=0.125)
-        err = float((got.cpu()[real].double() - want[real].double()).norm()
-                    / want[real].double().norm())
+        _, got, want = _flex_and_cpu_attention(docs, window, mode, sliding)
+        err = rel_err(got[real], want[real])
         assert err < 1e-2, (sliding, err)
 
 
@@ -293,13 +281,7 @@ def test_gemma3_text_documents_keep_the_text_stacks_bits(engines, tiny_vision_di
 def test_gemma3_extraction_after_an_image(engines, tiny_vision_dir):
     """An extraction slot's beams read the root's kept keys, image rows included: the same
     answers alone and packed (passes with slots run eagerly)."""
-    engine = engines(tiny_vision_dir, "bf16")
-    query = {"id": "what", "template": "\nWhat is it? \"{*}\"", "max_tokens": 4}
-    request = media_request(image_url(12), queries=[query, QUERIES[0]])
-    alone = engine.score(request).results[0].queries[0]
-    assert alone.combinations[0].answers
-    packed = engine.score_batch([media_request(image_url(13)), request])[1]
-    assert packed.results[0].queries[0] == alone
+    assert_extraction_after_an_image_packs_as_alone(engines(tiny_vision_dir, "bf16"))
 
 
 @pytest.mark.parametrize("scheme", ["bf16", "fp8"])
@@ -384,13 +366,4 @@ def test_gemma4_bit_identical_alone_and_packed(engines, gemma4_dir, target, sche
 
 @pytest.mark.parametrize("scheme", ["bf16", "fp8"])
 def test_gemma4_video_bit_identical_alone_and_packed(engines, gemma4_video_dir, scheme):
-    engine = engines(gemma4_video_dir, scheme)
-    rng = random.Random(12)
-    request = video_request([image_url(50 + k, (36, 24)) for k in range(2)], [0, 3])
-
-    def others(position: int) -> list[dict]:
-        out = other_requests(rng, 6, max_side=90)
-        out[2] = video_request([image_url(60 + position, (50, 30))], [1])
-        return out
-
-    assert_packed_equals_alone(engine, request, others, positions=(0, 3, 6))
+    assert_video_packs_as_alone(engines(gemma4_video_dir, scheme))
