@@ -23,6 +23,7 @@ two. The figures go to stdout as a table and to ``<out>/<date>-completions-shari
 
     /work/main/.venv/bin/python benchmarks/completions_sharing.py --items 16
     python benchmarks/completions_sharing.py --device cuda          # on a GPU host: 500 items
+    python benchmarks/completions_sharing.py --device cuda --api-workers 2 --redis-server PATH
 """
 
 from __future__ import annotations
@@ -143,6 +144,18 @@ def run_transformers(path: Path, tokenizer, bos: int, contexts: list[str], devic
     return scores, time.perf_counter() - t0
 
 
+def split_service(args: argparse.Namespace, src: Path, tmp: Path, model_dir: Path):
+    """service_gpu's private redis-server, ``api --workers N`` and one worker, running ``src``:
+    the API's per-request work in processes of its own, beside the worker's."""
+    from service_gpu import Service as SplitService
+
+    return SplitService(argparse.Namespace(
+        redis_server=args.redis_server, api_workers=args.api_workers,
+        model=args.model or str(model_dir), device=args.device,
+        load_format=args.load_format, quant=args.quant, docs=args.items * len(OPTIONS)),
+        tmp, root=src)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--items", type=int, default=500)
@@ -161,6 +174,12 @@ def main() -> None:
     ap.add_argument("--rev", default="HEAD",
                     help="the revision measured with --tree head (another one: a comparison)")
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--api-workers", type=int, default=0, metavar="N",
+                    help="the service as separate processes: a private redis-server "
+                         "(--redis-server), `spinf-serve api --workers N` and one `worker` "
+                         "(default 0: one `spinf-serve serve`)")
+    ap.add_argument("--redis-server", default="redis-server",
+                    help="with --api-workers: the redis-server binary to run")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     commit = args.commit or sh(f"git rev-parse --short {args.rev}")
@@ -176,10 +195,13 @@ def main() -> None:
         ckpt = load_checkpoint(args.model, load_format=args.load_format)
         tok, bos = ckpt.tokenizer, ckpt.bos_token_id
         contexts = items(tok, args.items, args.context_tokens, args.data)
-        service = Service(src, Path(tmp), free_port(), args.model)
-        service.command[service.command.index("--device") + 1] = args.device
-        service.command += ["--load-format", args.load_format] + (
-            ["--quant", args.quant] if args.quant else [])
+        if args.api_workers:
+            service = split_service(args, src, Path(tmp), ckpt.path)
+        else:
+            service = Service(src, Path(tmp), free_port(), args.model)
+            service.command[service.command.index("--device") + 1] = args.device
+            service.command += ["--load-format", args.load_format] + (
+                ["--quant", args.quant] if args.quant else [])
         service.start()
         try:
             service.wait_ready()
@@ -191,7 +213,8 @@ def main() -> None:
             scored, s_s = asyncio.run(timed_posts(service.url, "/v1/score",
                                                   score_bodies(contexts), args.concurrency))
         except BaseException:
-            print(service.log_tail(30), file=sys.stderr)
+            print(service.log_tail(30) if isinstance(service, Service)
+                  else service.tail("worker", 30), file=sys.stderr)
             raise
         finally:
             service.stop()
@@ -203,6 +226,7 @@ def main() -> None:
              threads=torch.get_num_threads(), load_avg_1m_at_start=load_at_start,
              model=model, load_format=args.load_format, quant=args.quant, items=args.items, options=len(OPTIONS),
              context_tokens=args.context_tokens, concurrency=args.concurrency,
+             api_workers=args.api_workers,
              completions_s=c_s, completions_items_per_s=args.items / c_s,
              score_s=s_s, score_items_per_s=args.items / s_s,
              max_abs_completions_vs_score=max(abs(a - b) for a, b in
@@ -215,7 +239,8 @@ def main() -> None:
     out = ROOT / args.out
     out.mkdir(parents=True, exist_ok=True)
     slug = Path(model).name.replace("/", "--") or "model"   # runs of two models side by side
-    path = out / f"{r['date']}-completions-sharing-{args.device}-{slug}-{commit}.json"
+    split = f"-api{args.api_workers}" if args.api_workers else ""
+    path = out / f"{r['date']}-completions-sharing-{args.device}-{slug}{split}-{commit}.json"
     path.write_text(json.dumps(r, indent=1) + "\n")
     print("| way | items/s | s |\n|---|---|---|")
     for way in ("completions", "score", "transformers"):

@@ -158,23 +158,25 @@ def tier_cpu_s(tiers: dict[str, int]) -> dict[str, float]:
 class Service:
     """A private redis-server, ``spinf-serve api`` and one ``spinf-serve worker``."""
 
-    def __init__(self, args: argparse.Namespace, tmp: Path):
+    def __init__(self, args: argparse.Namespace, tmp: Path, root: Path = ROOT):
         from service_http import free_port
 
-        self.args, self.tmp = args, tmp
+        self.args, self.tmp, self.root = args, tmp, root
         self.port, self.redis_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.procs: dict[str, subprocess.Popen] = {}
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("SPINF_")}
-        self.env.update(PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        self.env.update(PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
                         SPINF_REDIS_URL=f"redis://127.0.0.1:{self.redis_port}/0",
                         SPINF_SYNC_TIMEOUT_S=str(HTTP_TIMEOUT_S),
-                        SPINF_LOAD_FORMAT=args.load_format, SPINF_QUANT=args.quant,
+                        SPINF_LOAD_FORMAT=args.load_format,
                         SPINF_MAX_BACKLOG=str(10 * args.docs + 1000))
+        if args.quant:
+            self.env["SPINF_QUANT"] = args.quant
 
     def _start(self, name: str, command: list[str]) -> None:
         log = (self.tmp / f"{name}.log").open("wb")
-        self.procs[name] = subprocess.Popen(command, cwd=ROOT, env=self.env,
+        self.procs[name] = subprocess.Popen(command, cwd=self.root, env=self.env,
                                             stdin=subprocess.DEVNULL, stdout=log,
                                             stderr=subprocess.STDOUT)
 
