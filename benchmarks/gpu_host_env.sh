@@ -1,0 +1,35 @@
+# On a GPU host without network access, from the checkout's root, after
+# benchmarks/gpu_host_prepare.sh's .dev/gpu-host came along:
+#
+#     source benchmarks/gpu_host_env.sh
+#
+# installs the carried wheels into $GPU_HOST/site (once), writes model directories of the
+# benchmarks' shapes with the default model's tokenizer ($GPU_HOST/models/{270m,12b}-shape:
+# config.json and tokenizer, for --load-format dummy), and exports PYTHONPATH, REDIS_SERVER,
+# LD_LIBRARY_PATH (redis-server's libraries), DATA, TOKENIZER, M270, M12B.
+GPU_HOST=${GPU_HOST:-/root/gpu-host}
+CARRIED=${CARRIED:-$PWD/.dev/gpu-host}
+mkdir -p "$GPU_HOST/site" "$GPU_HOST/tokenizer" "$GPU_HOST/models"
+if [ ! -f "$GPU_HOST/site/.installed" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+      --target "$GPU_HOST/site" "$CARRIED"/wheels/*.whl && touch "$GPU_HOST/site/.installed"
+fi
+if [ ! -f "$GPU_HOST/tokenizer/tokenizer.json" ]; then
+  xz -dc "$CARRIED/tokenizer/tokenizer.json.xz" > "$GPU_HOST/tokenizer/tokenizer.json"
+  cp "$CARRIED"/tokenizer/*.json "$GPU_HOST/tokenizer/"
+fi
+export PYTHONPATH=$GPU_HOST/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+export REDIS_SERVER=$CARRIED/redis/redis-server
+chmod +x "$REDIS_SERVER"
+export LD_LIBRARY_PATH=$CARRIED/redis${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+export DATA=$CARRIED/data TOKENIZER=$GPU_HOST/tokenizer PYTHONUNBUFFERED=1
+for shape in 270m 12b; do
+  python3 -c "
+import argparse, sys
+from pathlib import Path
+sys.path.insert(0, 'benchmarks')
+from peers_gpu import shape_dir
+print(shape_dir(argparse.Namespace(model_dir=Path('$GPU_HOST/models'), shape='$shape',
+                                   tokenizer=Path('$TOKENIZER'))))" >/dev/null
+done
+export M270=$GPU_HOST/models/270m-shape M12B=$GPU_HOST/models/12b-shape

