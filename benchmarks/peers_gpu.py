@@ -9,7 +9,10 @@ as soon as it has figures.
     python benchmarks/peers_gpu.py agree-spinf --weights DIR ...   # writes DIR if absent
     python benchmarks/peers_gpu.py agree-vllm --weights DIR ...
     python benchmarks/peers_gpu.py serve ...                        # optional: over HTTP
-    python benchmarks/peers_gpu.py report --out OUT                 # merged JSON + table
+    python benchmarks/peers_gpu.py sweep-spinf ...                  # the sweeps, each side
+    python benchmarks/peers_gpu.py sweep-vllm --scheme bf16|fp8 ...
+    python benchmarks/peers_gpu.py sweep-hf ...
+    python benchmarks/peers_gpu.py report --out OUT                 # merged JSON + table (+ PNG)
 
 The job: the first 24 articles of news_articles.jsonl cut to 470 tokens x the 56 two-option
 questions of news_questions.json (spinf_worker/tools/news_job.py). spinf-serve answers it as
@@ -26,7 +29,14 @@ directory with ``load_format="safetensors"`` and scores each (question, option) 
 ``prompt_logprobs=1`` (the option token's logprob, whatever its rank), and each question's
 prompt with ``logprobs=20`` (an option counts there when it is in the top 20).
 
-``--tiny``: the spinf parts on the CPU with a tiny random Gemma 3 (fp32; figures mean nothing).
+The sweeps: questions/s against questions per document (7 to 224, gpu_jobs.question_set) and
+against document length (256 to 8k tokens, gpu_jobs' windows), the same points on each side:
+spinf-serve fp8 and bf16 (timed as gpu_jobs' sweeps), vLLM per scheme (one engine for all the
+points, each point as ``vllm`` times the job), transformers one sequence per question (gpu_bench's
+baseline, a few documents). ``report`` merges them too, with a PNG (plot_sweeps.lines).
+
+``--tiny``: the spinf and transformers parts on the CPU with a tiny random Gemma 3 (fp32;
+figures mean nothing).
 """
 
 from __future__ import annotations
@@ -720,8 +730,8 @@ def sweep_series(parts: list[dict]) -> dict[str, dict[str, list[list]]]:
     """label: {sweep: [[x, questions/s], ...]}: spinf-serve per scheme; vLLM per scheme, cold
     with default decoding and the best of its warm runs; transformers."""
     series: dict = {}
-    for part in sorted(parts, key=lambda p: (list(SIDES).index(p["part"].split("-")[1]),
-                                             p["part"])):
+    rank = {side: i for i, side in enumerate(SIDES)}
+    for part in sorted(parts, key=lambda p: (rank.get(p["part"].split("-")[1], 9), p["part"])):
         for p in part.get("points", []):
             if p["side"] == "vllm":
                 warm = [p.get(f"{mode}_warm_questions_per_s") for mode in ("default", "nodetok")]
@@ -745,6 +755,10 @@ def sweep_style(label: str) -> dict:
     return {"color": color, "marker": marker, "linestyle": "--" if "bf16" in label else "-"}
 
 
+def rate(q: float | None) -> str:
+    return "" if q is None else f"{q:,.0f}" if q >= 100 else f"{q:.1f}"
+
+
 def sweep_table(series: dict) -> str:
     """A markdown table per sweep: a row per point, a column per line of the plot."""
     lines = []
@@ -756,7 +770,7 @@ def sweep_table(series: dict) -> str:
         values = {label: dict(map(tuple, series[label][sweep])) for label in labels}
         lines += [f"| {name} | " + " | ".join(labels) + " |",
                   "|---" * (len(labels) + 1) + "|"]
-        lines += [f"| {x} | " + " | ".join(str(values[label].get(x, "")) for label in labels)
+        lines += [f"| {x} | " + " | ".join(rate(values[label].get(x)) for label in labels)
                   + " |" for x in xs]
         lines.append("")
     return "\n".join(lines)
@@ -778,7 +792,7 @@ def report_sweeps(parts: list[dict], results: Path) -> None:
     spinf = next((p for p in parts if p["part"] == "sweep-spinf"), parts[0])
     hf = next((p for p in parts if p["part"] == "sweep-hf"), None)
     titles = {"questions": f"{spinf['docs']} documents x {spinf.get('doc_tokens', 470)} tokens"
-                           + (f" (transformers: {hf['docs']})" if hf else ""),
+                           + (f" (transformers: {hf['docs']} documents)" if hf else ""),
               "length": "56 questions per document"}
     device = next((p["device"] for p in parts if p.get("device")), "")
     model = spinf.get("model", "")

@@ -65,6 +65,7 @@ def lines(series: dict[str, dict[str, list]], titles: dict[str, str], title: str
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, panels = plt.subplots(1, 2, figsize=(12, 4.8))
     for axis, sweep, xlabel in zip(panels, ("questions", "length"),
@@ -77,6 +78,8 @@ def lines(series: dict[str, dict[str, list]], titles: dict[str, str], title: str
                 axis.plot([x for x, _ in points], [q for _, q in points], label=label,
                           **(styles or {}).get(label, {"marker": "o"}))
         axis.set(yscale="log", xlabel=xlabel, ylabel="questions/s", title=titles.get(sweep, ""))
+        for ticks in (axis.yaxis.set_major_formatter, axis.yaxis.set_minor_formatter):
+            ticks(matplotlib.ticker.LogFormatter(labelOnlyBase=False, minor_thresholds=(2, 1)))
         if xs:
             at_points(axis, sorted(xs))
         axis.grid(alpha=0.3, which="both")
