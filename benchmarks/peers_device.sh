@@ -120,8 +120,8 @@ case ${1:-} in
     echo "pipeline started"
     ;;
   start-sweeps)
-    # ~14 minutes on an H100: spinf ~3, each vLLM ~4.5 (~170 s of it starting), transformers
-    # ~2; the timeouts bound each part (its points are saved as they finish)
+    # ~14 minutes on an H100: spinf ~4, each vLLM ~4 (~170 s of it starting), transformers
+    # ~2; the timeouts (20 minutes in all) bound each part, whose points are saved as they finish
     if alive sweeps; then   # an earlier call's, and the part it runs (a session of its own)
       kill -- -"$(cat $R/sweeps.pid)" 2>/dev/null
       for f in $R/logs/sweep-*.pid; do kill -- -"$(cat "$f")" 2>/dev/null; done
@@ -138,7 +138,7 @@ case ${1:-} in
       # one side on the GPU at once: the pipelines of start-spinf and start-vllm first
       for i in \$(seq 1 360); do alive spinf || alive pipeline || break; sleep 5; done
       cd $R/proj-sweeps
-      run sweep-spinf 300 $P sweep-spinf ${SWEEP[*]}
+      run sweep-spinf 360 $P sweep-spinf ${SWEEP[*]}
       run sweep-vllm-bf16 330 $P sweep-vllm --scheme bf16 ${SWEEP[*]}
       run sweep-vllm-fp8 330 $P sweep-vllm --scheme fp8 ${SWEEP[*]}
       run sweep-hf 180 $P sweep-hf ${SWEEP[*]}
@@ -163,7 +163,7 @@ case ${1:-} in
     for f in sweep-spinf sweep-vllm-bf16 sweep-vllm-fp8 sweep-hf; do   # a line per point
       [ -f $R/logs/$f.log ] || continue
       echo "=== $f"
-      grep -E '^\{|Error|Traceback|TIMEOUT' $R/logs/$f.log | tail -30 | cut -c1-300
+      grep -E '^\{|Error|Traceback|TIMEOUT' $R/logs/$f.log | tail -30 | cut -c1-400
     done
     [ -f $R/pipeline.done ] && echo PIPELINE_DONE
     [ -f $R/sweeps.done ] && echo SWEEPS_DONE

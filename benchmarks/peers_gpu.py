@@ -117,10 +117,11 @@ class Job:
         return [[2, *self.encode(d), *p] for d in docs for p in prefixes]
 
     def point(self, figures: dict) -> None:
-        """One sweep point more, saved at once."""
+        """One sweep point more, saved at once (its log line without the lists of runs)."""
         self.row.setdefault("points", []).append(figures)
         self.path.write_text(json.dumps(self.row, indent=1))
-        print(json.dumps(figures), flush=True)
+        print(json.dumps({k: v for k, v in figures.items() if not isinstance(v, list)}),
+              flush=True)
 
     def option_ids(self) -> list[list[list[int]]]:
         """Each question's options as token ids."""
