@@ -130,6 +130,7 @@ case ${1:-} in
     # the code of this call, apart from the copy the pipelines above may still be running
     rm -rf $R/proj-sweeps && mkdir -p $R/proj-sweeps
     cp -r "$REPO"/spinf_worker "$REPO"/benchmarks "$REPO"/packs "$REPO"/pyproject.toml $R/proj-sweeps/
+    PYTHONPATH=$R/site:$R/proj-sweeps $PY -c "import spinf_worker.engine; print('engine imports')" || exit 1
     rm -f $R/sweeps.done
     P="$PY $R/proj-sweeps/benchmarks/peers_gpu.py"
     SWEEP=(${ARGS[*]} ${SWEEP_ARGS:-})
