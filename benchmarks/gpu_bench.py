@@ -223,49 +223,70 @@ def run_engine(name: str, ckpt: Checkpoint, scheme: str, requests: list[dict],
     return row, responses
 
 
+def baseline_model(ckpt: Checkpoint, device: str = "cuda", dtype=torch.bfloat16):
+    """transformers' Gemma3ForCausalLM of the checkpoint (random weights drawn on the device
+    when it has none), sdpa attention."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    if ckpt.weights is None:
+        cfg = Gemma3TextConfig(**{k: v for k, v in ckpt.config.items() if k != "model_type"})
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        with torch.device(device):
+            model = Gemma3ForCausalLM(cfg)
+        torch.set_default_dtype(default)
+    else:
+        model = Gemma3ForCausalLM.from_pretrained(ckpt.path, dtype=dtype).to(device)
+    model = model.eval()
+    model.config._attn_implementation = "sdpa"
+    return model
+
+
+def baseline_batches(ckpt: Checkpoint, docs: list[str], queries: list[dict], device: str = "cuda",
+                     max_batch_tokens: int | None = None) -> list[tuple]:
+    """One sequence per (document, question): BOS, the document, the template up to the slot;
+    a document's sequences batched (left padding, explicit positions), in batches of at most
+    ``max_batch_tokens`` padded tokens when given. Each batch: ids, mask, positions, tokens."""
+    tok = ckpt.tokenizer
+    prefixes = [tok.encode(q["template"].split("{?}")[0], add_special_tokens=False).ids
+                for q in queries]
+    batches = []
+    for doc in docs:
+        content = tok.encode(doc, add_special_tokens=False).ids
+        seqs = [[ckpt.bos_token_id, *content, *p] for p in prefixes]
+        width = max(map(len, seqs))
+        step = max(1, max_batch_tokens // width) if max_batch_tokens else len(seqs)
+        for start in range(0, len(seqs), step):
+            part = seqs[start:start + step]
+            ids = torch.zeros(len(part), width, dtype=torch.long)
+            mask = torch.zeros(len(part), width, dtype=torch.long)
+            for i, s in enumerate(part):
+                ids[i, width - len(s):] = torch.tensor(s)
+                mask[i, width - len(s):] = 1
+            pos = (mask.cumsum(1) - 1).clamp(min=0)
+            batches.append((ids.to(device), mask.to(device), pos.to(device),
+                            sum(map(len, part))))
+    return batches
+
+
+def baseline_forward(model, batches: list[tuple]) -> None:
+    """The batches through the model, logits only at the last position."""
+    with torch.inference_mode():
+        for ids, mask, pos, _ in batches:
+            model(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=1)
+
+
 def run_baseline(name: str, ckpt: Checkpoint, docs: list[str], questions: dict,
                  n_docs: int) -> dict:
     """transformers, bf16, sdpa: one sequence per question, the 56 questions of a document
     batched (left padding, explicit positions), logits only at the last position."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    torch.cuda.empty_cache()
-    if ckpt.weights is None:
-        cfg = Gemma3TextConfig(**{k: v for k, v in ckpt.config.items() if k != "model_type"})
-        torch.set_default_dtype(torch.bfloat16)
-        with torch.device("cuda"):
-            model = Gemma3ForCausalLM(cfg)
-        torch.set_default_dtype(torch.float32)
-    else:
-        model = Gemma3ForCausalLM.from_pretrained(ckpt.path, dtype=torch.bfloat16).cuda()
-    model = model.eval()
-    model.config._attn_implementation = "sdpa"
-    tok = ckpt.tokenizer
-    bos = ckpt.bos_token_id
-    prefixes = [q["template"].split("{?}")[0] for q in questions["queries"]]
-
-    def batch_for(doc: str):
-        content = tok.encode(doc, add_special_tokens=False).ids
-        seqs = [[bos, *content, *tok.encode(p, add_special_tokens=False).ids] for p in prefixes]
-        width = max(map(len, seqs))
-        ids = torch.zeros(len(seqs), width, dtype=torch.long)
-        mask = torch.zeros(len(seqs), width, dtype=torch.long)
-        for i, s in enumerate(seqs):
-            ids[i, width - len(s):] = torch.tensor(s)
-            mask[i, width - len(s):] = 1
-        pos = (mask.cumsum(1) - 1).clamp(min=0)
-        return ids.cuda(), mask.cuda(), pos.cuda(), sum(map(len, seqs))
-
-    batches = [batch_for(d) for d in docs[:n_docs]]
-
-    def run():
-        with torch.inference_mode():
-            for ids, mask, pos, _ in batches:
-                model(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=1)
-
-    run()
-    seconds = cuda_time(run, repeat=2)
-    n_q = n_docs * len(prefixes)
+    model = baseline_model(ckpt)
+    batches = baseline_batches(ckpt, docs[:n_docs], questions["queries"])
+    baseline_forward(model, batches)
+    seconds = cuda_time(lambda: baseline_forward(model, batches), repeat=2)
+    n_q = n_docs * len(questions["queries"])
     return {f"{name}_baseline_questions_per_s": round(n_q / seconds, 1),
             f"{name}_baseline_docs": n_docs,
             f"{name}_baseline_tokens_read": sum(b[3] for b in batches)}

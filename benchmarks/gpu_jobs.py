@@ -94,7 +94,7 @@ TINY_QWEN3_5 = dict(QWEN3_5_27B, hidden_size=64, intermediate_size=128, num_hidd
                     linear_key_head_dim=16, linear_value_head_dim=16)
 
 LONG_LENGTHS, TINY_LONG_LENGTHS = [512, 2048, 8192, 32768], [256, 1024]
-SWEEP_QUESTIONS = [7, 14, 28, 56, 112, 224]
+SWEEP_QUESTIONS, TINY_SWEEP_QUESTIONS = [7, 14, 28, 56, 112, 224], [7, 56, 112]
 SWEEP_LENGTHS, TINY_SWEEP_LENGTHS = [256, 512, 1024, 2048, 4096, 8192], [64, 256]
 
 
@@ -141,48 +141,10 @@ class Bench:
         return load_docs(self.args.data, self.tokenizer, n, self.args.doc_tokens)
 
     def windows(self, length: int, count: int) -> list[str]:
-        """``count`` documents of ``length`` tokens: consecutive windows of the articles
-        joined end to end (from the start again when they run out)."""
-        stream: list[int] = []
-        with (self.args.data / ARTICLES).open(encoding="utf-8") as lines:
-            for line in lines:
-                stream += self.tokenizer.encode(json.loads(line)["text"] + "\n\n",
-                                                add_special_tokens=False).ids
-                if len(stream) >= length * count:
-                    break
-        while len(stream) < length * count:
-            stream += stream
-        return self.tokenizer.decode_batch([stream[i * length:(i + 1) * length]
-                                            for i in range(count)])
+        return windows(self.args.data, self.tokenizer, length, count)
 
     def measure(self, engine: Engine, requests: list[dict]) -> tuple[dict, list]:
-        """The first call (compiles the pass sizes' kernels, scores the floors), one more
-        (later calls pack without floors: their pass sizes compile there), then the median
-        of ``--repeat`` calls."""
-        if not self.tiny:
-            torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        checked(engine.score_batch(requests))
-        first = time.perf_counter() - t0
-        engine.score_batch(requests)
-        times = []
-        for _ in range(self.args.repeat):
-            self.sync()
-            t0 = time.perf_counter()
-            responses = checked(engine.score_batch(requests))
-            self.sync()
-            times.append(time.perf_counter() - t0)
-        seconds = statistics.median(times)
-        flats = doc_layouts(engine, requests)
-        passes = pack(flats, engine.settings.max_pass_tokens)
-        questions, tokens = questions_answered(responses), tokens_read(responses)
-        return {"questions_per_s": round(questions / seconds, 1),
-                "tokens_per_s": round(tokens / seconds),
-                "seconds": round(seconds, 4), "first_call_seconds": round(first, 2),
-                "docs": len(requests), "questions": questions, "tokens_read": tokens,
-                "content_tokens": sum(f.root for f in flats),
-                "passes": len(passes), "largest_pass_rows": max(p.rows for p in passes),
-                "peak_gib": self.peak_gib()}, responses
+        return measure(engine, requests, self.args.repeat, cuda=not self.tiny)
 
     def sync(self) -> None:
         if not self.tiny:
@@ -195,6 +157,59 @@ class Bench:
         self.row.update({f"{prefix}_{k}": v for k, v in figures.items()})
         self.save()
         print(json.dumps({prefix: figures}), flush=True)
+
+
+def windows(data: Path, tokenizer, length: int, count: int) -> list[str]:
+    """``count`` documents of ``length`` tokens: consecutive windows of the articles joined
+    end to end (from the start again when they run out)."""
+    stream: list[int] = []
+    with (data / ARTICLES).open(encoding="utf-8") as lines:
+        for line in lines:
+            stream += tokenizer.encode(json.loads(line)["text"] + "\n\n",
+                                       add_special_tokens=False).ids
+            if len(stream) >= length * count:
+                break
+    while len(stream) < length * count:
+        stream += stream
+    return tokenizer.decode_batch([stream[i * length:(i + 1) * length] for i in range(count)])
+
+
+def sweep_doc_count(length: int, sweep_tokens: int) -> int:
+    """Documents of a length point of the sweeps: ``sweep_tokens`` of content, at least 4."""
+    return max(4, sweep_tokens // length)
+
+
+def measure(engine: Engine, requests: list[dict], repeat: int, cuda: bool) -> tuple[dict, list]:
+    """The first call (compiles the pass sizes' kernels, scores the floors), one more (later
+    calls pack without floors: their pass sizes compile there), then the median of
+    ``repeat`` calls."""
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    checked(engine.score_batch(requests))
+    first = time.perf_counter() - t0
+    engine.score_batch(requests)
+    times = []
+    for _ in range(repeat):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        responses = checked(engine.score_batch(requests))
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    seconds = statistics.median(times)
+    flats = doc_layouts(engine, requests)
+    passes = pack(flats, engine.settings.max_pass_tokens)
+    questions, tokens = questions_answered(responses), tokens_read(responses)
+    return {"questions_per_s": round(questions / seconds, 1),
+            "tokens_per_s": round(tokens / seconds),
+            "seconds": round(seconds, 4), "first_call_seconds": round(first, 2),
+            "docs": len(requests), "questions": questions, "tokens_read": tokens,
+            "content_tokens": sum(f.root for f in flats),
+            "passes": len(passes), "largest_pass_rows": max(p.rows for p in passes),
+            "peak_gib": (round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda
+                         else None)}, responses
 
 
 def option_logprobs(response, n_queries: int) -> list[float]:
@@ -349,7 +364,7 @@ def job_sweeps(bench: Bench) -> None:
         print(json.dumps({"questions_per_doc": n, **figures}), flush=True)
     bench.row.update({"lengths": lengths, "by_length": []})
     for length in lengths:
-        count = max(4, bench.args.sweep_tokens // length)
+        count = sweep_doc_count(length, bench.args.sweep_tokens)
         figures, _ = bench.measure(engine, build_requests(bench.windows(length, count),
                                                           bench.questions))
         bench.row["by_length"].append({"doc_tokens": length, **figures})
@@ -415,7 +430,7 @@ def main() -> None:
         parser.error(f"no {ARTICLES} in {args.data} (--data DIR)")
     if args.tiny:
         args.docs, args.repeat = min(args.docs, 2), 1
-        args.question_counts = args.question_counts or [7, 56, 112]
+        args.question_counts = args.question_counts or TINY_SWEEP_QUESTIONS
     args.long_tokens = args.long_tokens or (1024 if args.tiny else 65536)
     if args.tiny and args.job == "long":   # the longest document larger than a pass, as 32k is
         args.max_pass_tokens = args.max_pass_tokens or 1024

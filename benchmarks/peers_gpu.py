@@ -9,7 +9,10 @@ as soon as it has figures.
     python benchmarks/peers_gpu.py agree-spinf --weights DIR ...   # writes DIR if absent
     python benchmarks/peers_gpu.py agree-vllm --weights DIR ...
     python benchmarks/peers_gpu.py serve ...                        # optional: over HTTP
-    python benchmarks/peers_gpu.py report --out OUT                 # merged JSON + table
+    python benchmarks/peers_gpu.py sweep-spinf ...                  # the sweeps, each side
+    python benchmarks/peers_gpu.py sweep-vllm --scheme bf16|fp8 ...
+    python benchmarks/peers_gpu.py sweep-hf ...
+    python benchmarks/peers_gpu.py report --out OUT                 # merged JSON + table (+ PNG)
 
 The job: the first 24 articles of news_articles.jsonl cut to 470 tokens x the 56 two-option
 questions of news_questions.json (spinf_worker/tools/news_job.py). spinf-serve answers it as
@@ -26,13 +29,21 @@ directory with ``load_format="safetensors"`` and scores each (question, option) 
 ``prompt_logprobs=1`` (the option token's logprob, whatever its rank), and each question's
 prompt with ``logprobs=20`` (an option counts there when it is in the top 20).
 
-``--tiny``: the spinf parts on the CPU with a tiny random Gemma 3 (fp32; figures mean nothing).
+The sweeps: questions/s against questions per document (7 to 224, gpu_jobs.question_set) and
+against document length (256 to 8k tokens, gpu_jobs' windows), the same points on each side:
+spinf-serve fp8 and bf16 (timed as gpu_jobs' sweeps), vLLM per scheme (one engine for all the
+points, each point as ``vllm`` times the job), transformers one sequence per question (gpu_bench's
+baseline, a few documents). ``report`` merges them too, with a PNG (plot_sweeps.lines).
+
+``--tiny``: the spinf and transformers parts on the CPU with a tiny random Gemma 3 (fp32;
+figures mean nothing).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import signal
@@ -46,7 +57,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 from gpu_bench import GEMMA_12B, GEMMA_270M, random_checkpoint  # noqa: E402
-from gpu_jobs import TINY  # noqa: E402
+from gpu_jobs import (  # noqa: E402
+    SWEEP_LENGTHS,
+    SWEEP_QUESTIONS,
+    TINY,
+    TINY_SWEEP_LENGTHS,
+    TINY_SWEEP_QUESTIONS,
+    question_set,
+    sweep_doc_count,
+    windows,
+)
 
 from spinf_worker.tools.news_job import load_docs, load_questions  # noqa: E402
 
@@ -87,11 +107,21 @@ class Job:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
-    def prompts(self, n_docs: int | None = None) -> list[list[int]]:
+    def prompts(self, n_docs: int | None = None, docs: list[str] | None = None,
+                queries: list[dict] | None = None) -> list[list[int]]:
         """One prompt per (document, question): BOS, the document, the template up to the slot
-        (gpu_bench.run_baseline's sequences)."""
-        prefixes = [self.encode(q["template"].split("{?}")[0]) for q in self.questions["queries"]]
-        return [[2, *self.encode(d), *p] for d in self.docs[:n_docs] for p in prefixes]
+        (gpu_bench's baseline sequences); the job's documents and questions unless given."""
+        docs = self.docs[:n_docs] if docs is None else docs
+        prefixes = [self.encode(q["template"].split("{?}")[0])
+                    for q in (self.questions["queries"] if queries is None else queries)]
+        return [[2, *self.encode(d), *p] for d in docs for p in prefixes]
+
+    def point(self, figures: dict) -> None:
+        """One sweep point more, saved at once (its log line without the lists of runs)."""
+        self.row.setdefault("points", []).append(figures)
+        self.path.write_text(json.dumps(self.row, indent=1))
+        print(json.dumps({k: v for k, v in figures.items() if not isinstance(v, list)}),
+              flush=True)
 
     def option_ids(self) -> list[list[list[int]]]:
         """Each question's options as token ids."""
@@ -109,11 +139,11 @@ def smi() -> str:
 
 # --- spinf-serve ------------------------------------------------------------------------------
 
-def spinf_engine(checkpoint, scheme: str, device: str):
+def spinf_engine(checkpoint, scheme: str, device: str, **settings):
     from spinf_worker.engine import Engine, EngineSettings
 
     return Engine(checkpoint, device=device,
-                  settings=EngineSettings(scheme=scheme, presentation="raw"))
+                  settings=EngineSettings(scheme=scheme, presentation="raw", **settings))
 
 
 def timed(fn, device: str, repeat: int) -> float:
@@ -259,13 +289,13 @@ def run_agree_spinf(args: argparse.Namespace) -> None:
 
 # --- vLLM -------------------------------------------------------------------------------------
 
-def vllm_llm(model_dir: Path, scheme: str, load_format: str):
+def vllm_llm(model_dir: Path, scheme: str, load_format: str, max_model_len: int = 2048):
     """vLLM's offline engine as the tested recipe runs it."""
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     from vllm import LLM
 
     return LLM(model=str(model_dir), tokenizer=str(model_dir), load_format=load_format,
-               dtype="bfloat16", enable_prefix_caching=True, max_model_len=2048,
+               dtype="bfloat16", enable_prefix_caching=True, max_model_len=max_model_len,
                gpu_memory_utilization=0.85, quantization="fp8" if scheme == "fp8" else None,
                seed=0)
 
@@ -282,23 +312,15 @@ def shape_dir(args: argparse.Namespace) -> Path:
     return model_dir
 
 
-def run_vllm(args: argparse.Namespace) -> None:
-    """One request per question, cold and warm, detokenizing and not; medians of three."""
-    t = time.perf_counter()
-    import vllm
+def vllm_timings(llm, ids: list[list[int]], repeat: int, save, first: bool = True) -> None:
+    """One request per prompt, ``max_tokens=1, logprobs=20, temperature=0``, detokenizing
+    ("default") and not ("nodetok"): cold (after ``reset_prefix_cache()``) and warm, medians of
+    ``repeat``; after an untimed call per mode (it compiles what the first batch needs) when
+    ``first``. ``save`` gets each stage's figures, as ``{mode}_{state}_questions_per_s``, ..."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    job = Job(args, f"vllm-{args.scheme}")
-    job.save(vllm_version=vllm.__version__, import_s=round(time.perf_counter() - t, 1),
-             scheme=args.scheme)
-    model_dir = shape_dir(args)
-    ids = job.prompts()
     prompts = [TokensPrompt(prompt_token_ids=p) for p in ids]
-    t = time.perf_counter()
-    llm = vllm_llm(model_dir, args.scheme, "dummy")
-    job.save(shape=args.shape, init_s=round(time.perf_counter() - t, 1), smi_after_init=smi(),
-             requests=len(prompts), prompt_tokens=sum(map(len, ids)))
 
     def generate(params) -> tuple[float, int]:
         t = time.perf_counter()
@@ -309,20 +331,38 @@ def run_vllm(args: argparse.Namespace) -> None:
 
     for mode, detokenize in (("default", True), ("nodetok", False)):
         params = SamplingParams(max_tokens=1, logprobs=20, temperature=0.0, detokenize=detokenize)
-        first, _ = generate(params)     # untimed: compiles what the first batch needs
+        if first:
+            save(**{f"{mode}_first_s": round(generate(params)[0], 3)})
         for state in ("cold", "warm"):
             runs, cached = [], []
-            for _ in range(VLLM_REPEAT):
+            for _ in range(repeat):
                 if state == "cold":
                     llm.reset_prefix_cache()
                 seconds, tokens = generate(params)
                 runs.append(seconds)
                 cached.append(tokens)
-            key = f"vllm_{args.scheme}_{mode}_{state}"
-            job.save(**{f"{key}_questions_per_s": round(len(prompts) / statistics.median(runs), 1),
-                        f"{key}_seconds": [round(s, 3) for s in runs],
-                        f"{key}_cached_tokens": cached,
-                        f"vllm_{args.scheme}_{mode}_first_s": round(first, 3)})
+            save(**{f"{mode}_{state}_questions_per_s": round(len(ids) / statistics.median(runs), 1),
+                    f"{mode}_{state}_seconds": [round(s, 3) for s in runs],
+                    f"{mode}_{state}_cached_tokens": cached})
+
+
+def run_vllm(args: argparse.Namespace) -> None:
+    """One request per question, cold and warm, detokenizing and not; medians of three."""
+    t = time.perf_counter()
+    import vllm
+
+    job = Job(args, f"vllm-{args.scheme}")
+    job.save(vllm_version=vllm.__version__, import_s=round(time.perf_counter() - t, 1),
+             scheme=args.scheme)
+    model_dir = shape_dir(args)
+    ids = job.prompts()
+    t = time.perf_counter()
+    llm = vllm_llm(model_dir, args.scheme, "dummy")
+    job.save(shape=args.shape, init_s=round(time.perf_counter() - t, 1), smi_after_init=smi(),
+             requests=len(ids), prompt_tokens=sum(map(len, ids)))
+    vllm_timings(llm, ids, VLLM_REPEAT,
+                 lambda **figures: job.save(**{f"vllm_{args.scheme}_{k}": v
+                                               for k, v in figures.items()}))
     job.save(smi_after_runs=smi())
 
 
@@ -497,6 +537,129 @@ def spinf_service(args: argparse.Namespace, job: Job, model_dir: Path) -> dict:
             f"spinf_serve_{args.scheme}_seconds": [round(r, 3) for r in runs]}
 
 
+# --- sweeps -----------------------------------------------------------------------------------
+
+def sweep_points(job: Job) -> list[tuple[dict, list[str], list[dict]]]:
+    """The sweeps' points, alike on every side, as (label, documents, questions): questions per
+    document over the job's ``--docs`` articles of ``--doc-tokens`` (gpu_jobs.question_set: the
+    first n news questions, past the 56 all of them again as "Question 2:", ...), then
+    document lengths at the 56 questions (gpu_jobs' windows of the articles, as many as
+    ``--sweep-tokens`` fill, at least 4; at most ``--length-docs``)."""
+    args = job.args
+    points = [({"sweep": "questions", "questions_per_doc": n, "doc_tokens": args.doc_tokens},
+               job.docs, question_set(job.questions, n)) for n in args.question_counts]
+    queries = job.questions["queries"]
+    for length in args.lengths:
+        count = sweep_doc_count(length, args.sweep_tokens)
+        count = min(count, args.length_docs) if args.length_docs else count
+        points.append(({"sweep": "length", "questions_per_doc": len(queries),
+                        "doc_tokens": length},
+                       windows(args.data, job.tokenizer, length, count), queries))
+    return points
+
+
+def sweep_job(args: argparse.Namespace, part: str) -> tuple[Job, list]:
+    job = Job(args, part)
+    job.row.pop("questions_per_doc")
+    job.save(doc_tokens=args.doc_tokens, question_counts=args.question_counts,
+             lengths=args.lengths, sweep_tokens=args.sweep_tokens, length_docs=args.length_docs,
+             repeat=args.repeat)
+    return job, sweep_points(job)
+
+
+def run_sweep_spinf(args: argparse.Namespace) -> None:
+    """Engine.score_batch at each point, timed as gpu_jobs' sweeps time it (gpu_jobs.measure:
+    a first call, one more, the median of ``--repeat``), fp8 then bf16 (fp32 with --tiny)."""
+    import torch
+    from gpu_jobs import measure
+
+    from spinf_worker.tools.news_job import build_requests
+
+    job, points = sweep_job(args, "sweep-spinf")
+    device = "cpu" if args.tiny else "cuda"
+    checkpoint = random_checkpoint(SHAPES["tiny" if args.tiny else args.shape], job.tokenizer)
+    job.save(model="tiny" if args.tiny else f"gemma-3-{args.shape} shape, random weights",
+             device="cpu" if args.tiny else torch.cuda.get_device_name(), torch=torch.__version__)
+    for scheme in (["fp32"] if args.tiny else args.schemes.split(",")):
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        # content up to the longest document (the hosted default stops at 4,096 tokens)
+        engine = spinf_engine(checkpoint, scheme, device, max_content_tokens=max(
+            [*args.lengths, args.doc_tokens]) + 1024)
+        for label, docs, queries in points:
+            figures, _ = measure(engine, build_requests(docs, {"queries": queries}),
+                                 args.repeat, cuda=device == "cuda")
+            job.point({"side": "spinf", "scheme": scheme, **label, **figures})
+        del engine
+
+
+def run_sweep_vllm(args: argparse.Namespace) -> None:
+    """vLLM at each point as ``vllm`` runs the job (vllm_timings: cold and warm, detokenizing
+    and not, medians of ``--repeat``), one engine for all the points (``max_model_len``: the
+    longest prompt's)."""
+    t = time.perf_counter()
+    import vllm
+
+    job, points = sweep_job(args, f"sweep-vllm-{args.scheme}")
+    job.save(vllm_version=vllm.__version__, import_s=round(time.perf_counter() - t, 1),
+             scheme=args.scheme, shape=args.shape)
+    prompts = [job.prompts(docs=docs, queries=queries) for _, docs, queries in points]
+    # the longest prompt and the one generated token, in whole blocks of 256
+    max_model_len = -(-(max(len(p) for ids in prompts for p in ids) + 1) // 256) * 256
+    t = time.perf_counter()
+    llm = vllm_llm(shape_dir(args), args.scheme, "dummy", max_model_len)
+    job.save(init_s=round(time.perf_counter() - t, 1), max_model_len=max_model_len,
+             smi_after_init=smi())
+    for i, ((label, _, _), ids) in enumerate(zip(points, prompts, strict=True)):
+        figures = {"side": "vllm", "scheme": args.scheme, **label,
+                   "docs": len(ids) // label["questions_per_doc"], "requests": len(ids),
+                   "prompt_tokens": sum(map(len, ids))}
+        vllm_timings(llm, ids, args.repeat, figures.update, first=i == 0)
+        job.point(figures)
+    job.save(smi_after_runs=smi())
+
+
+def run_sweep_hf(args: argparse.Namespace) -> None:
+    """transformers at each point, one sequence per question (gpu_bench's baseline: bf16,
+    sdpa, left-padded batches of at most ``--batch-tokens``, logits at the last position only),
+    over a few documents (``--docs``, ``--length-docs``); one untimed call, then the median of
+    ``--repeat`` per point. A point that runs out of memory says so and the next one runs."""
+    import torch
+    from gpu_bench import baseline_batches, baseline_forward, baseline_model
+
+    job, points = sweep_job(args, "sweep-hf")
+    device = "cpu" if args.tiny else "cuda"
+    checkpoint = random_checkpoint(SHAPES["tiny" if args.tiny else args.shape], job.tokenizer)
+    t = time.perf_counter()
+    model = baseline_model(checkpoint, device, torch.float32 if args.tiny else torch.bfloat16)
+    scheme = "fp32" if args.tiny else "bf16"
+    job.save(model="tiny" if args.tiny else f"gemma-3-{args.shape} shape, random weights",
+             device="cpu" if args.tiny else torch.cuda.get_device_name(), torch=torch.__version__,
+             init_s=round(time.perf_counter() - t, 1), batch_tokens=args.batch_tokens)
+    warm = False
+    for label, docs, queries in points:
+        figures = {"side": "hf", "scheme": scheme, **label, "docs": len(docs),
+                   "questions": len(docs) * len(queries)}
+        batches, seconds = [], None
+        try:
+            batches = baseline_batches(checkpoint, docs, queries, device, args.batch_tokens)
+            if not warm:   # cuBLAS and sdpa pick their kernels
+                baseline_forward(model, batches)
+                warm = True
+            seconds = timed(lambda batches=batches: baseline_forward(model, batches), device,
+                            args.repeat)
+        except torch.OutOfMemoryError:
+            pass   # the traceback holds the point's tensors until this block ends
+        if seconds is None:
+            batches = []
+            torch.cuda.empty_cache()
+            job.point({**figures, "error": "out of memory"})
+            continue
+        job.point({**figures, "questions_per_s": round(figures["questions"] / seconds, 1),
+                   "seconds": round(seconds, 4), "tokens_read": sum(b[3] for b in batches)})
+
+
 # --- report -----------------------------------------------------------------------------------
 
 RATIOS = {   # name: (spinf key, vLLM keys: the best of them)
@@ -560,6 +723,92 @@ def table(row: dict) -> str:
     return "\n".join(lines)
 
 
+SIDES = {"spinf": "spinf-serve", "vllm": "vLLM", "hf": "transformers"}
+SWEEP_X = {"questions": "questions_per_doc", "length": "doc_tokens"}
+
+
+def sweep_series(parts: list[dict]) -> dict[str, dict[str, list[list]]]:
+    """label: {sweep: [[x, questions/s], ...]}: spinf-serve per scheme; vLLM per scheme, cold
+    with default decoding and the best of its warm runs; transformers."""
+    series: dict = {}
+    rank = {side: i for i, side in enumerate(SIDES)}
+    for part in sorted(parts, key=lambda p: (rank.get(p["part"].split("-")[1], 9), p["part"])):
+        for p in part.get("points", []):
+            if p["side"] == "vllm":
+                warm = [p.get(f"{mode}_warm_questions_per_s") for mode in ("default", "nodetok")]
+                values = {f"vLLM {p['scheme']} default, cold": p.get("default_cold_questions_per_s"),
+                          f"vLLM {p['scheme']} best warm": max(filter(None, warm), default=None)}
+            else:
+                values = {f"{SIDES[p['side']]} {p['scheme']}": p.get("questions_per_s")}
+            for label, q in values.items():
+                if q:
+                    series.setdefault(label, {}).setdefault(p["sweep"], []).append(
+                        [p[SWEEP_X[p["sweep"]]], q])
+    return series
+
+
+def sweep_style(label: str) -> dict:
+    """A colour and marker per server (and vLLM's cold or warm), a dash per scheme."""
+    side = ("spinf" if label.startswith("spinf") else "hf" if label.startswith("transformers")
+            else "vllm_warm" if label.endswith("warm") else "vllm_cold")
+    color, marker = {"spinf": ("tab:blue", "o"), "vllm_cold": ("tab:orange", "s"),
+                     "vllm_warm": ("tab:red", "^"), "hf": ("tab:gray", "D")}[side]
+    return {"color": color, "marker": marker, "linestyle": "--" if "bf16" in label else "-"}
+
+
+def rate(q: float | None) -> str:
+    return "" if q is None else f"{q:,.0f}" if q >= 100 else f"{q:.1f}"
+
+
+def sweep_table(series: dict) -> str:
+    """A markdown table per sweep: a row per point, a column per line of the plot."""
+    lines = []
+    for sweep, name in (("questions", "questions per document"), ("length", "document tokens")):
+        labels = [label for label in series if series[label].get(sweep)]
+        xs = sorted({x for label in labels for x, _ in series[label][sweep]})
+        if not xs:
+            continue
+        values = {label: dict(map(tuple, series[label][sweep])) for label in labels}
+        lines += [f"| {name} | " + " | ".join(labels) + " |",
+                  "|---" * (len(labels) + 1) + "|"]
+        lines += [f"| {x} | " + " | ".join(rate(values[label].get(x)) for label in labels)
+                  + " |" for x in xs]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def report_sweeps(parts: list[dict], results: Path) -> None:
+    """The sweep parts merged (``<date>-peers-sweeps-<commit>.json``), their PNG beside it
+    where matplotlib imports, and their table."""
+    series = sweep_series(parts)
+    row = {"date": max(p["date"] for p in parts), "commit": parts[0]["commit"],
+           "parts": {p["part"]: {k: v for k, v in p.items()
+                                 if k not in ("date", "commit", "part", "points")}
+                     for p in parts},
+           "points": [{"part": p["part"], **point} for p in parts for point in p.get("points", [])],
+           "series": series}
+    path = results / f"{row['date']}-peers-sweeps-{row['commit']}.json"
+    path.write_text(json.dumps(row, indent=1))
+    print(f"\nwrote {path}")
+    spinf = next((p for p in parts if p["part"] == "sweep-spinf"), parts[0])
+    hf = next((p for p in parts if p["part"] == "sweep-hf"), None)
+    titles = {"questions": f"{spinf['docs']} documents x {spinf.get('doc_tokens', 470)} tokens"
+                           + (f" (transformers: {hf['docs']} documents)" if hf else ""),
+              "length": "56 questions per document"}
+    device = next((p["device"] for p in parts if p.get("device")), "")
+    model = spinf.get("model", "")
+    try:
+        from plot_sweeps import lines
+    except ImportError:
+        print("no matplotlib here: run report where it imports for the PNG")
+    else:
+        png = lines(series, titles, f"{device}, {model}, commit {row['commit']}",
+                    path.with_suffix(".png"),
+                    {label: sweep_style(label) for label in series})
+        print(f"wrote {png}")
+    print("\n" + sweep_table(series))
+
+
 def run_report(args: argparse.Namespace) -> None:
     files = sorted(args.out.glob(f"*-peers-*-{args.commit}.json" if args.commit
                                  else "*-peers-*.json"))
@@ -567,12 +816,17 @@ def run_report(args: argparse.Namespace) -> None:
     parts = [p for p in parts if "part" in p]
     if not parts:
         sys.exit(f"no peers part in {args.out}")
-    row = merge(parts)
     args.results.mkdir(parents=True, exist_ok=True)
-    path = args.results / f"{row['date']}-peers-{row['commit']}.json"
-    path.write_text(json.dumps(row, indent=1))
-    print(f"wrote {path}\n")
-    print(table(row))
+    main = [p for p in parts if not p["part"].startswith("sweep-")]
+    if main:
+        row = merge(main)
+        path = args.results / f"{row['date']}-peers-{row['commit']}.json"
+        path.write_text(json.dumps(row, indent=1))
+        print(f"wrote {path}\n")
+        print(table(row))
+    sweeps = [p for p in parts if p["part"].startswith("sweep-")]
+    if sweeps:
+        report_sweeps(sweeps, args.results)
 
 
 # --- command line -----------------------------------------------------------------------------
@@ -586,7 +840,7 @@ def main() -> None:
     common.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
     common.add_argument("--questions", type=Path,
                         default=ROOT / "benchmarks" / "news_questions.json")
-    common.add_argument("--docs", type=int, default=24)
+    common.add_argument("--docs", type=int, default=None, help="articles (default 24; sweep-hf 2)")
     common.add_argument("--doc-tokens", type=int, default=470)
     common.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     common.add_argument("--commit", default=None, help="when the checkout has no .git")
@@ -610,6 +864,28 @@ def main() -> None:
             p.add_argument("--in-flight", type=int, default=128)
             p.add_argument("--redis-server", default=None,
                            help="also time spinf-serve's service (its private redis-server)")
+    sweep = argparse.ArgumentParser(add_help=False, parents=[common])
+    sweep.add_argument("--question-counts", type=int, nargs="*", default=None,
+                       help=f"questions per document (default {SWEEP_QUESTIONS})")
+    sweep.add_argument("--lengths", type=int, nargs="*", default=None,
+                       help=f"document tokens (default {SWEEP_LENGTHS})")
+    sweep.add_argument("--sweep-tokens", type=int, default=None,
+                       help="content tokens per length, at least 4 documents (default 11280, "
+                            "the news job's; tiny 512)")
+    sweep.add_argument("--length-docs", type=int, default=None,
+                       help="at most this many documents per length")
+    sweep.add_argument("--repeat", type=int, default=None, help="timed calls per point (median)")
+    for name, fn, repeat in (("sweep-spinf", run_sweep_spinf, 3), ("sweep-vllm", run_sweep_vllm, 1),
+                             ("sweep-hf", run_sweep_hf, 1)):
+        p = sub.add_parser(name, parents=[sweep])
+        p.set_defaults(fn=fn, default_shape="12b", default_repeat=repeat)
+        if name == "sweep-spinf":
+            p.add_argument("--schemes", default="fp8,bf16")
+        if name == "sweep-hf":   # one sequence per question: slow, so few documents
+            # (not set_defaults(docs=...): the parents' actions are shared by every part)
+            p.set_defaults(default_docs=2, default_length_docs=1)
+            p.add_argument("--batch-tokens", type=int, default=32768,
+                           help="padded tokens of a forward at most")
     p = sub.add_parser("report")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
@@ -618,10 +894,18 @@ def main() -> None:
     args = parser.parse_args()
     if args.part != "report":
         args.shape = args.shape or args.default_shape
+        args.docs = args.docs or getattr(args, "default_docs", 24)
         if args.tokenizer is None:
             from spinf_worker.models.loader import load_checkpoint
 
             args.tokenizer = load_checkpoint(None, load_format="dummy").path
+    if args.part.startswith("sweep-"):
+        args.question_counts = args.question_counts or (
+            TINY_SWEEP_QUESTIONS if args.tiny else SWEEP_QUESTIONS)
+        args.lengths = args.lengths or (TINY_SWEEP_LENGTHS if args.tiny else SWEEP_LENGTHS)
+        args.sweep_tokens = args.sweep_tokens or (512 if args.tiny else 11280)
+        args.repeat = args.repeat or (1 if args.tiny else args.default_repeat)
+        args.length_docs = args.length_docs or getattr(args, "default_length_docs", None)
     args.fn(args)
 
 
