@@ -1,0 +1,170 @@
+"""The gated delta rule over a pass's read-once tree on CUDA, in Triton: token by token, the
+state in fp32 registers (flash-linear-attention's fused recurrent kernel), two launches a layer
+instead of kernels/delta_tree.py's ops per document and per branch tile.
+
+- Roots: one program per (document, head, block of ROOT_BV value columns) runs the root's rows
+  from a zero state, writes each row's output and the state after the root's last row.
+- Branch rows: one program per (branch row, head, block of BRANCH_BV value columns) loads its
+  document's root state, runs its own path (its branch ancestors, then itself) and writes the
+  output at its own place only.
+
+Per token, as transformers' ``torch_recurrent_gated_delta_rule``:
+``S *= exp(g); u = beta * (v - k S); S += k^T u; o = q S`` (S: [dk, dv], one value column of
+S never reads another, hence the column blocks). Block sizes and warps are fixed, never tuned
+per shape, and a program reads only its own document's root or its own path (loop bounds are
+its own lengths, never the pass's padded width), so a row's bits never depend on what else
+shares the pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .attention import AttentionPlan
+
+# value columns per program and warps: roots are long serial scans, so narrow blocks give more
+# programs to run side by side; a branch program re-reads its path's keys for each of its
+# blocks, so wider ones read them fewer times
+ROOT_BV, ROOT_WARPS = 8, 1
+BRANCH_BV, BRANCH_WARPS = 32, 4
+
+
+@dataclass
+class TreeRows:
+    """The tree of a pass as the kernels read it, built once per pass (``of``) on the device:
+    pass rows (int64), lengths (int32)."""
+
+    root_start: torch.Tensor     # [docs] each document's first row
+    root_len: torch.Tensor       # [docs] its root's rows
+    branch_row: torch.Tensor     # [n] each branch row
+    branch_doc: torch.Tensor     # [n] its document (an index into root_start)
+    path: torch.Tensor           # [n, width] its own path's rows, itself last; then padding
+    path_len: torch.Tensor       # [n] the path's real rows
+
+    @classmethod
+    def of(cls, plan: AttentionPlan, device) -> TreeRows:
+        if plan.delta_rows is None:
+            plan.delta_rows = cls._build(plan, device)
+        return plan.delta_rows
+
+    @classmethod
+    def _build(cls, plan: AttentionPlan, device) -> TreeRows:
+        rows, docs, paths, lengths = [], [], [], []
+        for d, doc in enumerate(plan.docs):
+            s, r = doc.start, doc.root
+            for tiles in doc.branches:
+                n = tiles.real
+                if n == 0:
+                    continue
+                rows.append(tiles.rows[:n] + (s + r))
+                docs.append(torch.full((n,), d, dtype=torch.int32, device=device))
+                paths.append(tiles.path[:n] + s)
+                lengths.append(tiles.path_ok[:n].sum(1, dtype=torch.int32))
+        width = max((p.shape[1] for p in paths), default=1)
+        long = dict(dtype=torch.int64, device=device)
+        return cls(
+            torch.tensor([doc.start for doc in plan.docs], **long),
+            torch.tensor([doc.root for doc in plan.docs], dtype=torch.int32, device=device),
+            torch.cat(rows).long() if rows else torch.empty(0, **long),
+            torch.cat(docs) if docs else torch.empty(0, dtype=torch.int32, device=device),
+            torch.cat([F.pad(p, (0, width - p.shape[1])) for p in paths]).long()
+            if paths else torch.empty(0, width, **long),
+            torch.cat(lengths) if lengths else torch.empty(0, dtype=torch.int32, device=device))
+
+
+@triton.jit
+def _step(h, k_ptr, v_ptr, g_ptr, beta_ptr, row, i_h, offs_k, offs_v, mask_k, mask_v,
+          H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr):
+    """The state [BK, BV] after pass row ``row`` (int64) of head ``i_h``, and that row's v."""
+    at = row * H + i_h
+    k = tl.load(k_ptr + at * DK + offs_k, mask=mask_k, other=0.0)
+    v = tl.load(v_ptr + at * DV + offs_v, mask=mask_v, other=0.0)
+    h = h * tl.exp(tl.load(g_ptr + at))
+    u = (v - tl.sum(h * k[:, None], 0)) * tl.load(beta_ptr + at)
+    return h + k[:, None] * u[None, :]
+
+
+@triton.jit
+def _read(h, q_ptr, row, i_h, offs_k, mask_k, H: tl.constexpr, DK: tl.constexpr):
+    """q S at pass row ``row``: [BV]."""
+    q = tl.load(q_ptr + (row * H + i_h) * DK + offs_k, mask=mask_k, other=0.0)
+    return tl.sum(h * q[:, None], 0)
+
+
+@triton.jit
+def _root_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, state_ptr, start_ptr, len_ptr,
+                 H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
+                 BV: tl.constexpr):
+    i_d, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_k = tl.arange(0, BK)
+    offs_v = i_v * BV + tl.arange(0, BV)
+    mask_k, mask_v = offs_k < DK, offs_v < DV
+    start = tl.load(start_ptr + i_d)
+    n = tl.load(len_ptr + i_d)
+    h = tl.zeros([BK, BV], dtype=tl.float32)
+    row = start
+    while row < start + n:
+        h = _step(h, k_ptr, v_ptr, g_ptr, beta_ptr, row, i_h, offs_k, offs_v, mask_k, mask_v,
+                  H, DK, DV)
+        o = _read(h, q_ptr, row, i_h, offs_k, mask_k, H, DK)
+        tl.store(out_ptr + (row * H + i_h) * DV + offs_v, o, mask=mask_v)
+        row += 1
+    at = (i_d * H + i_h).to(tl.int64) * DK
+    tl.store(state_ptr + (at + offs_k[:, None]) * DV + offs_v[None, :], h,
+             mask=mask_k[:, None] & mask_v[None, :])
+
+
+@triton.jit(do_not_specialize=["width"])
+def _branch_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, state_ptr, row_ptr, doc_ptr,
+                   path_ptr, len_ptr, width, H: tl.constexpr, DK: tl.constexpr,
+                   DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    i_n, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_k = tl.arange(0, BK)
+    offs_v = i_v * BV + tl.arange(0, BV)
+    mask_k, mask_v = offs_k < DK, offs_v < DV
+    at = (tl.load(doc_ptr + i_n) * H + i_h).to(tl.int64) * DK
+    h = tl.load(state_ptr + (at + offs_k[:, None]) * DV + offs_v[None, :],
+                mask=mask_k[:, None] & mask_v[None, :], other=0.0)
+    n = tl.load(len_ptr + i_n)
+    # while loops, not range(n): the bound is a loaded value (the interpreter's range needs
+    # a Python int)
+    at = i_n.to(tl.int64) * width
+    end = at + n
+    while at < end:
+        h = _step(h, k_ptr, v_ptr, g_ptr, beta_ptr, tl.load(path_ptr + at), i_h, offs_k,
+                  offs_v, mask_k, mask_v, H, DK, DV)
+        at += 1
+    # the output at the path's last row (the row itself) only
+    o = _read(h, q_ptr, tl.load(path_ptr + end - 1), i_h, offs_k, mask_k, H, DK)
+    tl.store(out_ptr + (tl.load(row_ptr + i_n) * H + i_h) * DV + offs_v, o, mask=mask_v)
+
+
+def tree_delta_rule(plan: AttentionPlan, q, k, v, g, beta) -> torch.Tensor:
+    """delta_tree.tree_delta_rule's contract: q, k [rows, H, dk] (normalised, q scaled), v
+    [rows, H, dv], g, beta [rows, H], fp32 -> [rows, H, dv] (padding rows: zeros)."""
+    assert all(x.dtype == torch.float32 for x in (q, k, v, g, beta))
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    heads, dk = k.shape[1:]
+    dv = v.shape[-1]
+    out = torch.zeros_like(v)
+    tree = TreeRows.of(plan, q.device)
+    docs = tree.root_start.shape[0]
+    if docs == 0:
+        return out
+    bk = triton.next_power_of_2(dk)
+    state = torch.empty(docs, heads, dk, dv, dtype=torch.float32, device=q.device)
+    _root_kernel[(docs, heads, triton.cdiv(dv, ROOT_BV))](
+        q, k, v, g, beta, out, state, tree.root_start, tree.root_len,
+        H=heads, DK=dk, DV=dv, BK=bk, BV=ROOT_BV, num_warps=ROOT_WARPS)
+    n = tree.branch_row.shape[0]
+    if n:
+        _branch_kernel[(n, heads, triton.cdiv(dv, BRANCH_BV))](
+            q, k, v, g, beta, out, state, tree.branch_row, tree.branch_doc, tree.path,
+            tree.path_len, tree.path.shape[1], H=heads, DK=dk, DV=dv, BK=bk, BV=BRANCH_BV,
+            num_warps=BRANCH_WARPS)
+    return out
