@@ -204,6 +204,32 @@ def check_question_bits():
         assert torch.equal(out[:doc.root], alone[:doc.root])
 
 
+def test_only_leaves_run_their_paths():
+    """The branch programs that run are the leaves' (rows on no other row's path), each over
+    its whole path; together they cover every branch row."""
+    from spinf_worker.kernels.delta_triton import TreeRows
+
+    rng = random.Random(3)
+    docs = [random_doc(rng, 9, 6), random_doc(rng, 0, 4)]
+    plan, _ = pass_of(docs)
+    tree = TreeRows.of(plan, "cpu")
+    runs = {tuple(p[:n].tolist()) for p, n in zip(tree.path, tree.path_len, strict=True) if n}
+    paths = paths_of(docs)
+    inner = {r for p in paths for r in p[:-1]}
+    assert runs == {p for p in paths if p[-1] not in inner} and len(runs) < len(paths)
+    assert {r for p in runs for r in p} == {p[-1] for p in paths}
+
+
+def paths_of(docs: list[FlatDoc]) -> list[tuple[int, ...]]:
+    """Every branch row's path, as pass rows."""
+    out, start = [], 0
+    for doc in docs:
+        rows, ok = doc.paths
+        out += [tuple((rows[j][ok[j]] + start).tolist()) for j in range(doc.tokens - doc.root)]
+        start += doc.length
+    return out
+
+
 def test_cpu_keeps_the_torch_path(monkeypatch):
     """On CPU tensors tree_delta_rule never reaches for Triton."""
     def refuse():
@@ -229,7 +255,7 @@ def test_kernels_compile_for_sm90():
                                            "out_ptr", "state_ptr")}
     kernels = [(dt._root_kernel, {"start_ptr": "*i64", "len_ptr": "*i32"}, dt.ROOT_BV,
                 dt.ROOT_WARPS),
-               (dt._branch_kernel, {"row_ptr": "*i64", "doc_ptr": "*i32", "path_ptr": "*i64",
+               (dt._branch_kernel, {"doc_ptr": "*i32", "path_ptr": "*i64",
                                     "len_ptr": "*i32", "width": "i32"}, dt.BRANCH_BV,
                 dt.BRANCH_WARPS)]
     for kernel, pointers, bv, warps in kernels:

@@ -4,9 +4,12 @@ instead of kernels/delta_tree.py's ops per document and per branch tile.
 
 - Roots: one program per (document, head, block of ROOT_BV value columns) runs the root's rows
   from a zero state, writes each row's output and the state after the root's last row.
-- Branch rows: one program per (branch row, head, block of BRANCH_BV value columns) loads its
-  document's root state, runs its own path (its branch ancestors, then itself) and writes the
-  output at its own place only.
+- Branch rows: one program per (branch row, head, block of BRANCH_BV value columns); a leaf's
+  (a row on no other row's path) loads its document's root state, runs its own path (its
+  branch ancestors, then itself) and writes the output of every row on it; the others' do
+  nothing. A row on several leaves' paths (a question's tokens before its options) gets the
+  same bits from each: the same steps from the same state. So a chain of d rows costs d
+  steps, not the d^2 / 2 of each row re-running its own path.
 
 Per token, as transformers' ``torch_recurrent_gated_delta_rule``:
 ``S *= exp(g); u = beta * (v - k S); S += k^T u; o = q S`` (S: [dk, dv], one value column of
@@ -36,15 +39,14 @@ BRANCH_BV, BRANCH_WARPS = 32, 4
 
 @dataclass
 class TreeRows:
-    """The tree of a pass as the kernels read it, built once per pass (``of``) on the device:
-    pass rows (int64), lengths (int32)."""
+    """The tree of a pass as the kernels read it, built once per pass (``of``) on the device,
+    without waiting for it: pass rows (int64), lengths (int32)."""
 
     root_start: torch.Tensor     # [docs] each document's first row
     root_len: torch.Tensor       # [docs] its root's rows
-    branch_row: torch.Tensor     # [n] each branch row
-    branch_doc: torch.Tensor     # [n] its document (an index into root_start)
+    branch_doc: torch.Tensor     # [n] each branch row's document (an index into root_start)
     path: torch.Tensor           # [n, width] its own path's rows, itself last; then padding
-    path_len: torch.Tensor       # [n] the path's real rows
+    path_len: torch.Tensor       # [n] the path's real rows; 0 unless the row is a leaf
 
     @classmethod
     def of(cls, plan: AttentionPlan, device) -> TreeRows:
@@ -65,16 +67,25 @@ class TreeRows:
                 docs.append(torch.full((n,), d, dtype=torch.int32, device=device))
                 paths.append(tiles.path[:n] + s)
                 lengths.append(tiles.path_ok[:n].sum(1, dtype=torch.int32))
-        width = max((p.shape[1] for p in paths), default=1)
         long = dict(dtype=torch.int64, device=device)
-        return cls(
-            torch.tensor([doc.start for doc in plan.docs], **long),
-            torch.tensor([doc.root for doc in plan.docs], dtype=torch.int32, device=device),
-            torch.cat(rows).long() if rows else torch.empty(0, **long),
-            torch.cat(docs) if docs else torch.empty(0, dtype=torch.int32, device=device),
-            torch.cat([F.pad(p, (0, width - p.shape[1])) for p in paths]).long()
-            if paths else torch.empty(0, width, **long),
-            torch.cat(lengths) if lengths else torch.empty(0, dtype=torch.int32, device=device))
+        starts = torch.tensor([doc.start for doc in plan.docs], **long)
+        roots = torch.tensor([doc.root for doc in plan.docs], dtype=torch.int32, device=device)
+        if not rows:
+            return cls(starts, roots, torch.empty(0, dtype=torch.int32, device=device),
+                       torch.empty(0, 1, **long), torch.empty(0, dtype=torch.int32,
+                                                               device=device))
+        width = max(p.shape[1] for p in paths)
+        row = torch.cat(rows).long()
+        path = torch.cat([F.pad(p, (0, width - p.shape[1])) for p in paths]).long()
+        length = torch.cat(lengths)
+        # a leaf (a row on no other row's path) runs its path and writes every row on it;
+        # the other rows' programs do nothing (shapes fixed: no wait for the device)
+        above = torch.arange(width, device=device) < (length - 1)[:, None]
+        below = torch.zeros(max(doc.start + doc.tokens for doc in plan.docs),
+                            dtype=torch.int32, device=device)
+        below.scatter_add_(0, path.flatten(), above.flatten().int())
+        return cls(starts, roots, torch.cat(docs), path,
+                   torch.where(below[row] == 0, length, 0))
 
 
 @triton.jit
@@ -107,6 +118,8 @@ def _root_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, state_ptr, start
     start = tl.load(start_ptr + i_d)
     n = tl.load(len_ptr + i_d)
     h = tl.zeros([BK, BV], dtype=tl.float32)
+    # while loops, not range(n): the bound is a loaded value (the interpreter's range needs
+    # a Python int)
     row = start
     while row < start + n:
         h = _step(h, k_ptr, v_ptr, g_ptr, beta_ptr, row, i_h, offs_k, offs_v, mask_k, mask_v,
@@ -120,28 +133,27 @@ def _root_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, state_ptr, start
 
 
 @triton.jit(do_not_specialize=["width"])
-def _branch_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, state_ptr, row_ptr, doc_ptr,
-                   path_ptr, len_ptr, width, H: tl.constexpr, DK: tl.constexpr,
-                   DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+def _branch_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, state_ptr, doc_ptr, path_ptr,
+                   len_ptr, width, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                   BK: tl.constexpr, BV: tl.constexpr):
     i_n, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_k = tl.arange(0, BK)
     offs_v = i_v * BV + tl.arange(0, BV)
     mask_k, mask_v = offs_k < DK, offs_v < DV
+    n = tl.load(len_ptr + i_n)      # 0: not a leaf, nothing to do
     at = (tl.load(doc_ptr + i_n) * H + i_h).to(tl.int64) * DK
     h = tl.load(state_ptr + (at + offs_k[:, None]) * DV + offs_v[None, :],
-                mask=mask_k[:, None] & mask_v[None, :], other=0.0)
-    n = tl.load(len_ptr + i_n)
-    # while loops, not range(n): the bound is a loaded value (the interpreter's range needs
-    # a Python int)
+                mask=mask_k[:, None] & mask_v[None, :] & (n > 0), other=0.0)
     at = i_n.to(tl.int64) * width
     end = at + n
     while at < end:
-        h = _step(h, k_ptr, v_ptr, g_ptr, beta_ptr, tl.load(path_ptr + at), i_h, offs_k,
-                  offs_v, mask_k, mask_v, H, DK, DV)
+        row = tl.load(path_ptr + at)
+        h = _step(h, k_ptr, v_ptr, g_ptr, beta_ptr, row, i_h, offs_k, offs_v, mask_k, mask_v,
+                  H, DK, DV)
+        # leaves that share this row store the same bits: the same steps from the same state
+        o = _read(h, q_ptr, row, i_h, offs_k, mask_k, H, DK)
+        tl.store(out_ptr + (row * H + i_h) * DV + offs_v, o, mask=mask_v)
         at += 1
-    # the output at the path's last row (the row itself) only
-    o = _read(h, q_ptr, tl.load(path_ptr + end - 1), i_h, offs_k, mask_k, H, DK)
-    tl.store(out_ptr + (tl.load(row_ptr + i_n) * H + i_h) * DV + offs_v, o, mask=mask_v)
 
 
 def tree_delta_rule(plan: AttentionPlan, q, k, v, g, beta) -> torch.Tensor:
@@ -161,10 +173,10 @@ def tree_delta_rule(plan: AttentionPlan, q, k, v, g, beta) -> torch.Tensor:
     _root_kernel[(docs, heads, triton.cdiv(dv, ROOT_BV))](
         q, k, v, g, beta, out, state, tree.root_start, tree.root_len,
         H=heads, DK=dk, DV=dv, BK=bk, BV=ROOT_BV, num_warps=ROOT_WARPS)
-    n = tree.branch_row.shape[0]
+    n = tree.path.shape[0]
     if n:
         _branch_kernel[(n, heads, triton.cdiv(dv, BRANCH_BV))](
-            q, k, v, g, beta, out, state, tree.branch_row, tree.branch_doc, tree.path,
-            tree.path_len, tree.path.shape[1], H=heads, DK=dk, DV=dv, BK=bk, BV=BRANCH_BV,
+            q, k, v, g, beta, out, state, tree.branch_doc, tree.path, tree.path_len,
+            tree.path.shape[1], H=heads, DK=dk, DV=dv, BK=bk, BV=BRANCH_BV,
             num_warps=BRANCH_WARPS)
     return out
