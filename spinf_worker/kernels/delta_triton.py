@@ -89,23 +89,29 @@ class TreeRows:
 
 
 @triton.jit
-def _step(h, k_ptr, v_ptr, g_ptr, beta_ptr, row, i_h, offs_k, offs_v, mask_k, mask_v,
-          H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr):
-    """The state [BK, BV] after pass row ``row`` (int64) of head ``i_h``, and that row's v."""
+def _load_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, row, ok, i_h, offs_k, offs_v, mask_k,
+              mask_v, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr):
+    """Pass row ``row`` (int64) of head ``i_h``: q, k [BK], v [BV], its decay exp(g) and beta
+    (zeros unless ``ok``)."""
     at = row * H + i_h
-    k = tl.load(k_ptr + at * DK + offs_k, mask=mask_k, other=0.0)
-    v = tl.load(v_ptr + at * DV + offs_v, mask=mask_v, other=0.0)
-    h = h * tl.exp(tl.load(g_ptr + at))
-    u = (v - tl.sum(h * k[:, None], 0)) * tl.load(beta_ptr + at)
-    return h + k[:, None] * u[None, :]
+    q = tl.load(q_ptr + at * DK + offs_k, mask=mask_k & ok, other=0.0)
+    k = tl.load(k_ptr + at * DK + offs_k, mask=mask_k & ok, other=0.0)
+    v = tl.load(v_ptr + at * DV + offs_v, mask=mask_v & ok, other=0.0)
+    decay = tl.exp(tl.load(g_ptr + at, mask=ok, other=0.0))
+    return q, k, v, decay, tl.load(beta_ptr + at, mask=ok, other=0.0)
 
 
 @triton.jit
-def _read(h, q_ptr, row, i_h, offs_k, mask_k, H: tl.constexpr, DK: tl.constexpr):
-    """q S at pass row ``row``: [BV]."""
-    q = tl.load(q_ptr + (row * H + i_h) * DK + offs_k, mask=mask_k, other=0.0)
-    return tl.sum(h * q[:, None], 0)
+def _update(h, k, v, decay, beta):
+    """The state [BK, BV] after one row."""
+    h = h * decay
+    u = (v - tl.sum(h * k[:, None], 0)) * beta
+    return h + k[:, None] * u[None, :]
 
+
+# Both kernels load a row's inputs one step ahead, so the loads run while the step before is
+# computed (the math is the same). While loops, not range(n): the bound is a loaded value,
+# and the interpreter's range needs a Python int.
 
 @triton.jit
 def _root_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, state_ptr, start_ptr, len_ptr,
@@ -115,17 +121,19 @@ def _root_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, state_ptr, start
     offs_k = tl.arange(0, BK)
     offs_v = i_v * BV + tl.arange(0, BV)
     mask_k, mask_v = offs_k < DK, offs_v < DV
-    start = tl.load(start_ptr + i_d)
-    n = tl.load(len_ptr + i_d)
+    row = tl.load(start_ptr + i_d)
+    end = row + tl.load(len_ptr + i_d)
     h = tl.zeros([BK, BV], dtype=tl.float32)
-    # while loops, not range(n): the bound is a loaded value (the interpreter's range needs
-    # a Python int)
-    row = start
-    while row < start + n:
-        h = _step(h, k_ptr, v_ptr, g_ptr, beta_ptr, row, i_h, offs_k, offs_v, mask_k, mask_v,
-                  H, DK, DV)
-        o = _read(h, q_ptr, row, i_h, offs_k, mask_k, H, DK)
-        tl.store(out_ptr + (row * H + i_h) * DV + offs_v, o, mask=mask_v)
+    q, k, v, decay, beta = _load_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, row, row < end, i_h,
+                                     offs_k, offs_v, mask_k, mask_v, H, DK, DV)
+    while row < end:
+        q1, k1, v1, decay1, beta1 = _load_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, row + 1,
+                                              row + 1 < end, i_h, offs_k, offs_v, mask_k,
+                                              mask_v, H, DK, DV)
+        h = _update(h, k, v, decay, beta)
+        tl.store(out_ptr + (row * H + i_h) * DV + offs_v, tl.sum(h * q[:, None], 0),
+                 mask=mask_v)
+        q, k, v, decay, beta = q1, k1, v1, decay1, beta1
         row += 1
     at = (i_d * H + i_h).to(tl.int64) * DK
     tl.store(state_ptr + (at + offs_k[:, None]) * DV + offs_v[None, :], h,
@@ -146,13 +154,19 @@ def _branch_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, state_ptr, doc
                 mask=mask_k[:, None] & mask_v[None, :] & (n > 0), other=0.0)
     at = i_n.to(tl.int64) * width
     end = at + n
+    row = tl.load(path_ptr + at, mask=at < end, other=0)
+    q, k, v, decay, beta = _load_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, row, at < end, i_h,
+                                     offs_k, offs_v, mask_k, mask_v, H, DK, DV)
     while at < end:
-        row = tl.load(path_ptr + at)
-        h = _step(h, k_ptr, v_ptr, g_ptr, beta_ptr, row, i_h, offs_k, offs_v, mask_k, mask_v,
-                  H, DK, DV)
+        row1 = tl.load(path_ptr + at + 1, mask=at + 1 < end, other=0)
+        q1, k1, v1, decay1, beta1 = _load_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, row1,
+                                              at + 1 < end, i_h, offs_k, offs_v, mask_k,
+                                              mask_v, H, DK, DV)
+        h = _update(h, k, v, decay, beta)
         # leaves that share this row store the same bits: the same steps from the same state
-        o = _read(h, q_ptr, row, i_h, offs_k, mask_k, H, DK)
-        tl.store(out_ptr + (row * H + i_h) * DV + offs_v, o, mask=mask_v)
+        tl.store(out_ptr + (row * H + i_h) * DV + offs_v, tl.sum(h * q[:, None], 0),
+                 mask=mask_v)
+        row, q, k, v, decay, beta = row1, q1, k1, v1, decay1, beta1
         at += 1
 
 
