@@ -35,6 +35,9 @@ OTHER_ENVIRONMENT = {
                        "(`packs/`); default `~/.cache/spinf-serve`",
     "SPINF_SHARED_DATA": "`spinf-serve bench`: the directory with `news_articles.jsonl` "
                          "(default `../shared/data`)",
+    "SPINF_DELTA_KERNEL": "the gated delta rule of Qwen3.5's DeltaNet layers on CUDA: "
+                          "`triton` (the default, where triton imports) or `torch` (the CPU's "
+                          "ops, for comparison)",
     "SPINF_API_URL": "spinf-client: the API's base URL (default the hosted "
                      "`https://api.spinf.com`); set it to your server's URL",
     "SPINF_API_KEY": "spinf-client: the bearer key (the hosted API's key, or a key of "

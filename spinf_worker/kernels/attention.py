@@ -97,6 +97,8 @@ class AttentionPlan:
     media: list[tuple[int, object, str]] | None = None
     # the DeltaNet layers' view of the tree (kernels/delta_tree.TreeScan), built on first use
     scan: object | None = None
+    # the same tree as kernels/delta_triton.TreeRows reads it on CUDA, built on first use
+    delta_rows: object | None = None
 
     def attend(self, q, k, v, *, layer: int, sliding: bool, scale: float) -> torch.Tensor:
         if self.keep_rows is not None:

@@ -13,6 +13,8 @@ ancestor path in order, as attention does (kernels/attention.py):
   row ~ its path's padded width, no state per row unless the path is longer than a chunk;
 - the convolution's window of a row is its previous ``kernel - 1`` rows on its path, the
   root's last rows before a branch's first token (``TreeScan.window``).
+On CUDA the same rule runs token by token in two Triton launches a layer
+(kernels/delta_triton.py) unless ``SPINF_DELTA_KERNEL=torch`` asks for this file's path.
 Shapes depend only on the document (the root: its own length, in CHUNK-row chunks) and, for a
 branch row, on its own path (TILE_ROWS rows at a time, grouped by the power-of-two width of
 their paths as the attention groups them), so a document's bits never depend on what else
@@ -23,6 +25,7 @@ RMS norms) add in a fixed order (``rowsum``) so they never depend on the pass's 
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +38,11 @@ CHUNK = 64   # rows of the chunked recurrence (transformers' and flash-linear-at
 # Branch rows per call: the attention's BRANCH_TILE on the CPU; on CUDA more at once, as a
 # pass's tiles would cost more in kernel launches than in work (still one fixed shape).
 TILE_ROWS = {"cpu": BRANCH_TILE, "cuda": 8 * BRANCH_TILE}
+# the rule on CUDA: "triton" (kernels/delta_triton.py, where triton imports) or "torch" (this
+# file's ops, as on the CPU: for comparison)
+KERNEL = os.environ.get("SPINF_DELTA_KERNEL", "triton")
+if KERNEL not in ("triton", "torch"):
+    raise ValueError(f"SPINF_DELTA_KERNEL={KERNEL!r}: expected 'triton' or 'torch'")
 
 
 def rowsum(x: torch.Tensor) -> torch.Tensor:
@@ -179,6 +187,8 @@ def branch_scan(q, k, v, g, beta, ok: torch.Tensor, state: torch.Tensor) -> torc
 def tree_delta_rule(plan: AttentionPlan, q, k, v, g, beta) -> torch.Tensor:
     """The gated delta rule over a pass: q, k [rows, H, dk] (normalised, q scaled), v [rows,
     H, dv], g, beta [rows, H], fp32 -> [rows, H, dv] (padding rows: zeros)."""
+    if q.device.type == "cuda" and KERNEL == "triton" and _triton_rule() is not None:
+        return _triton_rule()(plan, q, k, v, g, beta)
     out = v.new_zeros(v.shape)
     size = TILE_ROWS.get(q.device.type, BRANCH_TILE)
     for doc in plan.docs:
@@ -197,3 +207,13 @@ def tree_delta_rule(plan: AttentionPlan, q, k, v, g, beta) -> torch.Tensor:
                 real = min(size, tiles.real - lo)
                 branch_out[tiles.rows[lo:lo + real]] = o[:real]
     return out
+
+
+@functools.cache
+def _triton_rule():
+    """delta_triton.tree_delta_rule, or None where triton does not import."""
+    try:
+        from .delta_triton import tree_delta_rule as rule
+    except ImportError:
+        return None
+    return rule

@@ -9,7 +9,8 @@ the released checkpoints), each followed by the SwiGLU MLP; norms scale by ``1 +
   q and k, beta = sigmoid(b), log decay g = -exp(A_log) * softplus(a + dt_bias), the gated
   delta rule over the tree (kernels/delta_tree.py), then an RMSNorm gated by SiLU(z).
 A ``qwen3_5`` wrapper's text model is served text-only. No fused CUDA forward yet: on CUDA
-the module forward runs (the attention through FlexAttention, the DeltaNet in torch).
+the module forward runs (the attention through FlexAttention, the DeltaNet's recurrence in
+Triton, kernels/delta_triton.py).
 """
 
 from __future__ import annotations

@@ -1,0 +1,196 @@
+"""The gated delta rule over a pass's read-once tree on CUDA, in Triton: token by token, the
+state in fp32 registers (flash-linear-attention's fused recurrent kernel), two launches a layer
+instead of kernels/delta_tree.py's ops per document and per branch tile.
+
+- Roots: one program per (document, head, block of ROOT_BV value columns) runs the root's rows
+  from a zero state, writes each row's output and the state after the root's last row.
+- Branch rows: one program per (branch row, head, block of BRANCH_BV value columns); a leaf's
+  (a row on no other row's path) loads its document's root state, runs its own path (its
+  branch ancestors, then itself) and writes the output of every row on it; the others' do
+  nothing. A row on several leaves' paths (a question's tokens before its options) gets the
+  same bits from each: the same steps from the same state. So a chain of d rows costs d
+  steps, not the d^2 / 2 of each row re-running its own path.
+
+Per token, as transformers' ``torch_recurrent_gated_delta_rule``:
+``S *= exp(g); u = beta * (v - k S); S += k^T u; o = q S`` (S: [dk, dv], one value column of
+S never reads another, hence the column blocks). Block sizes and warps are fixed, never tuned
+per shape, and a program reads only its own document's root or its own path (loop bounds are
+its own lengths, never the pass's padded width), so a row's bits never depend on what else
+shares the pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .attention import AttentionPlan
+
+# value columns per program and warps: roots are long serial scans, so narrow blocks give more
+# programs to run side by side; a branch program re-reads its path's keys for each of its
+# blocks, so wider ones read them fewer times
+ROOT_BV, ROOT_WARPS = 8, 1
+BRANCH_BV, BRANCH_WARPS = 32, 4
+
+
+@dataclass
+class TreeRows:
+    """The tree of a pass as the kernels read it, built once per pass (``of``) on the device,
+    without waiting for it: pass rows (int64), lengths (int32)."""
+
+    root_start: torch.Tensor     # [docs] each document's first row
+    root_len: torch.Tensor       # [docs] its root's rows
+    branch_doc: torch.Tensor     # [n] each branch row's document (an index into root_start)
+    path: torch.Tensor           # [n, width] its own path's rows, itself last; then padding
+    path_len: torch.Tensor       # [n] the path's real rows; 0 unless the row is a leaf
+
+    @classmethod
+    def of(cls, plan: AttentionPlan, device) -> TreeRows:
+        if plan.delta_rows is None:
+            plan.delta_rows = cls._build(plan, device)
+        return plan.delta_rows
+
+    @classmethod
+    def _build(cls, plan: AttentionPlan, device) -> TreeRows:
+        rows, docs, paths, lengths = [], [], [], []
+        for d, doc in enumerate(plan.docs):
+            s, r = doc.start, doc.root
+            for tiles in doc.branches:
+                n = tiles.real
+                if n == 0:
+                    continue
+                rows.append(tiles.rows[:n] + (s + r))
+                docs.append(torch.full((n,), d, dtype=torch.int32, device=device))
+                paths.append(tiles.path[:n] + s)
+                lengths.append(tiles.path_ok[:n].sum(1, dtype=torch.int32))
+        long = dict(dtype=torch.int64, device=device)
+        starts = torch.tensor([doc.start for doc in plan.docs], **long)
+        roots = torch.tensor([doc.root for doc in plan.docs], dtype=torch.int32, device=device)
+        if not rows:
+            return cls(starts, roots, torch.empty(0, dtype=torch.int32, device=device),
+                       torch.empty(0, 1, **long), torch.empty(0, dtype=torch.int32,
+                                                               device=device))
+        width = max(p.shape[1] for p in paths)
+        row = torch.cat(rows).long()
+        path = torch.cat([F.pad(p, (0, width - p.shape[1])) for p in paths]).long()
+        length = torch.cat(lengths)
+        # a leaf (a row on no other row's path) runs its path and writes every row on it;
+        # the other rows' programs do nothing (shapes fixed: no wait for the device)
+        above = torch.arange(width, device=device) < (length - 1)[:, None]
+        below = torch.zeros(max(doc.start + doc.tokens for doc in plan.docs),
+                            dtype=torch.int32, device=device)
+        below.scatter_add_(0, path.flatten(), above.flatten().int())
+        return cls(starts, roots, torch.cat(docs), path,
+                   torch.where(below[row] == 0, length, 0))
+
+
+@triton.jit
+def _load_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, row, ok, i_h, offs_k, offs_v, mask_k,
+              mask_v, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr):
+    """Pass row ``row`` (int64) of head ``i_h``: q, k [BK], v [BV], its decay exp(g) and beta
+    (zeros unless ``ok``)."""
+    at = row * H + i_h
+    q = tl.load(q_ptr + at * DK + offs_k, mask=mask_k & ok, other=0.0)
+    k = tl.load(k_ptr + at * DK + offs_k, mask=mask_k & ok, other=0.0)
+    v = tl.load(v_ptr + at * DV + offs_v, mask=mask_v & ok, other=0.0)
+    decay = tl.exp(tl.load(g_ptr + at, mask=ok, other=0.0))
+    return q, k, v, decay, tl.load(beta_ptr + at, mask=ok, other=0.0)
+
+
+@triton.jit
+def _update(h, k, v, decay, beta):
+    """The state [BK, BV] after one row."""
+    h = h * decay
+    u = (v - tl.sum(h * k[:, None], 0)) * beta
+    return h + k[:, None] * u[None, :]
+
+
+# Both kernels load a row's inputs one step ahead, so the loads run while the step before is
+# computed (the math is the same). While loops, not range(n): the bound is a loaded value,
+# and the interpreter's range needs a Python int.
+
+@triton.jit
+def _root_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, state_ptr, start_ptr, len_ptr,
+                 H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
+                 BV: tl.constexpr):
+    i_d, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_k = tl.arange(0, BK)
+    offs_v = i_v * BV + tl.arange(0, BV)
+    mask_k, mask_v = offs_k < DK, offs_v < DV
+    row = tl.load(start_ptr + i_d)
+    end = row + tl.load(len_ptr + i_d)
+    h = tl.zeros([BK, BV], dtype=tl.float32)
+    q, k, v, decay, beta = _load_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, row, row < end, i_h,
+                                     offs_k, offs_v, mask_k, mask_v, H, DK, DV)
+    while row < end:
+        q1, k1, v1, decay1, beta1 = _load_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, row + 1,
+                                              row + 1 < end, i_h, offs_k, offs_v, mask_k,
+                                              mask_v, H, DK, DV)
+        h = _update(h, k, v, decay, beta)
+        tl.store(out_ptr + (row * H + i_h) * DV + offs_v, tl.sum(h * q[:, None], 0),
+                 mask=mask_v)
+        q, k, v, decay, beta = q1, k1, v1, decay1, beta1
+        row += 1
+    at = (i_d * H + i_h).to(tl.int64) * DK
+    tl.store(state_ptr + (at + offs_k[:, None]) * DV + offs_v[None, :], h,
+             mask=mask_k[:, None] & mask_v[None, :])
+
+
+@triton.jit(do_not_specialize=["width"])
+def _branch_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, state_ptr, doc_ptr, path_ptr,
+                   len_ptr, width, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                   BK: tl.constexpr, BV: tl.constexpr):
+    i_n, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_k = tl.arange(0, BK)
+    offs_v = i_v * BV + tl.arange(0, BV)
+    mask_k, mask_v = offs_k < DK, offs_v < DV
+    n = tl.load(len_ptr + i_n)      # 0: not a leaf, nothing to do
+    at = (tl.load(doc_ptr + i_n) * H + i_h).to(tl.int64) * DK
+    h = tl.load(state_ptr + (at + offs_k[:, None]) * DV + offs_v[None, :],
+                mask=mask_k[:, None] & mask_v[None, :] & (n > 0), other=0.0)
+    at = i_n.to(tl.int64) * width
+    end = at + n
+    row = tl.load(path_ptr + at, mask=at < end, other=0)
+    q, k, v, decay, beta = _load_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, row, at < end, i_h,
+                                     offs_k, offs_v, mask_k, mask_v, H, DK, DV)
+    while at < end:
+        row1 = tl.load(path_ptr + at + 1, mask=at + 1 < end, other=0)
+        q1, k1, v1, decay1, beta1 = _load_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, row1,
+                                              at + 1 < end, i_h, offs_k, offs_v, mask_k,
+                                              mask_v, H, DK, DV)
+        h = _update(h, k, v, decay, beta)
+        # leaves that share this row store the same bits: the same steps from the same state
+        tl.store(out_ptr + (row * H + i_h) * DV + offs_v, tl.sum(h * q[:, None], 0),
+                 mask=mask_v)
+        row, q, k, v, decay, beta = row1, q1, k1, v1, decay1, beta1
+        at += 1
+
+
+def tree_delta_rule(plan: AttentionPlan, q, k, v, g, beta) -> torch.Tensor:
+    """delta_tree.tree_delta_rule's contract: q, k [rows, H, dk] (normalised, q scaled), v
+    [rows, H, dv], g, beta [rows, H], fp32 -> [rows, H, dv] (padding rows: zeros)."""
+    assert all(x.dtype == torch.float32 for x in (q, k, v, g, beta))
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    heads, dk = k.shape[1:]
+    dv = v.shape[-1]
+    out = torch.zeros_like(v)
+    tree = TreeRows.of(plan, q.device)
+    docs = tree.root_start.shape[0]
+    if docs == 0:
+        return out
+    bk = triton.next_power_of_2(dk)
+    state = torch.empty(docs, heads, dk, dv, dtype=torch.float32, device=q.device)
+    _root_kernel[(docs, heads, triton.cdiv(dv, ROOT_BV))](
+        q, k, v, g, beta, out, state, tree.root_start, tree.root_len,
+        H=heads, DK=dk, DV=dv, BK=bk, BV=ROOT_BV, num_warps=ROOT_WARPS)
+    n = tree.path.shape[0]
+    if n:
+        _branch_kernel[(n, heads, triton.cdiv(dv, BRANCH_BV))](
+            q, k, v, g, beta, out, state, tree.branch_doc, tree.path, tree.path_len,
+            tree.path.shape[1], H=heads, DK=dk, DV=dv, BK=bk, BV=BRANCH_BV,
+            num_warps=BRANCH_WARPS)
+    return out
