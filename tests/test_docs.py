@@ -59,7 +59,9 @@ RUNS = {"python", "bash", "json"}
 NEVER_RUN = {"text"}
 KINDS = {"response": {"json"}, "pack": {"json"}, "ingest-config": {"yaml"},
          "default-model": {"python", "bash", "json"}}
-BLOCK_TIMEOUT_S = WAIT_S
+# a block may run a whole CLI job on the real model (parity: two passes of the news job) on a
+# loaded 2-core machine: a deadline against hangs, far past any run
+BLOCK_TIMEOUT_S = 5 * WAIT_S
 FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>[^`\n]*)$")
 MARKER = re.compile(r"^\s*<!--\s*(?P<what>not-tested|docs-test):\s*(?P<arg>.*?)\s*-->\s*$")
 
