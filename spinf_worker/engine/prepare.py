@@ -68,6 +68,8 @@ class QuerySet:
     decode_budget: int                 # the most tokens its slots may decode (beams x steps)
     # usage's scoring, extraction and generation counts of an input asking it (respond.py)
     counts: tuple[dict, dict, dict] | None = None
+    # how respond.py reads every input asking it, worked out once (respond.PlainSet)
+    plain: object = None
 
 
 @dataclass

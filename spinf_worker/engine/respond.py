@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
+from itertools import accumulate, pairwise
 
 from ..ids import new_ulid
 from ..protocol import Query, ScoreResponse
@@ -154,9 +156,79 @@ def _decoded_tokens(doc: Prepared, scores: DocScores) -> int:
     return total
 
 
+@dataclass
+class PlainSet:
+    """A query set whose queries are all scored on their options as given (a bulk job's),
+    flattened once: its inputs are answered from flat lists (option after option, branch
+    after branch) in a few comprehensions, not a loop per query and combination."""
+
+    texts: list[str]              # per option (FlatDoc order): its text
+    values: list[dict[str, str]]  # per branch: its combination's values
+    query_start: list[int]        # per query + 1: its first branch
+    option_count: list[int]       # per query: its options over all its combinations
+
+    @classmethod
+    def of(cls, doc: Prepared) -> PlainSet | None:
+        """The input's query set flattened (None: some query is not plain), worked out
+        once per set: every input asking it has the same options and combinations."""
+        qs = doc.query_set
+        if qs.plain is None:
+            plain = all(kind == "?" and starts is None
+                        for kind, starts in zip(qs.kinds, qs.spellings, strict=True))
+            qs.plain = cls(
+                [o for q, grid in zip(doc.queries, qs.grids, strict=True)
+                 for _ in grid for o in q.options],
+                [c.values for grid in qs.grids for c in grid],
+                [0, *accumulate(len(grid) for grid in qs.grids)],
+                [len(q.options) * len(grid) for q, grid in zip(doc.queries, qs.grids,
+                                                                strict=True)],
+            ) if plain else False
+        return qs.plain or None
+
+
+def _plain_results(doc: Prepared, plain: PlainSet, scores: DocScores,
+                   floors: dict[tuple, DocScores], warnings: list[dict]) -> list[dict]:
+    """``_query_results`` of a plain query set: the same figures, bit for bit, read from
+    the runner's lists in one pass each for options, combinations and queries."""
+    qs = doc.query_set
+    logprobs, probs, starts, residual = scores.lists
+    floor_p: list[float | None] = []
+    floor_residual: list[float | None] = []
+    for key, grid, count in zip(qs.floor_keys, qs.grids, plain.option_count, strict=True):
+        if key is None:
+            floor_p += [None] * count
+            floor_residual += [None] * len(grid)
+        else:   # the floor's tree is this query's combinations alone
+            floor = floors[key].lists
+            floor_p += floor.probs[:floor.branch_start[len(grid)]]
+            floor_residual += floor.residual[:len(grid)]
+    options = [{"text": t, "logprob": lp, "p": p, "floor_p": fp}
+               for t, lp, p, fp in zip(plain.texts, logprobs, probs, floor_p, strict=True)]
+    combos = [{"values": v, "options": options[at:end], "residual": r, "floor_residual": fr}
+              for v, (at, end), r, fr in zip(plain.values, pairwise(starts), residual,
+                                             floor_residual, strict=True)]
+    bounds = plain.query_start
+    out = [{"id": q.id, "combinations": combos[at:end]}
+           for q, (at, end) in zip(doc.queries, pairwise(bounds), strict=True)]
+    for q, (at, end), one_token in zip(doc.queries, pairwise(bounds), qs.one_token,
+                                       strict=True):
+        if one_token and sum(residual[at:end]) / (end - at) > LOW_OPTION_MASS:
+            _low_mass(warnings, doc, q, sum(residual[at:end]) / (end - at))
+    return out
+
+
+def _low_mass(warnings: list[dict], doc: Prepared, q: Query, mean_residual: float) -> None:
+    warnings.append({
+        "code": "low_option_mass", "input_id": doc.input_id, "query_id": q.id,
+        "message": f"the options take {1 - mean_residual:.1%} of the next-token mass "
+                   "on average: the template or the options probably do not fit."})
+
+
 def _query_results(doc: Prepared, scores: DocScores, floors: dict[tuple, DocScores],
                    warnings: list[dict]) -> list[dict]:
     """Every query of one input (the caller's, then its packs'), in the hosted shape."""
+    if (plain := PlainSet.of(doc)) is not None:
+        return _plain_results(doc, plain, scores, floors, warnings)
     out, b = [], 0
     qs = doc.query_set
     lists = scores.lists
@@ -181,10 +253,7 @@ def _query_results(doc: Prepared, scores: DocScores, floors: dict[tuple, DocScor
         out.append({"id": q.id, "combinations": combos})
         mean_residual = sum(c["residual"] for c in combos) / len(combos)
         if mean_residual > LOW_OPTION_MASS and qs.one_token[len(out) - 1]:
-            warnings.append({
-                "code": "low_option_mass", "input_id": doc.input_id, "query_id": q.id,
-                "message": f"the options take {1 - mean_residual:.1%} of the next-token mass "
-                           "on average: the template or the options probably do not fit."})
+            _low_mass(warnings, doc, q, mean_residual)
     return out
 
 
