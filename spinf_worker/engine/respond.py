@@ -12,7 +12,7 @@ from itertools import accumulate, pairwise
 from ..ids import new_ulid
 from ..protocol import Query, ScoreResponse
 from ..templates import Combination
-from .prepare import Prepared, PreparedRequest
+from .prepare import Prepared, PreparedRequest, QuerySet
 from .runner import DocScores, ScoreLists
 from .slots import extraction_result
 
@@ -166,6 +166,9 @@ class PlainSet:
     values: list[dict[str, str]]  # per branch: its combination's values
     query_start: list[int]        # per query + 1: its first branch
     option_count: list[int]       # per query: its options over all its combinations
+    # the floors last read (per query, None: no floor) and their figures per option and per
+    # branch: the same for every input asking the set while its floors are the same
+    floors: tuple[list[DocScores | None], list, list] | None = None
 
     @classmethod
     def of(cls, doc: Prepared) -> PlainSet | None:
@@ -192,16 +195,7 @@ def _plain_results(doc: Prepared, plain: PlainSet, scores: DocScores,
     the runner's lists in one pass each for options, combinations and queries."""
     qs = doc.query_set
     logprobs, probs, starts, residual = scores.lists
-    floor_p: list[float | None] = []
-    floor_residual: list[float | None] = []
-    for key, grid, count in zip(qs.floor_keys, qs.grids, plain.option_count, strict=True):
-        if key is None:
-            floor_p += [None] * count
-            floor_residual += [None] * len(grid)
-        else:   # the floor's tree is this query's combinations alone
-            floor = floors[key].lists
-            floor_p += floor.probs[:floor.branch_start[len(grid)]]
-            floor_residual += floor.residual[:len(grid)]
+    floor_p, floor_residual = _plain_floors(plain, qs, floors)
     options = [{"text": t, "logprob": lp, "p": p, "floor_p": fp}
                for t, lp, p, fp in zip(plain.texts, logprobs, probs, floor_p, strict=True)]
     combos = [{"values": v, "options": options[at:end], "residual": r, "floor_residual": fr}
@@ -215,6 +209,27 @@ def _plain_results(doc: Prepared, plain: PlainSet, scores: DocScores,
         if one_token and sum(residual[at:end]) / (end - at) > LOW_OPTION_MASS:
             _low_mass(warnings, doc, q, sum(residual[at:end]) / (end - at))
     return out
+
+
+def _plain_floors(plain: PlainSet, qs: QuerySet, floors: dict[tuple, DocScores]
+                  ) -> tuple[list[float | None], list[float | None]]:
+    """The floor figures of a plain set's inputs, per option and per branch (None where a
+    query has no floor), worked out again only when its floors change."""
+    used = [None if key is None else floors[key] for key in qs.floor_keys]
+    if plain.floors is None or any(a is not b for a, b in zip(plain.floors[0], used,
+                                                                strict=True)):
+        floor_p: list[float | None] = []
+        floor_residual: list[float | None] = []
+        for floor, grid, count in zip(used, qs.grids, plain.option_count, strict=True):
+            if floor is None:
+                floor_p += [None] * count
+                floor_residual += [None] * len(grid)
+            else:   # the floor's tree is this query's combinations alone
+                lists = floor.lists
+                floor_p += lists.probs[:lists.branch_start[len(grid)]]
+                floor_residual += lists.residual[:len(grid)]
+        plain.floors = (used, floor_p, floor_residual)
+    return plain.floors[1], plain.floors[2]
 
 
 def _low_mass(warnings: list[dict], doc: Prepared, q: Query, mean_residual: float) -> None:

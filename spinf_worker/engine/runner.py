@@ -49,6 +49,8 @@ class DocScores:
     # a floor's branches as responses read them, kept (engine/respond.py): (branch, spelling
     # starts) -> (logprobs, probabilities, residual)
     reads: dict = field(default_factory=dict, repr=False, compare=False)
+    # option_probs, when the pass worked it out for all its documents at once (finish)
+    probs: np.ndarray | None = field(default=None, repr=False, compare=False)
 
     def branch(self, b: int) -> np.ndarray:
         return self.option_logprobs[self.branch_start[b]:self.branch_start[b + 1]]
@@ -63,14 +65,10 @@ class DocScores:
     @cached_property
     def option_probs(self) -> np.ndarray:
         """Each option's probability renormalised over its branch's options (float64)."""
-        lp = self.option_logprobs.astype(np.float64)
+        if self.probs is not None:
+            return self.probs
         owner = np.repeat(np.arange(len(self.residual)), np.diff(self.branch_start))
-        top = np.full(len(self.residual), -np.inf)
-        np.maximum.at(top, owner, lp)
-        weights = np.exp(lp - top[owner])
-        total = np.zeros(len(self.residual))
-        np.add.at(total, owner, weights)
-        return weights / total[owner]
+        return renormalised(self.option_logprobs, owner, len(self.residual))
 
     @property
     def logprobs(self) -> list[torch.Tensor]:
@@ -269,12 +267,27 @@ class ModelRunner:
         mass = np.zeros(branches[-1], dtype=np.float64)
         np.add.at(mass, option_branch, np.exp(lp.astype(np.float64)))
         residual = 1.0 - mass
+        probs = renormalised(lp, option_branch, branches[-1])
         out = [DocScores(lp[options[k]:options[k + 1]], b.option_start,
-                         residual[branches[k]:branches[k + 1]])
+                         residual[branches[k]:branches[k + 1]],
+                         probs=probs[options[k]:options[k + 1]])
                for k, b in enumerate(blocks)]
         for i, parts in pending.echo.items():
             out[i].echo = tuple(part.cpu().numpy() for part in parts)
         return out
+
+
+def renormalised(logprobs: np.ndarray, owner: np.ndarray, branches: int) -> np.ndarray:
+    """Each option's probability over its branch's options (float64; option k belongs to
+    branch owner[k]). Every branch's figures are its own options' alone, so those of a
+    document are the same worked out with the other documents of its pass."""
+    lp = logprobs.astype(np.float64)
+    top = np.full(branches, -np.inf)
+    np.maximum.at(top, owner, lp)
+    weights = np.exp(lp - top[owner])
+    total = np.zeros(branches)
+    np.add.at(total, owner, weights)
+    return weights / total[owner]
 
 
 def doc_span(doc: FlatDoc, start: int, window: int, dev: torch.device,
