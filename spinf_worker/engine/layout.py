@@ -87,8 +87,10 @@ class FlatDoc:
     def length(self) -> int:
         return int(self.input_ids.shape[0])
 
-    @property
+    @cached_property
     def max_position(self) -> int:
+        """The last position of a real row (asked of each document several times: its
+        checks, its root key, the CPU attention's masks)."""
         return int(self.positions[: self.tokens].max())
 
     @cached_property
