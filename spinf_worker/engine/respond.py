@@ -5,9 +5,12 @@ and warnings."""
 from __future__ import annotations
 
 import math
+import operator
 import time
 from dataclasses import dataclass
 from itertools import accumulate, pairwise
+
+import numpy as np
 
 from ..ids import new_ulid
 from ..protocol import Query, ScoreResponse
@@ -204,10 +207,15 @@ def _plain_results(doc: Prepared, plain: PlainSet, scores: DocScores,
     bounds = plain.query_start
     out = [{"id": q.id, "combinations": combos[at:end]}
            for q, (at, end) in zip(doc.queries, pairwise(bounds), strict=True)]
-    for q, (at, end), one_token in zip(doc.queries, pairwise(bounds), qs.one_token,
-                                       strict=True):
-        if one_token and sum(residual[at:end]) / (end - at) > LOW_OPTION_MASS:
-            _low_mass(warnings, doc, q, sum(residual[at:end]) / (end - at))
+    # the queries whose mean residual may pass the mark: with one combination a query (a
+    # bulk job's usual set) the mean is the branch's own residual, so only those past it
+    asked = (np.flatnonzero(scores.residual > LOW_OPTION_MASS).tolist()
+             if len(residual) == len(out) else range(len(out)))
+    for j in asked:
+        at, end = bounds[j], bounds[j + 1]
+        mean_residual = sum(residual[at:end]) / (end - at)
+        if mean_residual > LOW_OPTION_MASS and qs.one_token[j]:
+            _low_mass(warnings, doc, doc.queries[j], mean_residual)
     return out
 
 
@@ -216,8 +224,7 @@ def _plain_floors(plain: PlainSet, qs: QuerySet, floors: dict[tuple, DocScores]
     """The floor figures of a plain set's inputs, per option and per branch (None where a
     query has no floor), worked out again only when its floors change."""
     used = [None if key is None else floors[key] for key in qs.floor_keys]
-    if plain.floors is None or any(a is not b for a, b in zip(plain.floors[0], used,
-                                                                strict=True)):
+    if plain.floors is None or not all(map(operator.is_, plain.floors[0], used)):
         floor_p: list[float | None] = []
         floor_residual: list[float | None] = []
         for floor, grid, count in zip(used, qs.grids, plain.option_count, strict=True):
