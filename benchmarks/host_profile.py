@@ -23,8 +23,10 @@ The model's forward and LM head are device work: timed apart and left out of the
 ``--forward stub`` (the default) replaces them by constants of the right shapes, so that a
 240-document job runs in seconds on the CPU (the host work is the same: nothing on the host
 reads the values but the response); ``--forward real`` runs the model (fewer documents: the
-CPU forward takes ~2.5 s a document). ``--cprofile N`` adds the N functions of most own time
-under cProfile (one more run; its overhead inflates Python-heavy functions).
+CPU forward takes ~2.5 s a document). The stub's hidden state is one column wide: gathering a
+pass's readout rows of it (a copy of [rows, hidden] on the CPU, device work on CUDA) would
+count the stub's own work as the readout's. ``--cprofile N`` adds the N functions of most own
+time under cProfile (one more run; its overhead inflates Python-heavy functions).
 
     python benchmarks/host_profile.py --docs 240 --repeat 5 --out benchmarks/results
 
@@ -171,10 +173,10 @@ def instrument(engine, timers: Timers, stub: bool) -> None:
     patch(batch, "build_response", "respond")
     model = engine.model
     if stub:
-        hidden_size, vocab = model.cfg.hidden_size, model.cfg.vocab_size
-        # constants expanded (never allocated) to the rows asked
-        model.forward = (lambda ids, pos, plan:
-                         torch.zeros(1, 1).expand(ids.shape[0], hidden_size))
+        vocab = model.cfg.vocab_size
+        # constants expanded (never allocated) to the rows asked; the hidden state one column
+        # wide: the readout gathers its rows on the host here, on the device on CUDA
+        model.forward = (lambda ids, pos, plan: torch.zeros(1, 1).expand(ids.shape[0], 1))
         model.readout_logprobs = (lambda h: torch.full((1, 1), -0.75).expand(h.shape[0], vocab))
     model.forward = timers.wrap("device", model.forward)
     model.readout_logprobs = timers.wrap("device", model.readout_logprobs)

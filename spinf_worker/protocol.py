@@ -757,7 +757,7 @@ class ScoreRequest(BaseModel):
         is not written again."""
         if isinstance(data, ScoreRequest):
             return data
-        key = scoring_json if scoring_json is not None else _scoring_key(data)
+        key = scoring_json if scoring_json is not None else scoring_key(data)
         if key is not None:
             # a bad block fails here uncached; validating the whole request names its field
             with contextlib.suppress(ValidationError):
@@ -774,7 +774,7 @@ def _scoring_from_json(text: str | bytes) -> Scoring:
     return Scoring.model_validate_json(text)
 
 
-def _scoring_key(data: Any) -> str | None:
+def scoring_key(data: Any) -> str | None:
     """The JSON text of a request's scoring block (None when there is none to key)."""
     scoring = data.get("scoring") if isinstance(data, dict) else None
     if not isinstance(scoring, dict):

@@ -24,7 +24,7 @@ from .scheduler import PassScheduler
 
 if TYPE_CHECKING:
     from .engine import Engine
-    from .prepare import PreparedRequest
+    from .prepare import Prepared, PreparedRequest, QuerySet
 
 PREPARE_CHUNK = 8       # requests whose contents are tokenised together (in parallel);
 #                         few enough that the first pass starts early
@@ -41,6 +41,10 @@ class ScoringBatch:
                                        engine._decode_slots)
         self.floors: dict[tuple, DocScores] = {}   # this batch's floor values, cached or scored
         self.queued: set[tuple] = set()
+        # query sets (by id, kept alive here) whose floors this batch has asked for, and
+        # those whose floors are all in
+        self.asked: dict[int, QuerySet] = {}
+        self.floored: dict[int, QuerySet] = {}
         self.waiting: dict[int, PreparedRequest] = {}   # until every score of it is in
         self.scored: dict[int, dict[int, DocScores]] = {}
         self.completions: dict[int, PreparedCompletion] = {}   # until every prompt is done
@@ -84,21 +88,27 @@ class ScoringBatch:
                 continue
             self.waiting[i] = p
             for k, doc in enumerate(p.docs):
-                qs = doc.query_set
-                for key, q, grid in zip(qs.floor_keys, doc.queries, qs.grids, strict=True):
-                    if key is None or key in self.floors or key in self.queued:
-                        continue
-                    if (cached := engine.floors.get(key)) is not None:
-                        self.floors[key] = cached
-                    else:
-                        self.queued.add(key)
-                        tree = DocTree(list(floor_root),
-                                       engine.preparer.branches([q], [grid], key[-1]))
-                        self._settle(scheduler.add(("floor", key), tree.flatten(engine.pad_id)))
+                if id(doc.query_set) not in self.asked:
+                    self._ask_floors(doc, floor_root)
                 self._settle(scheduler.add(("doc", (i, k)), doc.flat))
         for done in scheduler.launch_waiting():
             self._settle(done)
         return self
+
+    def _ask_floors(self, doc: Prepared, floor_root: list[int]) -> None:
+        """Queue the floors of the input's query set not cached (once a batch for each set:
+        a bulk job asks one set of every document)."""
+        engine, qs = self.engine, doc.query_set
+        self.asked[id(qs)] = qs
+        for key, q, grid in zip(qs.floor_keys, doc.queries, qs.grids, strict=True):
+            if key is None or key in self.floors or key in self.queued:
+                continue
+            if (cached := engine.floors.get(key)) is not None:
+                self.floors[key] = cached
+            else:
+                self.queued.add(key)
+                tree = DocTree(list(floor_root), engine.preparer.branches([q], [grid], key[-1]))
+                self._settle(self.scheduler.add(("floor", key), tree.flatten(engine.pad_id)))
 
     def finish(self) -> list[ScoreResponse | CompletionResponse | SpinfError]:
         """Wait for the last pass and answer every request. Completions decoding more than
@@ -123,7 +133,15 @@ class ScoringBatch:
     def _ready(self, i: int) -> bool:
         p = self.waiting[i]
         return len(self.scored.get(i, ())) == len(p.docs) and all(
-            k is None or k in self.floors for d in p.docs for k in d.query_set.floor_keys)
+            self._floored(d.query_set) for d in p.docs)
+
+    def _floored(self, qs: QuerySet) -> bool:
+        """Whether every floor of the query set is in."""
+        if id(qs) not in self.floored:
+            if not all(k is None or k in self.floors for k in qs.floor_keys):
+                return False
+            self.floored[id(qs)] = qs
+        return True
 
     def _settle(self, done: list[tuple[Hashable, DocScores]]) -> None:
         """Store what finished; answer each request whose scores and floors are in."""

@@ -87,8 +87,10 @@ class FlatDoc:
     def length(self) -> int:
         return int(self.input_ids.shape[0])
 
-    @property
+    @cached_property
     def max_position(self) -> int:
+        """The last position of a real row (asked of each document several times: its
+        checks, its root key, the CPU attention's masks)."""
         return int(self.positions[: self.tokens].max())
 
     @cached_property
@@ -309,25 +311,25 @@ class BranchBlock:
         """The FlatDoc of these branches after ``root_ids``."""
         root = len(root_ids)
         tokens = root + len(self.ids)
-        pad = -tokens % ROW_TILE
-        rpad = -len(self.readout_rows) % READOUT_TILE
-
-        def rows(root_part: np.ndarray, branch_part: np.ndarray, fill: np.ndarray | int,
-                 ) -> np.ndarray:
-            return np.concatenate([root_part, branch_part,
-                                   np.broadcast_to(np.asarray(fill, dtype=np.int64), (pad,))])
-
+        length = tokens + -tokens % ROW_TILE
+        # the root's rows, the branches' after them, then the padding rows
+        ids = np.full(length, pad_id, dtype=np.int64)
+        ids[:root], ids[root:tokens] = root_ids, self.ids
+        positions = np.zeros(length, dtype=np.int64)
+        positions[:root], positions[root:tokens] = np.arange(root), self.pos + root
+        span_end = np.arange(1, length + 1, dtype=np.int32)   # a padding row: itself only
+        span_end[:root], span_end[root:tokens] = tokens, self.end + root
+        readout_rows = np.zeros(len(self.readout_rows) + -len(self.readout_rows) % READOUT_TILE,
+                                dtype=np.int64)
+        readout_rows[:len(self.readout_rows)] = self.readout_rows + root
         return FlatDoc(
-            input_ids=torch.from_numpy(rows(np.asarray(root_ids, dtype=np.int64), self.ids,
-                                            pad_id)),
-            positions=torch.from_numpy(rows(np.arange(root), self.pos + root, 0)),
+            input_ids=torch.from_numpy(ids),
+            positions=torch.from_numpy(positions),
             root=root,
             tokens=tokens,
-            span_end=rows(np.full(root, tokens), self.end + root,
-                          np.arange(tokens, tokens + pad) + 1).astype(np.int32),
+            span_end=span_end,
             block=self,
-            readout_rows=torch.from_numpy(np.concatenate(
-                [self.readout_rows + root, np.zeros(rpad, dtype=np.int64)])),
+            readout_rows=torch.from_numpy(readout_rows),
             extract={b: (r, [*range(root), *(root + p for p in path)], settings)
                      for b, (r, path, settings) in self.extract.items()},
         )

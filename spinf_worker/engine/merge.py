@@ -122,4 +122,5 @@ def split(scores: DocScores, part: Part | PromptPart | None) -> DocScores:
     n_b, n_o = block.n_branches, len(block.option_branch)
     return DocScores(scores.option_logprobs[o:o + n_o], block.option_start,
                      scores.residual[b:b + n_b],
-                     {k - b: v for k, v in scores.found.items() if b <= k < b + n_b})
+                     {k - b: v for k, v in scores.found.items() if b <= k < b + n_b},
+                     probs=None if scores.probs is None else scores.probs[o:o + n_o])

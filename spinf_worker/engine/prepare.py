@@ -17,7 +17,15 @@ from ..decision_rules import check_queries, check_slots
 from ..errors import InvalidRequestError, ModelNotFoundError, SpinfError
 from ..manifest import Decision
 from ..model_names import served_names
-from ..protocol import DEFAULT_LIMITS, Document, Limits, Query, ScoreRequest, query_layout_key
+from ..protocol import (
+    DEFAULT_LIMITS,
+    Document,
+    Limits,
+    Query,
+    ScoreRequest,
+    query_layout_key,
+    scoring_key,
+)
 from ..request_limits import (
     PackRun,
     case_rule,
@@ -68,6 +76,8 @@ class QuerySet:
     decode_budget: int                 # the most tokens its slots may decode (beams x steps)
     # usage's scoring, extraction and generation counts of an input asking it (respond.py)
     counts: tuple[dict, dict, dict] | None = None
+    # how respond.py reads every input asking it, worked out once (respond.PlainSet)
+    plain: object = None
 
 
 @dataclass
@@ -148,9 +158,10 @@ class Preparer:
         """Parse and lay out requests, their contents tokenised together (in parallel); a bad
         request yields its error in place (a bad input fails its whole request)."""
         out: list[PreparedRequest | SpinfError] = []
+        texts: dict[int, str | None] = {}   # per scoring block (a bulk job sends one): its JSON
         for raw in raws:
             try:
-                out.append(self.parse(raw))
+                out.append(self.parse(raw, texts))
             except SpinfError as err:
                 out.append(err)
         docs = [(i, d) for i, p in enumerate(out) if not isinstance(p, SpinfError)
@@ -184,8 +195,18 @@ class Preparer:
                     out[i] = err
         return out
 
-    def parse(self, raw: dict | ScoreRequest) -> PreparedRequest:
-        request = ScoreRequest.parse(raw)
+    def parse(self, raw: dict | ScoreRequest,
+              scoring_texts: dict[int, str | None] | None = None) -> PreparedRequest:
+        """``scoring_texts``: the JSON of the scoring blocks parsed so far, by object (alive
+        while the caller holds the requests), so that requests sharing one block write it
+        once (its key among the validated blocks: protocol.ScoreRequest.parse)."""
+        text = None
+        if scoring_texts is not None and isinstance(raw, dict):
+            block = raw.get("scoring")
+            if id(block) not in scoring_texts:
+                scoring_texts[id(block)] = scoring_key(raw)
+            text = scoring_texts[id(block)]
+        request = ScoreRequest.parse(raw, scoring_json=text)
         if request.model is not None and request.model not in self.names:
             raise ModelNotFoundError(
                 f"model {request.model!r} is not served here; this engine serves {self.model!r}",

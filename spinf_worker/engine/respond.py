@@ -5,12 +5,17 @@ and warnings."""
 from __future__ import annotations
 
 import math
+import operator
 import time
+from dataclasses import dataclass
+from itertools import accumulate, pairwise
+
+import numpy as np
 
 from ..ids import new_ulid
 from ..protocol import Query, ScoreResponse
 from ..templates import Combination
-from .prepare import Prepared, PreparedRequest
+from .prepare import Prepared, PreparedRequest, QuerySet
 from .runner import DocScores, ScoreLists
 from .slots import extraction_result
 
@@ -154,9 +159,98 @@ def _decoded_tokens(doc: Prepared, scores: DocScores) -> int:
     return total
 
 
+@dataclass
+class PlainSet:
+    """A query set whose queries are all scored on their options as given (a bulk job's),
+    flattened once: its inputs are answered from flat lists (option after option, branch
+    after branch) in a few comprehensions, not a loop per query and combination."""
+
+    texts: list[str]              # per option (FlatDoc order): its text
+    values: list[dict[str, str]]  # per branch: its combination's values
+    query_start: list[int]        # per query + 1: its first branch
+    option_count: list[int]       # per query: its options over all its combinations
+    # the floors last read (per query, None: no floor) and their figures per option and per
+    # branch: the same for every input asking the set while its floors are the same
+    floors: tuple[list[DocScores | None], list, list] | None = None
+
+    @classmethod
+    def of(cls, doc: Prepared) -> PlainSet | None:
+        """The input's query set flattened (None: some query is not plain), worked out
+        once per set: every input asking it has the same options and combinations."""
+        qs = doc.query_set
+        if qs.plain is None:
+            plain = all(kind == "?" and starts is None
+                        for kind, starts in zip(qs.kinds, qs.spellings, strict=True))
+            qs.plain = cls(
+                [o for q, grid in zip(doc.queries, qs.grids, strict=True)
+                 for _ in grid for o in q.options],
+                [c.values for grid in qs.grids for c in grid],
+                [0, *accumulate(len(grid) for grid in qs.grids)],
+                [len(q.options) * len(grid) for q, grid in zip(doc.queries, qs.grids,
+                                                                strict=True)],
+            ) if plain else False
+        return qs.plain or None
+
+
+def _plain_results(doc: Prepared, plain: PlainSet, scores: DocScores,
+                   floors: dict[tuple, DocScores], warnings: list[dict]) -> list[dict]:
+    """``_query_results`` of a plain query set: the same figures, bit for bit, read from
+    the runner's lists in one pass each for options, combinations and queries."""
+    qs = doc.query_set
+    logprobs, probs, starts, residual = scores.lists
+    floor_p, floor_residual = _plain_floors(plain, qs, floors)
+    options = [{"text": t, "logprob": lp, "p": p, "floor_p": fp}
+               for t, lp, p, fp in zip(plain.texts, logprobs, probs, floor_p, strict=True)]
+    combos = [{"values": v, "options": options[at:end], "residual": r, "floor_residual": fr}
+              for v, (at, end), r, fr in zip(plain.values, pairwise(starts), residual,
+                                             floor_residual, strict=True)]
+    bounds = plain.query_start
+    out = [{"id": q.id, "combinations": combos[at:end]}
+           for q, (at, end) in zip(doc.queries, pairwise(bounds), strict=True)]
+    # the queries whose mean residual may pass the mark: with one combination a query (a
+    # bulk job's usual set) the mean is the branch's own residual, so only those past it
+    asked = (np.flatnonzero(scores.residual > LOW_OPTION_MASS).tolist()
+             if len(residual) == len(out) else range(len(out)))
+    for j in asked:
+        at, end = bounds[j], bounds[j + 1]
+        mean_residual = sum(residual[at:end]) / (end - at)
+        if mean_residual > LOW_OPTION_MASS and qs.one_token[j]:
+            _low_mass(warnings, doc, doc.queries[j], mean_residual)
+    return out
+
+
+def _plain_floors(plain: PlainSet, qs: QuerySet, floors: dict[tuple, DocScores]
+                  ) -> tuple[list[float | None], list[float | None]]:
+    """The floor figures of a plain set's inputs, per option and per branch (None where a
+    query has no floor), worked out again only when its floors change."""
+    used = [None if key is None else floors[key] for key in qs.floor_keys]
+    if plain.floors is None or not all(map(operator.is_, plain.floors[0], used)):
+        floor_p: list[float | None] = []
+        floor_residual: list[float | None] = []
+        for floor, grid, count in zip(used, qs.grids, plain.option_count, strict=True):
+            if floor is None:
+                floor_p += [None] * count
+                floor_residual += [None] * len(grid)
+            else:   # the floor's tree is this query's combinations alone
+                lists = floor.lists
+                floor_p += lists.probs[:lists.branch_start[len(grid)]]
+                floor_residual += lists.residual[:len(grid)]
+        plain.floors = (used, floor_p, floor_residual)
+    return plain.floors[1], plain.floors[2]
+
+
+def _low_mass(warnings: list[dict], doc: Prepared, q: Query, mean_residual: float) -> None:
+    warnings.append({
+        "code": "low_option_mass", "input_id": doc.input_id, "query_id": q.id,
+        "message": f"the options take {1 - mean_residual:.1%} of the next-token mass "
+                   "on average: the template or the options probably do not fit."})
+
+
 def _query_results(doc: Prepared, scores: DocScores, floors: dict[tuple, DocScores],
                    warnings: list[dict]) -> list[dict]:
     """Every query of one input (the caller's, then its packs'), in the hosted shape."""
+    if (plain := PlainSet.of(doc)) is not None:
+        return _plain_results(doc, plain, scores, floors, warnings)
     out, b = [], 0
     qs = doc.query_set
     lists = scores.lists
@@ -181,10 +275,7 @@ def _query_results(doc: Prepared, scores: DocScores, floors: dict[tuple, DocScor
         out.append({"id": q.id, "combinations": combos})
         mean_residual = sum(c["residual"] for c in combos) / len(combos)
         if mean_residual > LOW_OPTION_MASS and qs.one_token[len(out) - 1]:
-            warnings.append({
-                "code": "low_option_mass", "input_id": doc.input_id, "query_id": q.id,
-                "message": f"the options take {1 - mean_residual:.1%} of the next-token mass "
-                           "on average: the template or the options probably do not fit."})
+            _low_mass(warnings, doc, q, mean_residual)
     return out
 
 

@@ -49,6 +49,8 @@ class DocScores:
     # a floor's branches as responses read them, kept (engine/respond.py): (branch, spelling
     # starts) -> (logprobs, probabilities, residual)
     reads: dict = field(default_factory=dict, repr=False, compare=False)
+    # option_probs, when the pass worked it out for all its documents at once (finish)
+    probs: np.ndarray | None = field(default=None, repr=False, compare=False)
 
     def branch(self, b: int) -> np.ndarray:
         return self.option_logprobs[self.branch_start[b]:self.branch_start[b + 1]]
@@ -63,14 +65,10 @@ class DocScores:
     @cached_property
     def option_probs(self) -> np.ndarray:
         """Each option's probability renormalised over its branch's options (float64)."""
-        lp = self.option_logprobs.astype(np.float64)
+        if self.probs is not None:
+            return self.probs
         owner = np.repeat(np.arange(len(self.residual)), np.diff(self.branch_start))
-        top = np.full(len(self.residual), -np.inf)
-        np.maximum.at(top, owner, lp)
-        weights = np.exp(lp - top[owner])
-        total = np.zeros(len(self.residual))
-        np.add.at(total, owner, weights)
-        return weights / total[owner]
+        return renormalised(self.option_logprobs, owner, len(self.residual))
 
     @property
     def logprobs(self) -> list[torch.Tensor]:
@@ -190,26 +188,29 @@ class ModelRunner:
         readout tile), and the (readout, token) summands gathered on the device. Summands are
         sorted by readout row so each LM-head chunk fills one slice: no data-dependent
         indexing, no host sync."""
-        rows, readout, token, base = [], [], [], 0
+        # each document's readouts numbered after the previous documents'
+        reads = [doc.readout_rows.shape[0] for doc in docs]
+        bases = np.cumsum([0, *reads])
+        base = int(bases[-1])
         first_at: dict[int, tuple[int, int]] = {}   # readout index -> (doc, branch)
         echo_at: list[tuple[int, int, int]] = []     # (doc, first readout index, readouts)
-        for i, (doc, start) in enumerate(zip(docs, starts, strict=True)):
-            rows.append(start + doc.readout_rows)
+        for i, doc in enumerate(docs):
             for b, (r, *_) in doc.extract.items():
-                first_at[base + r] = (i, b)
+                first_at[int(bases[i]) + r] = (i, b)
             if doc.echo is not None:
-                echo_at.append((i, base, len(doc.echo.next_ids)))
-            readout.append(doc.block.term_readout + base)
-            token.append(doc.block.term_token)
-            base += doc.readout_rows.shape[0]
-        readout_t = torch.from_numpy(np.concatenate(readout))
+                echo_at.append((i, int(bases[i]), len(doc.echo.next_ids)))
+        rows = (torch.cat([doc.readout_rows for doc in docs])
+                + torch.from_numpy(np.repeat(np.asarray(starts, dtype=np.int64), reads)))
+        readout_t = torch.from_numpy(
+            np.concatenate([doc.block.term_readout for doc in docs])
+            + np.repeat(bases[:-1], [len(doc.block.term_readout) for doc in docs]))
         order = torch.argsort(readout_t, stable=True)
         readout_sorted = readout_t[order]
         bounds = torch.searchsorted(readout_sorted, torch.arange(0, base + READOUT_CHUNK,
                                                                  READOUT_CHUNK)).tolist()
         n_terms = readout_t.shape[0]
-        index_d = self._upload(torch.cat([torch.cat(rows), readout_sorted,
-                                          torch.from_numpy(np.concatenate(token))[order]]))
+        index_d = self._upload(torch.cat([rows, readout_sorted,
+                                          torch.from_numpy(np.concatenate([doc.block.term_token for doc in docs]))[order]]))
         rows_d, readout_d, token_d = index_d.split([base, n_terms, n_terms])
         values = torch.empty(readout_t.shape[0], dtype=torch.float32, device=self.device)
         first = {}
@@ -250,21 +251,43 @@ class ModelRunner:
         """Wait for the pass and turn its summands into per-option logprobs."""
         values = np.empty(pending.values.shape[0], dtype=np.float32)
         values[pending.order.numpy()] = pending.values.cpu().numpy()
-        out, i = [], 0
-        for doc in pending.docs:
-            block = doc.block
-            n_terms = len(block.term_option)
-            # Summands added one by one in option order (np.add.at is unbuffered), so an
-            # option's sum never depends on the other documents of the pass.
-            lp = np.zeros(len(block.option_branch), dtype=np.float32)
-            np.add.at(lp, block.term_option, values[i:i + n_terms])
-            i += n_terms
-            mass = np.zeros(block.n_branches, dtype=np.float64)
-            np.add.at(mass, block.option_branch, np.exp(lp.astype(np.float64)))
-            out.append(DocScores(lp, block.option_start, 1.0 - mass))
+        blocks = [doc.block for doc in pending.docs]
+        # every document's options and branches numbered after the previous documents'
+        terms = [len(b.term_option) for b in blocks]
+        options = np.cumsum([0, *(len(b.option_branch) for b in blocks)])
+        branches = np.cumsum([0, *(b.n_branches for b in blocks)])
+        term_option = (np.concatenate([b.term_option for b in blocks])
+                       + np.repeat(options[:-1], terms))
+        option_branch = (np.concatenate([b.option_branch for b in blocks])
+                         + np.repeat(branches[:-1], np.diff(options)))
+        # Summands added one by one in option order (np.add.at is unbuffered), so an
+        # option's sum never depends on the other documents of the pass.
+        lp = np.zeros(options[-1], dtype=np.float32)
+        np.add.at(lp, term_option, values)
+        mass = np.zeros(branches[-1], dtype=np.float64)
+        np.add.at(mass, option_branch, np.exp(lp.astype(np.float64)))
+        residual = 1.0 - mass
+        probs = renormalised(lp, option_branch, branches[-1])
+        out = [DocScores(lp[options[k]:options[k + 1]], b.option_start,
+                         residual[branches[k]:branches[k + 1]],
+                         probs=probs[options[k]:options[k + 1]])
+               for k, b in enumerate(blocks)]
         for i, parts in pending.echo.items():
             out[i].echo = tuple(part.cpu().numpy() for part in parts)
         return out
+
+
+def renormalised(logprobs: np.ndarray, owner: np.ndarray, branches: int) -> np.ndarray:
+    """Each option's probability over its branch's options (float64; option k belongs to
+    branch owner[k]). Every branch's figures are its own options' alone, so those of a
+    document are the same worked out with the other documents of its pass."""
+    lp = logprobs.astype(np.float64)
+    top = np.full(branches, -np.inf)
+    np.maximum.at(top, owner, lp)
+    weights = np.exp(lp - top[owner])
+    total = np.zeros(branches)
+    np.add.at(total, owner, weights)
+    return weights / total[owner]
 
 
 def doc_span(doc: FlatDoc, start: int, window: int, dev: torch.device,
