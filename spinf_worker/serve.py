@@ -42,6 +42,7 @@ LOCK_FILE = "serve.lock"
 REDIS_START_TIMEOUT_S = 120.0     # loading a large AOF takes a while; a bad start fails fast
 REDIS_STOP_TIMEOUT_S = 30.0
 API_GRACE_S = 10.0                # requests in flight at shutdown get this long to finish
+REGISTRATION_GRACE_S = 5.0        # the "loading" heartbeat in flight when the load ends
 # `api --workers N`: uvicorn's supervisor replaces a child that leaves its ping unanswered
 # this long; generous, so a busy shared host does not lose a healthy one
 API_HEALTHCHECK_S = 30
@@ -279,18 +280,21 @@ def _registration(spec: WorkerSpec, started_ms: int, status: str, **more) -> str
 
 
 async def _register_loading(redis, keys: Keys, settings: ServiceSettings, name: str,
-                            spec: WorkerSpec, started_ms: int) -> None:
-    """Heartbeat a "loading" registration until cancelled, so the API can answer 503
+                            spec: WorkerSpec, started_ms: int, loaded: asyncio.Event) -> None:
+    """Heartbeat a "loading" registration until ``loaded`` is set, so the API can answer 503
     ``warming_up`` (and /v1/models ``status: loading``) while the model loads. The Worker
-    replaces it under the same name once the engine is there."""
+    replaces it under the same name once the engine is there. Ended by the event, not by
+    cancelling: a cancellation that lands inside a Redis command can be absorbed by the
+    client, and the loop would then heartbeat on."""
     from redis.exceptions import RedisError
 
-    while True:
+    while not loaded.is_set():
         try:
             await redis.hset(keys.workers, name, _registration(spec, started_ms, "loading"))
         except RedisError as err:
             log.warning("could not register the worker as loading", error=str(err))
-        await asyncio.sleep(settings.heartbeat_s)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(loaded.wait(), settings.heartbeat_s)
 
 
 async def _run_worker(spec: WorkerSpec, settings: ServiceSettings, redis, keys: Keys,
@@ -300,8 +304,10 @@ async def _run_worker(spec: WorkerSpec, settings: ServiceSettings, redis, keys: 
     log.info("loading the model", model=spec.model or "default", device=spec.device or "auto")
     name = spec.name or _worker_name()
     started_ms = _now_ms()
+    loaded = asyncio.Event()
     registering = asyncio.create_task(
-        _register_loading(redis, keys, settings, name, spec, started_ms), name="registration")
+        _register_loading(redis, keys, settings, name, spec, started_ms, loaded),
+        name="registration")
     # On the thread that will run every pass (queue/engine_thread.py).
     loading = ENGINE_THREAD.run(load_engine, spec, settings)
     stopping = asyncio.ensure_future(stop.wait())
@@ -309,9 +315,11 @@ async def _run_worker(spec: WorkerSpec, settings: ServiceSettings, redis, keys: 
         await asyncio.wait([loading, stopping], return_when=asyncio.FIRST_COMPLETED)
     finally:
         stopping.cancel()
+        loaded.set()
+        # the heartbeat in flight finishes (a Redis command is bounded by the socket timeout);
+        # only one that will not is cancelled
+        await asyncio.wait([registering], timeout=REGISTRATION_GRACE_S)
         registering.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await registering
     failed = loading.done() and not loading.cancelled() and loading.exception() is not None
     try:
         if not loading.done():              # asked to stop while loading
