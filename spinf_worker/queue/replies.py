@@ -24,6 +24,9 @@ log = structlog.get_logger()
 READ_BLOCK_MS = 1000        # one XREAD waits this long; below the client's socket timeout
 READ_COUNT = 100
 RETRY_DELAY_S = 1.0         # after a Redis error, so a Redis outage is no busy loop
+# stop(): how long the reader may take to notice; a cancellation that lands inside a Redis
+# command can be absorbed by the client, and the loop then ends after its read instead
+STOP_WAIT_S = READ_BLOCK_MS / 1000 + RETRY_DELAY_S + 1.0
 
 
 class ReplyListener:
@@ -35,18 +38,22 @@ class ReplyListener:
         self._waiting: dict[str, asyncio.Future[None]] = {}
         self._reader: asyncio.Task | None = None
         self._last_id = "0-0"   # the stream is this instance's own: everything in it is news
+        self._stopping = False
 
     async def start(self) -> None:
         if self._reader is None:
+            self._stopping = False
             self._reader = asyncio.create_task(self._read_forever(),
                                                name=f"replies-{self.instance_id}")
 
     async def stop(self) -> None:
         if self._reader is not None:
-            self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reader
-            self._reader = None
+            reader, self._reader = self._reader, None
+            self._stopping = True
+            reader.cancel()
+            await asyncio.wait([reader], timeout=STOP_WAIT_S)
+            if reader.done() and not reader.cancelled():
+                reader.exception()     # retrieved: it ended on the flag, or failed
         for future in self._waiting.values():
             future.cancel()
         self._waiting.clear()
@@ -75,7 +82,7 @@ class ReplyListener:
         return JobResult.from_json(raw) if raw is not None else None
 
     async def _read_forever(self) -> None:
-        while True:
+        while not self._stopping:
             try:
                 reply = await self.redis.xread({self.stream: self._last_id},
                                                count=READ_COUNT, block=READ_BLOCK_MS)
