@@ -187,8 +187,8 @@ def branch_scan(q, k, v, g, beta, ok: torch.Tensor, state: torch.Tensor) -> torc
 def tree_delta_rule(plan: AttentionPlan, q, k, v, g, beta) -> torch.Tensor:
     """The gated delta rule over a pass: q, k [rows, H, dk] (normalised, q scaled), v [rows,
     H, dv], g, beta [rows, H], fp32 -> [rows, H, dv] (padding rows: zeros)."""
-    if q.device.type == "cuda" and KERNEL == "triton" and _triton_rule() is not None:
-        return _triton_rule()(plan, q, k, v, g, beta)
+    if q.device.type == "cuda" and KERNEL == "triton" and (rule := _triton_rule()) is not None:
+        return rule(plan, q, k, v, g, beta)
     out = v.new_zeros(v.shape)
     size = TILE_ROWS.get(q.device.type, BRANCH_TILE)
     for doc in plan.docs:
