@@ -175,6 +175,22 @@ def test_a_reply_reads_the_same_before_its_results_are_built(tiny_engine):
     assert other != reply and other.results[0].input_id == "a"
 
 
+def test_queue_statistics_count_a_reply_without_building_its_results(tiny_engine):
+    """A worker counts every reply of a pass (documents, questions, rows) from the data it
+    stores: building the results' models only to count them cost a fast worker half its
+    host time."""
+    from spinf_worker.queue.worker import score_counts
+
+    reply = tiny_engine.score({"inputs": [{"id": "a", "messages": [{"content": NEWS}]},
+                                          {"id": "b", "messages": [{"content": "Short."}]}],
+                               "scoring": {"queries": QUERIES}})
+    docs, questions, rows, padded = score_counts(reply)
+    assert "results" not in reply.__dict__
+    assert docs == len(reply.results) == 2
+    assert questions == sum(len(q.combinations) for r in reply.results for q in r.queries)
+    assert 0 < rows <= padded
+
+
 def test_the_plain_reply_is_the_models_dump(tiny_engine):
     """What workers store (ScoreResponse.plain: the data the engine built the reply from) is
     what dumping the model gives, over every part of a reply: floors on and off, spellings,

@@ -90,9 +90,12 @@ def read_request(payload: str | bytes) -> ScoreRequest | CompletionRequest:
 
 
 def score_counts(response: ScoreResponse) -> tuple[int, int, int, int]:
-    """What the queue's statistics count of a reply: documents, questions, real rows, rows."""
-    questions = sum(len(q.combinations) for r in response.results for q in r.queries)
-    return len(response.results), questions, response._rows, response._padded_rows
+    """What the queue's statistics count of a reply: documents, questions, real rows, rows.
+    Counted on the plain data the reply is stored from: reading ``results`` would validate
+    every option of an engine's reply (ScoreResponse.of_engine) only to count them."""
+    results = response.plain()["results"]
+    questions = sum(len(q["combinations"]) for r in results for q in r["queries"])
+    return len(results), questions, response._rows, response._padded_rows
 
 
 def pass_counts(outcomes: list, busy_s: float) -> dict[str, int | float]:
