@@ -661,13 +661,13 @@ class _Line:
 
     number: int
     custom_id: str | None
-    payload: str | None = None      # the request as JSON
+    payload: bytes | None = None    # the request as JSON
     model: str | None = None
-    error: str | None = None        # the error line as JSON
+    error: bytes | None = None      # the error line as JSON
 
     @property
     def size(self) -> int:
-        return len(self.payload or self.error or "")
+        return len(self.payload or self.error or b"")
 
 
 def _validate(number: int, text: str, endpoint: str, seen: set[str],
@@ -685,10 +685,8 @@ def _validate(number: int, text: str, endpoint: str, seen: set[str],
                               "this custom_id already appeared earlier in the file")
         seen.add(custom_id)
     if error is not None:
-        return _Line(number, custom_id, error=json.dumps(_error_line(custom_id, error, number),
-                                                         separators=(",", ":")))
-    return _Line(number, custom_id, payload=json.dumps(body, separators=(",", ":")),
-                 model=body.get("model"))
+        return _Line(number, custom_id, error=jsonio.dumps(_error_line(custom_id, error, number)))
+    return _Line(number, custom_id, payload=jsonio.dumps(body), model=body.get("model"))
 
 
 def _fill(chunk: list[_Line], lines: list[tuple[int, str]], at: int, endpoint: str,

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
+from . import jsonio
 from .keys import GROUP, Keys
 from .results import JobResult
 from .settings import ServiceSettings
@@ -109,7 +110,7 @@ class Producer:
                "model": sub.request.get("model"), "batch_id": sub.batch_id,
                "custom_id": sub.custom_id, "callback": sub.callback, "deadline_ms": deadline_ms,
                "tenant": sub.tenant}
-        entry = {"job": job_id, "payload": json.dumps(sub.request, separators=(",", ":")),
+        entry = {"job": job_id, "payload": jsonio.dumps(sub.request),
                  "enqueued_ms": int(now * 1000), "deadline_ms": deadline_ms,
                  "reply": self.keys.reply(sub.reply_to) if sub.reply_to else None,
                  "batch": sub.batch_id, "custom_id": sub.custom_id, "callback": sub.callback}
