@@ -7,12 +7,23 @@
 # benchmarks' shapes with the default model's tokenizer ($GPU_HOST/models/{270m,12b}-shape:
 # config.json and tokenizer, for --load-format dummy), and exports PYTHONPATH, REDIS_SERVER,
 # LD_LIBRARY_PATH (redis-server's libraries), DATA, TOKENIZER, M270, M12B.
+#
+# The carried folder is kept in $GPU_HOST/carried: later calls on the same machine need not
+# carry it again (a call's carry is at most 64 MiB). Wheels in .dev/extra (carried by a call of
+# their own: av, feedparser, trafilatura, soxr for the CLI's extras) are installed too.
 GPU_HOST=${GPU_HOST:-/root/gpu-host}
-CARRIED=${CARRIED:-$PWD/.dev/gpu-host}
 mkdir -p "$GPU_HOST/site" "$GPU_HOST/tokenizer" "$GPU_HOST/models"
+if [ -d "$PWD/.dev/gpu-host" ] && [ ! -d "$GPU_HOST/carried" ]; then
+  cp -r "$PWD/.dev/gpu-host" "$GPU_HOST/carried"
+fi
+CARRIED=${CARRIED:-$GPU_HOST/carried}
 if [ ! -f "$GPU_HOST/site/.installed" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
       --target "$GPU_HOST/site" "$CARRIED"/wheels/*.whl && touch "$GPU_HOST/site/.installed"
+fi
+if ls "$PWD"/.dev/extra/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target "$GPU_HOST/site" "$PWD"/.dev/extra/*.whl
 fi
 if [ ! -f "$GPU_HOST/tokenizer/tokenizer.json" ]; then
   xz -dc "$CARRIED/tokenizer/tokenizer.json.xz" > "$GPU_HOST/tokenizer/tokenizer.json"

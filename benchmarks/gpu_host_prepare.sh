@@ -27,7 +27,7 @@ rm -rf "$OUT" && mkdir -p "$OUT/wheels" "$OUT/redis" "$OUT/tokenizer" "$OUT/data
     platformdirs orjson gguf spinf-client prometheus-client httpx httpcore h11 anyio sniffio idna \
     certifi pyyaml pytest pluggy iniconfig packaging pillow tenacity pytest-asyncio \
     standardwebhooks matplotlib contourpy cycler fonttools kiwisolver pyparsing python-dateutil \
-    six typing-extensions
+    six typing-extensions opentelemetry-api
 CORE=$(unzip -p "$OUT"/wheels/pydantic-2*.whl '*/METADATA' \
        | sed -n 's/^Requires-Dist: \(pydantic-core==[^ ;]*\).*/\1/p')
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \

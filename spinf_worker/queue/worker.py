@@ -42,7 +42,6 @@ REPLY_TTL_S = 3600           # the reply stream of an API instance that went awa
 MAX_RETRY_DELAY_S = 5.0      # Redis unreachable: wait up to this long between attempts
 PRUNE_CONSUMER_IDLE_MS = 3_600_000   # consumers this quiet with nothing pending are gone
 MAX_FINISHING = 2            # passes read back but not yet stored: past it, no pass starts
-ON_DEVICE = 2                # passes launched and not read back: one running, one queued
 
 def now_ms() -> int:
     return int(time.time() * 1000)
@@ -156,6 +155,8 @@ class Worker:
         self._ready: list[Entry] = []         # parsed, waiting for a pass
         self._claimed: list[tuple[str, str, dict]] = []   # from XAUTOCLAIM, not parsed yet
         self._starting: asyncio.Task | None = None     # a pass being laid out and launched
+        self._admitting: asyncio.Task | None = None    # entries read, being parsed
+        self._entry_rows = ROW_TILE           # rows an entry took in the last pass started
         self._launched: Launched | None = None         # on the device, read-back not queued
         self._reading: set[asyncio.Task] = set()       # being read back from the device
         self._finishing: set[asyncio.Task] = set()     # results being stored
@@ -191,7 +192,12 @@ class Worker:
             self.log.info("worker stopped", passes=self.passes)
 
     async def _drain(self) -> None:
-        """Finish every pass started: the one being launched, then every read-back."""
+        """Finish every pass started: the one being launched, then every read-back. Entries
+        being parsed join the ready ones (handed back on leaving)."""
+        if self._admitting is not None:
+            with contextlib.suppress(Exception):   # what did not reach _ready is released
+                await self._admitting
+            self._admitting = None
         if self._starting is not None:
             await self._starting
             self._starting = None
@@ -206,15 +212,20 @@ class Worker:
         return self._reading | self._finishing
 
     def _may_start(self) -> bool:
-        """A pass may start when the previous one has launched, at most one other is on
-        the device (a third would only wait there, and so would a request put in it) and
-        the stores keep up. With ``interactive_window_ms`` set, while interactive requests
-        come a pass of bulk entries alone waits for the device to be free: a request arriving
-        then waits for one pass, not two."""
-        on_device = (self._launched is not None) + len(self._reading)
-        depth = 1 if self._single_file() else ON_DEVICE
-        return (self._starting is None and on_device < depth
-                and len(self._finishing) < MAX_FINISHING)
+        """A pass may start when the previous one has launched and the stores keep up. Its
+        launch queues on the engine thread behind the read-backs asked for already, and the
+        pass launched last is read back behind it: when it runs, one other pass at most is
+        on the device (a third would only wait there, and so would a request put in it),
+        and the engine thread always has the next pass to lay out while the device runs
+        (a small model's pass costs the host more than the device). With
+        ``interactive_window_ms`` set, while interactive requests come a pass of bulk
+        entries alone waits for the device to be free: a request arriving then waits for
+        one pass, not two."""
+        if self._starting is not None or len(self._finishing) >= MAX_FINISHING:
+            return False
+        if self._single_file():
+            return self._launched is None and not self._reading
+        return True
 
     def _single_file(self) -> bool:
         """Whether bulk passes go on the device one at a time now: interactive requests came
@@ -285,6 +296,9 @@ class Worker:
             self._need_groups = False
         if self._starting is not None and self._starting.done():
             self._starting = None
+        if self._admitting is not None and self._admitting.done():
+            admitting, self._admitting = self._admitting, None
+            admitting.result()      # a Redis error is this turn's, retried as any other
         if self._claimed:
             claimed, self._claimed = self._claimed, []
             await self._admit(claimed, redelivered=True)
@@ -307,8 +321,13 @@ class Worker:
             block_ms = max(1, int(self.settings.max_wait_ms - waited_ms))
         else:
             block_ms = IDLE_BLOCK_MS
+        if self._admitting is not None:   # the next entries are being parsed meanwhile
+            await asyncio.wait({*busy, self._admitting, stopped},
+                               return_when=asyncio.FIRST_COMPLETED, timeout=block_ms / 1000)
+            return
+        # a pass's worth: parsed while the passes before it run, never much more
         count = min(self.settings.read_count,
-                    max(1, math.ceil((self.budget - rows) / ROW_TILE)))
+                    max(1, math.ceil((self.budget - rows) / self._entry_rows)))
         if not busy:
             raw, from_history = await self._read(count, block_ms)
         else:  # read what is there for the next pass, but don't sit on a finished one
@@ -317,7 +336,7 @@ class Worker:
                 await asyncio.wait({*busy, stopped}, return_when=asyncio.FIRST_COMPLETED,
                                    timeout=min(block_ms, self.settings.max_wait_ms) / 1000)
         if raw:
-            await self._admit(raw, redelivered=from_history)
+            self._admitting = asyncio.create_task(self._admit(raw, redelivered=from_history))
 
     async def _read(self, count: int, block_ms: int | None
                     ) -> tuple[list[tuple[str, str, dict]], bool]:
@@ -469,6 +488,7 @@ class Worker:
             else:
                 rest.append(entry)
         self._ready = rest
+        self._entry_rows = max(1, math.ceil(fill.rows / len(batch)))
         self._starting = asyncio.create_task(self._start_pass(batch))
 
     async def _start_pass(self, batch: list[Entry]) -> None:
