@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal, get_args
 import orjson
 import structlog
 from fastapi import Depends, Request
+from fastapi.responses import JSONResponse
 from redis.asyncio import Redis
 
 from spinf_worker.errors import InvalidRequestError
@@ -178,6 +179,16 @@ def get_services(request: Request) -> Services:
 
 
 ServicesDep = Annotated[Services, Depends(get_services)]
+
+
+class ResultResponse(JSONResponse):
+    """A job's result as the reply's body, written by orjson: a scoring reply is thousands of
+    floats, and the json module takes several times as long to write them (a sync caller
+    waits for it). The worker stored the result through orjson already (queue/jsonio.py), so
+    it holds nothing orjson would write otherwise."""
+
+    def render(self, content: Any) -> bytes:
+        return orjson.dumps(content)
 
 
 async def read_json(request: Request) -> Any:

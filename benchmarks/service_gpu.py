@@ -294,42 +294,51 @@ async def batch_output(client: httpx.AsyncClient, batch: dict, requests: list[di
 
 
 def _client_process(url: str, items: list[tuple[int, dict]], concurrency: int,
-                    out: multiprocessing.Queue) -> None:
-    async def main() -> list:
+                    start: multiprocessing.Barrier, out: multiprocessing.Queue) -> None:
+    """One client process: ``concurrency`` callers, each sending its next request when the
+    last is answered. Starts when every client process is ready (imports done, connections
+    open), so the phase times the service, not the processes' start."""
+    async def main() -> tuple[list, float, float]:
         limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
         queue: asyncio.Queue = asyncio.Queue()
         for item in items:
             queue.put_nowait(item)
         done = []
         async with httpx.AsyncClient(base_url=url, timeout=HTTP_TIMEOUT_S, limits=limits) as c:
+            await asyncio.gather(*(c.get("/healthz") for _ in range(concurrency)))
+            await asyncio.to_thread(start.wait)
+            began = time.time()
+
             async def caller() -> None:
                 while not queue.empty():
                     i, body = queue.get_nowait()
                     got, seconds = await post_score(c, body)
                     done.append((i, got, seconds))
             await asyncio.gather(*(caller() for _ in range(concurrency)))
-        return done
-    done = asyncio.run(main())
-    out.put((done, time.process_time()))
+            return done, began, time.time()
+    done, began, ended = asyncio.run(main())
+    out.put((done, time.process_time(), began, ended))
 
 
 def run_concurrent(url: str, requests: list[dict], clients: int, procs: int
                    ) -> tuple[float, list, float]:
-    """(seconds, bodies in request order, the client processes' CPU seconds)."""
+    """(seconds from the first request sent to the last answer, bodies in request order, the
+    client processes' CPU seconds)."""
     ctx = multiprocessing.get_context("spawn")
-    out = ctx.Queue()
+    out, start = ctx.Queue(), ctx.Barrier(procs)
     shares = [[(i, r) for i, r in enumerate(requests) if i % procs == p] for p in range(procs)]
-    workers = [ctx.Process(target=_client_process, args=(url, s, clients // procs, out))
+    workers = [ctx.Process(target=_client_process, args=(url, s, clients // procs, start, out))
                for s in shares]
-    t0 = time.perf_counter()
     for w in workers:
         w.start()
-    results, cpu_s = [], 0.0
+    results, cpu_s, began, ended = [], 0.0, [], []
     for _ in workers:
-        done, used = out.get()
+        done, used, first, last = out.get()
         results += done
         cpu_s += used
-    seconds = time.perf_counter() - t0
+        began.append(first)
+        ended.append(last)
+    seconds = max(ended) - min(began)
     for w in workers:
         w.join()
     bodies = [None] * len(requests)

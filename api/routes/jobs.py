@@ -16,7 +16,7 @@ from ..auth import V1_AUTH, Caller, CallerDep
 from ..errors import NotFoundError
 from ..media import check_media
 from ..models import Job, JobAccepted, JobRequest, error_responses, json_body
-from ..services import Services, ServicesDep, read_json
+from ..services import ResultResponse, Services, ServicesDep, read_json
 from .scoring import IdempotencyKey, accepted, check_backlog, check_limits, check_model, submit
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=V1_AUTH)
@@ -70,4 +70,4 @@ async def get_job(job_id: str, services: ServicesDep, caller: CallerDep) -> JSON
                          error=result.openai_error)
         elif job.get("error"):
             shown["error"] = normalize_error(job["error"])
-    return JSONResponse(shown)
+    return ResultResponse(shown)

@@ -40,7 +40,7 @@ from ..errors import (
 )
 from ..media import NOT_FETCHED, check_kinds, check_media, served_kinds
 from ..models import ChatCompletionRequest, JobAccepted, error_responses, json_body
-from ..services import Services, ServicesDep, read_json
+from ..services import ResultResponse, Services, ServicesDep, read_json
 from .catalog import names_of
 from .packs import loaded_packs
 
@@ -216,7 +216,7 @@ async def reply(services, job_id: str, result: JobResult | None, *, respond_asyn
                      "Location": f"/v1/jobs/{job_id}"})
     if not result.succeeded:
         return failed(result, job_id, request_id)
-    return JSONResponse(shape(result.body), headers={"X-Job-Id": job_id})
+    return ResultResponse(shape(result.body), headers={"X-Job-Id": job_id})
 
 
 IdempotencyKey = Annotated[str | None, Header(alias="Idempotency-Key", max_length=256)]

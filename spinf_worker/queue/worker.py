@@ -366,8 +366,14 @@ class Worker:
         bulk ones: a request waits at most for the passes in flight when it came."""
         if self._history[self.keys.interactive] is not None:
             return          # own pending entries are read again first (_read)
+        waiting = self._fill([e for e in self._ready if e.stream == self.keys.interactive])
+        if waiting.rows >= self.budget:
+            return          # requests enough for this pass: the rest are read meanwhile
+        # what the pass has room for: parsed here, before it starts, so never much more
+        count = min(self.settings.read_count,
+                    max(1, math.ceil((self.budget - waiting.rows) / self._entry_rows)))
         reply = await self.redis.xreadgroup(GROUP, self.name, {self.keys.interactive: ">"},
-                                            count=self.settings.read_count)
+                                            count=count)
         if reply:
             await self._admit(self._hold(self.keys.interactive, reply[0][1]), redelivered=False)
 

@@ -496,6 +496,27 @@ async def test_bulk_passes_go_one_at_a_time_while_requests_come(redis, keys, set
     worker._launched = None
 
 
+@pytest.mark.asyncio
+async def test_the_next_launch_queues_behind_the_read_backs(redis, keys, settings, tiny_engine):
+    """A pass may start while the pass before the last is still being read back: its launch
+    queues on the engine thread behind that read-back, so the engine thread never waits for
+    the event loop between passes (one other pass at most is on the device when it runs).
+    It waits for the launch before it, and for the stores to keep up."""
+    worker = Worker(tiny_engine, redis, keys, settings)
+    worker._launched = object()                    # launched, its read-back not yet asked
+    reading = asyncio.get_running_loop().create_future()
+    worker._reading.add(reading)                   # the one before, being read back
+    assert worker._may_start()
+    worker._starting = reading                     # a launch not yet done: one at a time
+    assert not worker._may_start()
+    worker._starting = None
+    worker._finishing.update(asyncio.get_running_loop().create_future() for _ in range(2))
+    assert not worker._may_start()                 # results not stored fast enough
+    worker._finishing.clear()
+    worker._reading.clear()
+    worker._launched = None
+
+
 async def _read_until(worker: Worker, rows: int) -> None:
     """Read and parse entries until the ready ones hold at least ``rows`` rows."""
     while sum(e.rows for e in worker._ready) < rows:
