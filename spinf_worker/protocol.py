@@ -366,8 +366,14 @@ class Query(BaseModel):
             return None
         return GenerateSpec() if self.generate is True else self.generate
 
-    def combinations_list(self) -> list[templates.Combination]:
+    @cached_property
+    def grid(self) -> list[templates.Combination]:
+        """The filled combinations (a query of a shared block is asked of every request
+        that sends the block: expanded once). Read only."""
         return templates.expand(self.parsed_template, self.combinations, self.values)
+
+    def combinations_list(self) -> list[templates.Combination]:
+        return self.grid
 
     @model_validator(mode="after")
     def _check(self) -> Query:
@@ -491,6 +497,8 @@ class Scoring(BaseModel):
     _params: dict[str, str] | None = PrivateAttr(default=None)
     _shared: dict[str, Query] | None = PrivateAttr(default=None)
     _fits: Limits | None = PrivateAttr(default=None)   # the queries passed these limits
+    # and their tokens these limits under this tokenizer (request_limits.check_request)
+    _tokens_fit: tuple | None = PrivateAttr(default=None)
     _checked: bool = PrivateAttr(default=False)
 
     def shared_queries(self) -> dict[str, Query]:

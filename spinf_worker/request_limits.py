@@ -383,8 +383,12 @@ def check_request(request: ScoreRequest, packs: dict, *, tokens: ServedTokens | 
                 queries += mine
                 params += [None] * len(mine)
         grids = [q.combinations_list() for q in queries]
-        if encode is not None:
+        # an input asking the shared block as it is: its tokens checked once per block
+        shared = not runs and doc.layout_key is request.scoring.layout_key()
+        if encode is not None and not (shared and request.scoring._tokens_fit == (limits, encode)):
             check_query_tokens(queries, grids, limits, params, encode, bound=utf8_bound)
+            if shared:
+                request.scoring._tokens_fit = (limits, encode)
         # audio lengths (decoded where the header does not tell): limit and token counts
         measure_audio(doc.messages, limits, "messages" if where == "messages"
                       else f"{where}.messages")
