@@ -442,10 +442,9 @@ def tiny_gemma4_video_engine(tiny_gemma4_video_dir):
 
 @pytest.fixture(scope="session")
 def tiny_gemma4_video_oracle(tiny_gemma4_video_dir):
-    from transformers import Gemma4ForConditionalGeneration
+    from .media_oracle import gemma4_oracle
 
-    return Gemma4ForConditionalGeneration.from_pretrained(
-        tiny_gemma4_video_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    return gemma4_oracle(tiny_gemma4_video_dir)
 
 
 @pytest.fixture(scope="session")
@@ -463,7 +462,6 @@ def tiny_gemma4_vision_engine(tiny_gemma4_vision_dir):
 
 @pytest.fixture(scope="session")
 def tiny_gemma4_vision_oracle(tiny_gemma4_vision_dir):
-    from transformers import Gemma4ForConditionalGeneration
+    from .media_oracle import gemma4_oracle
 
-    return Gemma4ForConditionalGeneration.from_pretrained(
-        tiny_gemma4_vision_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    return gemma4_oracle(tiny_gemma4_vision_dir)

@@ -5,9 +5,32 @@ template (their logprobs are one row of it)."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
+
+
+def gemma4_oracle(path: Path | str):
+    """transformers' Gemma4ForConditionalGeneration in fp32 with eager attention, its audio
+    tower through SDPA where the installed transformers offers it. transformers 5.17's eager
+    audio attention hands its additive mask (0 / finfo.min) to
+    ``masked_fill(mask.logical_not(), ...)``, which masks every key it should keep and keeps
+    every key it should mask: its audio features are wrong (1.5 off on the tiny checkpoint),
+    and every audio score with them, on whatever device the engine runs. Its SDPA path reads
+    a boolean mask as meant; 5.25 reads the additive one right eagerly and refuses SDPA for
+    the audio tower (then it stays eager)."""
+    from transformers import Gemma4ForConditionalGeneration
+
+    model = Gemma4ForConditionalGeneration.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager").eval()
+    tower = getattr(model.model, "audio_tower", None)
+    if tower is not None:
+        # no SDPA for the audio tower (ValueError): its eager path reads the mask right
+        with contextlib.suppress(ValueError):
+            tower.set_attn_implementation("sdpa")
+    return model
 
 
 def option_logprobs(oracle, tokenizer, root: list[int], queries: list[dict],

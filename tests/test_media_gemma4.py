@@ -188,8 +188,6 @@ def test_a_causal_checkpoint_keeps_image_tokens_causal(tmp_path, tiny_tokenizer_
     """use_bidirectional_attention unset (the smaller Gemma 4s): an image's tokens stay causal
     on every layer, as transformers masks them; the scores match it, and differ from the
     same weights read bidirectionally."""
-    from transformers import Gemma4ForConditionalGeneration
-
     from spinf_worker.engine import Engine
 
     from .conftest import write_tiny_gemma4_vision
@@ -197,8 +195,7 @@ def test_a_causal_checkpoint_keeps_image_tokens_causal(tmp_path, tiny_tokenizer_
     path = write_tiny_gemma4_vision(tmp_path / "causal", tiny_tokenizer_dir, bidirectional=None)
     engine = Engine.load(str(path), device="cpu")
     assert engine.model.media_attention == "none"
-    oracle = Gemma4ForConditionalGeneration.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="eager").eval()
+    oracle = media_oracle.gemma4_oracle(path)
     url = image_url(7, (45, 30))
     ours = option_logprobs(engine.score(media_request(url)))
     theirs = oracle_scores(oracle, engine, [url],

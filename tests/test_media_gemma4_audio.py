@@ -75,19 +75,23 @@ def test_features_and_token_counts_equal_transformers(tiny_gemma4_vision_engine)
         assert processing.tokens(samples.shape[0]) == int(mask.sum())
 
 
-def test_audio_features_equal_transformers(tiny_gemma4_vision_engine, tiny_gemma4_vision_oracle):
-    engine = tiny_gemma4_vision_engine
+def assert_audio_features_equal(engine, oracle) -> None:
+    """A CPU engine's audio soft tokens equal transformers' (the media oracle's) within 1e-5."""
     for seconds in (0.3, 1.7):
         samples = tone(2, seconds)
         theirs_in = oracle_audio([samples])
         with torch.no_grad():
-            out = tiny_gemma4_vision_oracle.model.get_audio_features(
-                theirs_in["input_features"], theirs_in["input_features_mask"])
+            out = oracle.model.get_audio_features(theirs_in["input_features"],
+                                                  theirs_in["input_features_mask"])
             theirs = out.pooler_output[0][out.attention_mask[0]]
             feats, mask, _ = engine.preparer.media.audio.features(samples / 32768.0)
             ours = engine.model.audio_features(feats, mask)
         assert ours.shape == theirs.shape
         assert (ours - theirs).abs().max().item() <= 1e-5
+
+
+def test_audio_features_equal_transformers(tiny_gemma4_vision_engine, tiny_gemma4_vision_oracle):
+    assert_audio_features_equal(tiny_gemma4_vision_engine, tiny_gemma4_vision_oracle)
 
 
 def oracle_scores(oracle, engine, samples: list[np.ndarray], images: list[str], text: str,
