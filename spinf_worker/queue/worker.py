@@ -522,24 +522,39 @@ class Worker:
             except Exception as err:
                 pass_.outcomes = await self._score_alone(live, err)
             self._launched = pass_
+            if self._answer_first(live):
+                self._read_back()
         except Exception:   # entries not answered stay pending and are reclaimed later
             self.log.exception("pass failed", jobs=[e.job for e in live])
             self._release_held(live)
 
+    def _answer_first(self, live: list[Entry]) -> bool:
+        """Whether a pass holding requests is read back as soon as it has run, ahead of the
+        next pass's layout: when no other request is waiting, the next pass is bulk work,
+        and a caller need not wait for its layout (during a bulk job, a layout of a small
+        model's pass takes longer than the device's pass). With requests waiting, passes
+        stay pipelined: many callers are served fastest at full throughput."""
+        interactive = self.keys.interactive
+        return (any(e.stream == interactive for e in live)
+                and not any(e.stream == interactive for e in self._ready))
+
     def _read_back(self) -> None:
-        """Queue the read-back of the pass on the device, if any, and the storing of its
-        results."""
+        """Queue the read-back of the pass on the device, if any, on the engine thread now
+        (behind what is queued there, ahead of anything queued later), and the storing of
+        its results."""
         pass_, self._launched = self._launched, None
         if pass_ is not None:
-            task = asyncio.create_task(self._read_pass(pass_))
+            finished = (ENGINE_THREAD.run(timed, pass_.flight.finish)
+                        if pass_.outcomes is None else None)
+            task = asyncio.create_task(self._read_pass(pass_, finished))
             self._reading.add(task)
             task.add_done_callback(self._reading.discard)
 
-    async def _read_pass(self, pass_: Launched) -> None:
+    async def _read_pass(self, pass_: Launched, finished: asyncio.Future | None) -> None:
         try:
-            if pass_.outcomes is None:
+            if finished is not None:
                 try:
-                    pass_.outcomes, seconds = await ENGINE_THREAD.run(timed, pass_.flight.finish)
+                    pass_.outcomes, seconds = await finished
                     pass_.busy_s += seconds
                 except Exception as err:
                     pass_.outcomes = await self._score_alone(pass_.entries, err)

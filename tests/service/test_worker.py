@@ -517,6 +517,33 @@ async def test_the_next_launch_queues_behind_the_read_backs(redis, keys, setting
     worker._launched = None
 
 
+@pytest.mark.asyncio
+async def test_a_pass_holding_a_request_is_read_back_before_bulk_layout(redis, keys, settings,
+                                                                       tiny_engine):
+    """During a bulk job a pass holding a request is read back as soon as it has run, ahead
+    of the next bulk pass's layout on the engine thread; while other requests wait, passes
+    of requests stay pipelined (read back behind the next launch). Either way each is
+    answered."""
+    producer = Producer(redis, keys, settings)
+    worker = Worker(tiny_engine, redis, keys, settings)
+    jobs = [(await producer.submit(Submission(body(90 + i))))[0] for i in range(2)]
+    for i in range(2):
+        await producer.submit(Submission(body(i), priority="bulk"))
+    await worker._create_groups()
+    await _read_until(worker, 4 * tiny_engine.rows(ScoreRequest.parse(body(0))))
+    first, second, *bulk = sorted(worker._ready, key=lambda e: e.stream != keys.interactive)
+    assert first.stream == second.stream == keys.interactive
+    assert {e.stream for e in bulk} == {keys.bulk}
+    worker._ready = [second, *bulk]           # another request waits: pipelined
+    await worker._start_pass([first])
+    assert worker._launched is not None and not worker._reading
+    worker._ready = bulk                      # only bulk work follows: answered first
+    await worker._start_pass([second])
+    assert worker._launched is None and worker._reading   # its read-back queued
+    await asyncio.wait_for(worker._drain(), WAIT_S)
+    assert [r["status_code"] for r in await results_of(redis, keys, jobs)] == [200, 200]
+
+
 async def _read_until(worker: Worker, rows: int) -> None:
     """Read and parse entries until the ready ones hold at least ``rows`` rows."""
     while sum(e.rows for e in worker._ready) < rows:
