@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, TypeAdapter, model_serializer
 
 from .errors import InvalidRequestError
 
@@ -39,6 +39,10 @@ class CompletionRequest(BaseModel):
     logprobs: int | None = None
     max_tokens: int = 16
     stop: list[str] = Field(default_factory=list)
+
+    # each prompt's (ids, text, character offsets) as the engine read it when it laid the
+    # request out (engine/completion.py): its pass reads them again, never the tokenizer
+    _encoded: list | None = PrivateAttr(default=None)
 
     @classmethod
     def parse(cls, body: Any) -> CompletionRequest:
@@ -199,3 +203,57 @@ class CompletionResponse(BaseModel):
     system_fingerprint: str
     choices: list[CompletionChoice]
     usage: CompletionUsage
+
+    # the data the engine built this reply from (of_engine): stored as it is
+    _plain: dict | None = PrivateAttr(default=None)
+
+    @classmethod
+    def of_engine(cls, data: dict[str, Any]) -> CompletionResponse:
+        """The reply of data the engine built in this shape, its ``choices`` (a token, a
+        logprob, a top-N and an offset per prompt token: nearly all of it) validated only
+        once read: a worker stores the data as it is (``plain``)."""
+        response = cls.model_validate({**data, "choices": []})
+        del response.__dict__["choices"]
+        response._plain = data
+        return response
+
+    def _complete(self) -> None:
+        fields = self.__dict__
+        if "choices" not in fields and self._plain is not None:
+            # in its place among the fields: dumps and reprs list them in this order
+            now = {**fields, "choices": _CHOICES.validate_python(self._plain["choices"])}
+            fields.clear()
+            fields.update((name, now[name]) for name in type(self).model_fields if name in now)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "choices" and self._plain is not None:   # held back by of_engine
+            self._complete()
+            return self.__dict__["choices"]
+        return super().__getattr__(name)
+
+    def __eq__(self, other: object) -> bool:
+        self._complete()
+        if isinstance(other, CompletionResponse):
+            other._complete()
+        return super().__eq__(other)
+
+    def __iter__(self):
+        self._complete()
+        return super().__iter__()
+
+    def __repr_args__(self):
+        self._complete()
+        return super().__repr_args__()
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler):   # unannotated: the schema stays the model's
+        self._complete()
+        return handler(self)
+
+    def plain(self) -> dict[str, Any]:
+        """``model_dump()``, without dumping the model where the engine kept the data it was
+        built from (no field of it is changed after)."""
+        return self.model_dump() if self._plain is None else self._plain
+
+
+_CHOICES = TypeAdapter(list[CompletionChoice])

@@ -21,13 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..completions import (
-    CompletionChoice,
-    CompletionLogprobs,
-    CompletionRequest,
-    CompletionResponse,
-    CompletionUsage,
-)
+from ..completions import CompletionRequest, CompletionResponse
 from ..decision_rules import refuse_completion
 from ..errors import ContextLengthError, InvalidRequestError, ModelNotFoundError
 from ..ids import new_ulid
@@ -43,6 +37,28 @@ def prompt_doc(ids: list[int], first: int, top: int, pad_id: int) -> FlatDoc:
     return lay_out([Prompt(ids, first, top)], pad_id)
 
 
+class TokenPieces:
+    """Each token as text on its own (special tokens by their names), decoded once: a
+    completion's reply spells every prompt token and every top-N token."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.known: dict[int, str] = {}
+
+    def __call__(self, token: int) -> str:
+        piece = self.known.get(token)
+        if piece is None:
+            piece = self.known[token] = self.tokenizer.decode([token], skip_special_tokens=False)
+        return piece
+
+    def many(self, tokens: list[int]) -> list[str]:
+        known = self.known
+        try:
+            return [known[t] for t in tokens]
+        except KeyError:
+            return [self(t) for t in tokens]
+
+
 @dataclass
 class PromptRun:
     """One prompt on its way: its tokens, the readouts taken so far, the greedy tokens."""
@@ -51,8 +67,12 @@ class PromptRun:
     text: str                        # the prompt's text as echoed
     offsets: list[int]               # each prompt token's character offset in ``text``
     first: int                       # the first row read out in the prompt's own pass
+    read: bool = False               # the prompt's own pass is in
     token_lp: list[float | None] = field(default_factory=list)   # per prompt token (echo)
-    top: list[tuple[np.ndarray, np.ndarray] | None] = field(default_factory=list)
+    # the top-N logprobs [R, N] and ids [R, N] of prompt tokens first + 1.. (those before
+    # have none)
+    top_lp: np.ndarray | None = None
+    top_ids: np.ndarray | None = None
     generated: list[int] = field(default_factory=list)
     gen_lp: list[float] = field(default_factory=list)
     gen_top: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
@@ -61,11 +81,46 @@ class PromptRun:
     eos: bool = False                # the last generated token is EOS (not in the text)
 
 
+def encode_prompts(engine, request: CompletionRequest) -> list[tuple[list[int], str, list[int]]]:
+    """Each prompt's (ids, text as echoed, each token's character offset in it); raises the
+    request's own error. Once per request: laying it out keeps them for its pass."""
+    if request._encoded is not None:
+        return request._encoded
+    tok = engine.checkpoint.tokenizer
+    vocab = int(engine.config.vocab_size)
+    context = int(engine.config.max_position_embeddings)
+    out = []
+    for k, prompt in enumerate(request.prompts):
+        param = "prompt" if len(request.prompts) == 1 else f"prompt[{k}]"
+        if isinstance(prompt, str):
+            encoding = tok.encode(prompt, add_special_tokens=False)
+            ids = [engine.checkpoint.bos_token_id, *encoding.ids]
+            offsets = [0, *(start for start, _ in encoding.offsets)]
+            text = prompt
+        else:
+            ids = list(prompt)
+            if bad := [t for t in ids if t >= vocab]:
+                raise InvalidRequestError(
+                    f"token id {bad[0]} is outside the model's vocabulary (0-{vocab - 1})",
+                    param=param)
+            pieces = engine.pieces.many(ids)
+            offsets = np.cumsum([0, *map(len, pieces[:-1])]).tolist()
+            text = "".join(pieces)
+        if len(ids) + request.max_tokens > context:
+            raise ContextLengthError(
+                f"the prompt is {len(ids)} tokens and {request.max_tokens} more are asked "
+                f"for; the model's context is {context} tokens", param=param)
+        out.append((ids, text, offsets))
+    request._encoded = out
+    return out
+
+
 class PreparedCompletion:
     """A completions request laid out: one PromptRun per prompt."""
 
     def __init__(self, engine, request: CompletionRequest):
         self.engine, self.request = engine, request
+        self.piece = engine.pieces
         model = request.model
         if model is not None and model not in engine.manifest.names:
             raise ModelNotFoundError(
@@ -75,36 +130,9 @@ class PreparedCompletion:
             raise refuse_completion(engine.model_name, engine.manifest.decision is not None)
         self.model = model or engine.model_name
         self.top = max(request.logprobs or 0, 1)
-        tok = engine.checkpoint.tokenizer
-        vocab = int(engine.config.vocab_size)
-        context = int(engine.config.max_position_embeddings)
-        self.runs: list[PromptRun] = []
-        for k, prompt in enumerate(request.prompts):
-            param = "prompt" if len(request.prompts) == 1 else f"prompt[{k}]"
-            if isinstance(prompt, str):
-                encoding = tok.encode(prompt, add_special_tokens=False)
-                ids = [engine.checkpoint.bos_token_id, *encoding.ids]
-                offsets = [0, *(start for start, _ in encoding.offsets)]
-                text = prompt
-            else:
-                ids = list(prompt)
-                if bad := [t for t in ids if t >= vocab]:
-                    raise InvalidRequestError(
-                        f"token id {bad[0]} is outside the model's vocabulary (0-{vocab - 1})",
-                        param=param)
-                pieces = [self.piece(t) for t in ids]
-                offsets = np.cumsum([0, *map(len, pieces[:-1])]).tolist()
-                text = "".join(pieces)
-            if len(ids) + request.max_tokens > context:
-                raise ContextLengthError(
-                    f"the prompt is {len(ids)} tokens and {request.max_tokens} more are asked "
-                    f"for; the model's context is {context} tokens", param=param)
-            echo_scores = request.echo and request.logprobs is not None
-            self.runs.append(PromptRun(ids, text, offsets, 0 if echo_scores else len(ids) - 1))
-
-    def piece(self, token: int) -> str:
-        """A token as text on its own (special tokens by their names)."""
-        return self.engine.checkpoint.tokenizer.decode([token], skip_special_tokens=False)
+        echo_scores = request.echo and request.logprobs is not None
+        self.runs = [PromptRun(ids, text, offsets, 0 if echo_scores else len(ids) - 1)
+                     for ids, text, offsets in encode_prompts(engine, request)]
 
     @staticmethod
     def rows(engine, request: CompletionRequest) -> int:
@@ -128,7 +156,7 @@ class PreparedCompletion:
         """The next document of ``run``: the prompt first, then prompt + decoded tokens."""
         if run.finish is not None:
             return None
-        if not run.top:
+        if not run.read:
             return prompt_doc(run.ids, run.first, self.top, self.engine.pad_id)
         ids = run.ids + run.generated
         return prompt_doc(ids, len(ids) - 1, self.top, self.engine.pad_id)
@@ -137,12 +165,10 @@ class PreparedCompletion:
         """Store a pass's readouts of prompt ``k``; its next document, if decoding goes on."""
         run = self.runs[k]
         token_lp, top_lp, top_ids = scores.echo
-        if not run.top:   # the prompt's own pass
-            run.top = [None] * (run.first + 1)
-            run.token_lp = [None] * (run.first + 1)
-            for j in range(len(token_lp) - 1):   # row j predicts token j + 1
-                run.token_lp.append(float(token_lp[j]))
-                run.top.append((top_lp[j], top_ids[j]))
+        if not run.read:   # the prompt's own pass: row j predicts token first + j + 1
+            run.read = True
+            run.token_lp = [None] * (run.first + 1) + token_lp[:-1].tolist()
+            run.top_lp, run.top_ids = top_lp[:-1], top_ids[:-1]
         if self.request.max_tokens == 0:
             run.finish = "length"
             return None
@@ -155,7 +181,7 @@ class PreparedCompletion:
             # tools read the echoed prompt's logprobs up to the one generated token
             run.eos, run.finish = True, "stop"
             return None
-        text = "".join(self.piece(t) for t in run.generated)
+        text = "".join(self.piece.many(run.generated))
         cuts = [at for s in self.request.stop if (at := text.find(s)) >= 0]
         if cuts:
             run.cut, run.finish = min(cuts), "stop"
@@ -165,21 +191,31 @@ class PreparedCompletion:
 
     # ---- the response ------------------------------------------------------------------
 
-    def _top(self, top: tuple[np.ndarray, np.ndarray] | None) -> dict[str, float] | None:
-        if top is None:
-            return None
-        values, ids = top
-        out: dict[str, float] = {}
-        for value, token in zip(values[:self.request.logprobs].tolist(),
-                                ids[:self.request.logprobs].tolist(), strict=True):
-            out.setdefault(self.piece(token), value)
+    def _tops(self, values: np.ndarray, ids: np.ndarray) -> list[dict[str, float]]:
+        """Per row of ``values`` / ``ids`` [rows, N], its top ``logprobs`` as {piece:
+        logprob}, most likely first; a piece two tokens spell keeps the first's."""
+        n = self.request.logprobs
+        values, ids = values[:, :n].tolist(), ids[:, :n].tolist()
+        known, piece = self.piece.known, self.piece
+        if n == 1:
+            return [{known.get(t) or piece(t): v}
+                    for (v,), (t,) in zip(values, ids, strict=True)]
+        out = []
+        for row_values, row_ids in zip(values, ids, strict=True):
+            top = dict(zip(self.piece.many(row_ids), row_values, strict=True))
+            if len(top) < len(row_ids):   # a piece twice: its first logprob
+                top = {}
+                for p, v in zip(self.piece.many(row_ids), row_values, strict=True):
+                    top.setdefault(p, v)
+            out.append(top)
         return out
 
     def response(self) -> CompletionResponse:
+        """The reply, built as plain data (completions.CompletionResponse.of_engine)."""
         request = self.request
         choices = []
         for index, run in enumerate(self.runs):
-            pieces = [self.piece(t) for t in run.generated]
+            pieces = self.piece.many(run.generated)
             completion = "".join(pieces[:-1] if run.eos else pieces)
             n_gen = len(run.generated)
             if run.cut is not None:
@@ -192,29 +228,30 @@ class PreparedCompletion:
             if request.logprobs is not None:
                 tokens, lps, tops, offsets = [], [], [], []
                 if request.echo:
-                    tokens = [self.piece(t) for t in run.ids]
+                    tokens = self.piece.many(run.ids)
                     lps = list(run.token_lp)
-                    tops = [self._top(t) for t in run.top]
+                    tops = [None] * (len(run.ids) - len(run.top_lp))
+                    tops += self._tops(run.top_lp, run.top_ids)
                     offsets = list(run.offsets)
                 at = base
-                for g, (piece, lp, top) in enumerate(zip(pieces[:n_gen], run.gen_lp[:n_gen],
-                                                         run.gen_top[:n_gen], strict=True)):
+                for g, (piece, lp, (top_lp, top_ids)) in enumerate(zip(
+                        pieces[:n_gen], run.gen_lp[:n_gen], run.gen_top[:n_gen], strict=True)):
                     tokens.append(piece)
                     lps.append(lp)
-                    tops.append(self._top(top))
+                    tops += self._tops(top_lp[None], top_ids[None])
                     offsets.append(at)
                     if not (run.eos and g == len(pieces) - 1):   # EOS takes no text
                         at += len(piece)
-                logprobs = CompletionLogprobs(tokens=tokens, token_logprobs=lps,
-                                              top_logprobs=tops, text_offset=offsets)
-            choices.append(CompletionChoice(
-                text=(run.text if request.echo else "") + completion, index=index,
-                logprobs=logprobs, finish_reason=run.finish or "length"))
+                logprobs = {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops,
+                            "text_offset": offsets}
+            choices.append({"text": (run.text if request.echo else "") + completion,
+                            "index": index, "logprobs": logprobs,
+                            "finish_reason": run.finish or "length"})
         prompt_tokens = sum(len(run.ids) for run in self.runs)
         completion_tokens = sum(len(run.generated) for run in self.runs)
-        return CompletionResponse(
-            id=f"cmpl-{new_ulid()}", created=int(time.time()), model=self.model,
-            system_fingerprint=self.engine.fingerprint, choices=choices,
-            usage=CompletionUsage(prompt_tokens=prompt_tokens,
-                                  completion_tokens=completion_tokens,
-                                  total_tokens=prompt_tokens + completion_tokens))
+        return CompletionResponse.of_engine({
+            "id": f"cmpl-{new_ulid()}", "object": "text_completion",
+            "created": int(time.time()), "model": self.model,
+            "system_fingerprint": self.engine.fingerprint, "choices": choices,
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens}})

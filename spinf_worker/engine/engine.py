@@ -26,7 +26,7 @@ from ..protocol import DEFAULT_LIMITS, ScoreRequest, ScoreResponse
 from ..quant.fp8_static import load_scales, scales_path
 from ..tiles import RowPart
 from .batch import ScoringBatch
-from .completion import PreparedCompletion
+from .completion import PreparedCompletion, TokenPieces
 from .decision import code_ids, served_manifest
 from .decode import SlotDecoder, SlotJob
 from .floors import FloorCache
@@ -123,6 +123,7 @@ class Engine:
         if self.settings.max_pass_tokens is None:
             self.settings.max_pass_tokens = 16384 if self.device.type == "cuda" else 8192
         self.pad_id = checkpoint.config.get("pad_token_id") or 0
+        self.pieces = TokenPieces(checkpoint.tokenizer)   # completions spell tokens by it
         self.runner = ModelRunner(self.model, self.device, self.dtype, self.pad_id,
                                   fuse=self.settings.fuse, cuda_graphs=self.settings.cuda_graphs)
         self.decoder = SlotDecoder(self.model, checkpoint.tokenizer, checkpoint.eos_token_id,

@@ -572,7 +572,7 @@ class Worker:
             answered = []
             for entry, outcome in zip(live, outcomes, strict=True):
                 if isinstance(outcome, CompletionResponse):
-                    answered.append((entry, JobResult.ok(outcome.model_dump()), "succeeded"))
+                    answered.append((entry, JobResult.ok(outcome.plain()), "succeeded"))
                 elif isinstance(outcome, ScoreResponse):
                     queued_ms = queue_wait_ms(entry.id, pass_.started_ms)
                     timing = outcome.timing
