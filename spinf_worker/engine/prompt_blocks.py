@@ -124,8 +124,12 @@ def lay_out(prompts: list[Prompt], pad_id: int) -> FlatDoc:
                          + j % PROMPT_BLOCK)
         read_next.append(np.asarray([*prompt.ids[prompt.first + 1:], -1], dtype=np.int64))
         counts.append(len(j))
-    pairs, inverse = np.unique(np.stack([np.concatenate(read_rows), np.concatenate(read_next)],
-                                        axis=1), axis=0, return_inverse=True)
+    # each pair as one integer in (row, token) order: a 1-D unique, several times faster
+    # than one over rows of pairs, in the same order
+    rows_read, next_read = np.concatenate(read_rows), np.concatenate(read_next)
+    span = int(next_read.max()) + 2            # tokens + 1 (-1: none)
+    keys, inverse = np.unique(rows_read * span + next_read + 1, return_inverse=True)
+    pairs = np.stack([keys // span, keys % span - 1], axis=1)
     inverse = inverse.reshape(-1)
     pad = -len(pairs) % READOUT_TILE
     tokens_end = int(np.flatnonzero(real)[-1]) + 1
