@@ -93,6 +93,10 @@ def _int_or_none(value: Any) -> int | None:
     return None if value is None else int(value)
 
 
+# (live, all registered) workers, as Services.workers() read them
+Workers = tuple[list[WorkerInfo], list[WorkerInfo]]
+
+
 def draining_key(keys: Keys) -> str:
     """The flag POST /v0/drain sets: this deployment's instances answer /readyz 503."""
     return f"{keys.base}:draining"
@@ -110,6 +114,8 @@ class Services:
     background: set[asyncio.Task] = field(default_factory=set)
     tokenizers: TokenizerCache = field(default_factory=TokenizerCache)
     pack_queries: dict = field(default_factory=dict)   # request_limits.pack_queries' cache
+    # each worker's registration as last read, and what it was read as
+    _registrations: dict[str, tuple[str, WorkerInfo]] = field(default_factory=dict)
 
     def spawn(self, work: Coroutine, *, name: str) -> None:
         """Run ``work`` after the response; kept referenced so it is not collected, and
@@ -124,38 +130,53 @@ class Services:
             log.error("background task failed", task=task.get_name(),
                       error=repr(task.exception()))
 
-    async def workers(self) -> tuple[list[WorkerInfo], list[WorkerInfo]]:
+    async def workers(self) -> Workers:
         """(live, all registered) workers; live = heartbeat within worker_ttl_s."""
         registered = []
+        read = {}
         for name, raw in (await self.redis.hgetall(self.keys.workers)).items():
+            # a registration read as before is the same worker (they are frozen): parsed
+            # once per heartbeat, not on every request
+            known = self._registrations.get(name)
+            if known is not None and known[0] == raw:
+                read[name] = known
+                registered.append(known[1])
+                continue
             try:
-                registered.append(WorkerInfo.from_registration(name, raw))
+                info = WorkerInfo.from_registration(name, raw)
             except (ValueError, KeyError, TypeError):
                 continue  # a half-written or foreign entry is no worker
+            read[name] = (raw, info)
+            registered.append(info)
+        self._registrations = read
         oldest_ms = (time.time() - self.settings.worker_ttl_s) * 1000
         return sorted((w for w in registered if w.heartbeat_ms >= oldest_ms),
                       key=lambda w: w.name), registered
 
-    async def served_models(self) -> set[str]:
+    async def served_models(self, workers: Workers | None = None) -> set[str]:
         """The models of the live workers (those loaded first), or of the registered ones
-        when none is live (a restarting fleet); empty with no worker at all."""
-        live, registered = await self.workers()
+        when none is live (a restarting fleet); empty with no worker at all. ``workers``:
+        what ``workers()`` read for this request already."""
+        live, registered = workers or await self.workers()
         loaded = [w for w in live if w.available]
         return {w.model for w in (loaded or live or registered)}
 
-    async def served_tokens(self) -> ServedTokens | None:
+    async def served_tokens(self, workers: Workers | None = None) -> ServedTokens | None:
         """The served model's tokenizer (api/tokens.py), when one model is served and its
         tokenizer is on this machine; None otherwise (the workers then check the tokens)."""
-        models = await self.served_models()
+        models = await self.served_models(workers)
         if len(models) != 1:
             return None
-        return await asyncio.to_thread(self.tokenizers.get, next(iter(models)))
+        model = next(iter(models))
+        # loaded already: no thread (a hop per request costs more than the lookup)
+        return self.tokenizers.loaded(model) or await asyncio.to_thread(self.tokenizers.get,
+                                                                        model)
 
-    async def check_serving(self) -> None:
+    async def check_serving(self, workers: Workers | None = None) -> None:
         """503 when the live workers cannot score yet: ``warming_up`` (Retry-After) while
         they are all still loading their model, ``model_unavailable`` when none could load
         it. With no live worker at all a job is queued and waits for one, as before."""
-        live, _registered = await self.workers()
+        live, _registered = workers or await self.workers()
         if not live or any(w.available for w in live):
             return
         if any(w.status == "loading" for w in live):
@@ -174,7 +195,8 @@ class Services:
             await self.redis.delete(draining_key(self.keys))
 
 
-def get_services(request: Request) -> Services:
+async def get_services(request: Request) -> Services:
+    # async: FastAPI runs a plain function dependency on a worker thread, a hop per request
     return request.app.state.services
 
 

@@ -129,6 +129,10 @@ class TokenizerCache:
         self._found: dict[str, ServedTokens] = {}
         self._missed: dict[str, float] = {}
 
+    def loaded(self, model: str) -> ServedTokens | None:
+        """The model's ServedTokens when loaded already (never blocks)."""
+        return self._found.get(model)
+
     def get(self, model: str) -> ServedTokens | None:
         found = self._found.get(model)
         if found is not None:

@@ -406,6 +406,13 @@ def check_request(request: ScoreRequest, packs: dict, *, tokens: ServedTokens | 
                                                                     max_content_tokens))
 
 
+def within_context(request: CompletionRequest, context: int) -> bool:
+    """Whether every prompt plus ``max_tokens`` fits ``context`` by its bound alone (a
+    string's UTF-8 bytes, an id list's length): then check_completion counts nothing."""
+    return all((1 + utf8_bound(p) if isinstance(p, str) else len(p)) + request.max_tokens
+               <= context for p in request.prompts)
+
+
 def check_completion(request: CompletionRequest, tokens: ServedTokens | None) -> None:
     """A completion prompt (BOS + a string's tokens, or the ids as sent) plus ``max_tokens``
     past the served model's context: the 400 the worker would answer
@@ -413,7 +420,13 @@ def check_completion(request: CompletionRequest, tokens: ServedTokens | None) ->
     if tokens is None or tokens.context is None:
         return
     for k, prompt in enumerate(request.prompts):
-        n = 1 + len(tokens.encode(prompt)) if isinstance(prompt, str) else len(prompt)
+        if isinstance(prompt, str):
+            # counted only where its bound could pass the context (lm-eval's prompts: never)
+            if 1 + utf8_bound(prompt) + request.max_tokens <= tokens.context:
+                continue
+            n = 1 + len(tokens.encode(prompt))
+        else:
+            n = len(prompt)
         if n + request.max_tokens > tokens.context:
             raise ContextLengthError(
                 f"the prompt is {n} tokens and {request.max_tokens} more are asked for; "

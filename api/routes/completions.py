@@ -14,12 +14,12 @@ from fastapi.responses import JSONResponse
 
 from spinf_worker.completions import CompletionRequest, CompletionResponse
 from spinf_worker.queue.producer import Submission
-from spinf_worker.request_limits import check_completion
+from spinf_worker.request_limits import check_completion, within_context
 
 from ..auth import V1_AUTH, CallerDep
 from ..errors import request_id_of
 from ..models import CompletionBody, JobAccepted, error_responses, json_body
-from ..services import Services, ServicesDep, read_json
+from ..services import Services, ServicesDep, Workers, read_json
 from .scoring import (
     IdempotencyKey,
     Prefer,
@@ -35,10 +35,16 @@ from .scoring import (
 router = APIRouter(prefix="/v1", tags=["scoring"], dependencies=V1_AUTH)
 
 
-async def check_context(services: Services, request: CompletionRequest) -> None:
+async def check_context(services: Services, request: CompletionRequest,
+                        workers: Workers | None = None) -> None:
     """A prompt (BOS + its tokens, or its ids) plus ``max_tokens`` past the served model's
-    context is the 400 the worker would answer; without the tokenizer here, the worker's."""
-    await asyncio.to_thread(check_completion, request, await services.served_tokens())
+    context is the 400 the worker would answer; without the tokenizer here, the worker's.
+    Prompts whose bounds fit need no count, nor a thread to count on."""
+    tokens = await services.served_tokens(workers)
+    if tokens is not None and tokens.context is not None and within_context(
+            request, tokens.context):
+        return
+    await asyncio.to_thread(check_completion, request, tokens)
 
 
 @router.post("/completions", response_model=CompletionResponse,
@@ -54,9 +60,10 @@ async def completions(request: Request, services: ServicesDep, caller: CallerDep
     completion = CompletionRequest.parse(await read_json(request))
     respond_async = prefers_async(prefer)
     timeout = 0.0 if respond_async else sync_timeout(services, x_sync_timeout)
-    await services.check_serving()
-    await check_model(services, completion.model, completion)
-    await check_context(services, completion)
+    workers = await services.workers()     # read once for the checks below
+    await services.check_serving(workers)
+    await check_model(services, completion.model, completion, workers)
+    await check_context(services, completion, workers)
     await check_backlog(services)
     payload = {"model": completion.model, "completion": completion.model_dump(mode="json")}
     job_id = await submit(services, caller, Submission(

@@ -40,7 +40,7 @@ from ..errors import (
 )
 from ..media import NOT_FETCHED, check_kinds, check_media, served_kinds
 from ..models import ChatCompletionRequest, JobAccepted, error_responses, json_body
-from ..services import ResultResponse, Services, ServicesDep, read_json
+from ..services import ResultResponse, Services, ServicesDep, Workers, read_json
 from .catalog import names_of
 from .packs import loaded_packs
 
@@ -51,13 +51,15 @@ _ERRORS = error_responses(400, 401, 413, 422, 429, 500, 503)
 
 
 async def check_model(services: Services, model: str | None,
-                      request: ScoreRequest | CompletionRequest | None = None) -> None:
+                      request: ScoreRequest | CompletionRequest | None = None,
+                      workers: Workers | None = None) -> None:
     """404 for a model no worker serves. Known = the models of live workers, or of the
     registered ones when none is live (a restarting fleet); with no worker at all the job
     waits for one, and the worker judges the name. With ``request``: what the model's
     manifest says it does not do (a decision model: options over its codes only) is the
-    400 its worker would answer."""
-    live, registered = await services.workers()
+    400 its worker would answer. ``workers``: what ``services.workers()`` read for this
+    request already."""
+    live, registered = workers or await services.workers()
     workers = live or registered
     served = {w.model for w in workers}
     if model is not None and served and not any(
@@ -161,8 +163,9 @@ async def submit_and_wait(services: Services, caller: Caller, request: ScoreRequ
                           idempotency_key: str | None, timeout: float
                           ) -> tuple[str, JobResult | None]:
     """(job id, its result or None when not finished within ``timeout``)."""
-    await services.check_serving()
-    await check_model(services, request.model, request)
+    workers = await services.workers()
+    await services.check_serving(workers)
+    await check_model(services, request.model, request, workers)
     await check_media(services, request)
     await check_limits(services, request)
     await check_backlog(services)

@@ -124,12 +124,17 @@ class Producer:
 
     async def backlog(self) -> int:
         """Entries waiting or in flight across both work streams."""
+        # every stream's groups in one round trip (each request asks before it is queued)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for stream in self.keys.streams:
+                pipe.xinfo_groups(stream)
+            replies = await pipe.execute(raise_on_error=False)
         total = 0
-        for stream in self.keys.streams:
-            try:
-                groups = await self.redis.xinfo_groups(stream)
-            except ResponseError:            # no stream yet
+        for stream, groups in zip(self.keys.streams, replies, strict=True):
+            if isinstance(groups, ResponseError):   # no stream yet
                 groups = []
+            elif isinstance(groups, Exception):
+                raise groups
             group = next((g for g in groups if g["name"] == GROUP), None)
             if group is None or group.get("lag") is None:
                 # no group yet, or Redis cannot tell the lag: acked entries are deleted, so
