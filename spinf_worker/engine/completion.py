@@ -16,6 +16,7 @@ so ``max_tokens`` is small (completions.MAX_COMPLETION_TOKENS).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -23,7 +24,7 @@ import numpy as np
 
 from ..completions import CompletionRequest, CompletionResponse
 from ..decision_rules import refuse_completion
-from ..errors import ContextLengthError, InvalidRequestError, ModelNotFoundError
+from ..errors import ContextLengthError, InvalidRequestError, ModelNotFoundError, SpinfError
 from ..ids import new_ulid
 from ..tiles import BlockChain, RowPart, padded_rows
 from .layout import FlatDoc
@@ -81,9 +82,11 @@ class PromptRun:
     eos: bool = False                # the last generated token is EOS (not in the text)
 
 
-def encode_prompts(engine, request: CompletionRequest) -> list[tuple[list[int], str, list[int]]]:
+def encode_prompts(engine, request: CompletionRequest, encodings: list | None = None
+                   ) -> list[tuple[list[int], str, list[int]]]:
     """Each prompt's (ids, text as echoed, each token's character offset in it); raises the
-    request's own error. Once per request: laying it out keeps them for its pass."""
+    request's own error. Once per request: laying it out keeps them for its pass.
+    ``encodings``: the string prompts' tokenizer encodings, made already (encode_many)."""
     if request._encoded is not None:
         return request._encoded
     tok = engine.checkpoint.tokenizer
@@ -93,7 +96,8 @@ def encode_prompts(engine, request: CompletionRequest) -> list[tuple[list[int], 
     for k, prompt in enumerate(request.prompts):
         param = "prompt" if len(request.prompts) == 1 else f"prompt[{k}]"
         if isinstance(prompt, str):
-            encoding = tok.encode(prompt, add_special_tokens=False)
+            encoding = (encodings[k] if encodings is not None
+                        else tok.encode(prompt, add_special_tokens=False))
             ids = [engine.checkpoint.bos_token_id, *encoding.ids]
             offsets = [0, *(start for start, _ in encoding.offsets)]
             text = prompt
@@ -113,6 +117,22 @@ def encode_prompts(engine, request: CompletionRequest) -> list[tuple[list[int], 
         out.append((ids, text, offsets))
     request._encoded = out
     return out
+
+
+def encode_many(engine, requests: list[CompletionRequest]) -> None:
+    """The string prompts of ``requests`` tokenised together, on the tokenizer's own threads
+    (lm-eval sends one request per option: the queue reads many at once), each request's
+    encodings kept as encode_prompts keeps them. A request with an error is left for
+    encode_prompts to raise it when it is laid out."""
+    todo = [r for r in requests if r._encoded is None]
+    texts = [p for r in todo for p in r.prompts if isinstance(p, str)]
+    if len(texts) < 2:
+        return
+    encodings = iter(engine.checkpoint.tokenizer.encode_batch(texts, add_special_tokens=False))
+    for request in todo:
+        given = [next(encodings) if isinstance(p, str) else None for p in request.prompts]
+        with contextlib.suppress(SpinfError):
+            encode_prompts(engine, request, given)
 
 
 class PreparedCompletion:

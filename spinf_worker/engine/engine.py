@@ -26,7 +26,7 @@ from ..protocol import DEFAULT_LIMITS, ScoreRequest, ScoreResponse
 from ..quant.fp8_static import load_scales, scales_path
 from ..tiles import RowPart
 from .batch import ScoringBatch
-from .completion import PreparedCompletion, TokenPieces
+from .completion import PreparedCompletion, TokenPieces, encode_many
 from .decision import code_ids, served_manifest
 from .decode import SlotDecoder, SlotJob
 from .floors import FloorCache
@@ -216,6 +216,11 @@ class Engine:
         if isinstance(request, CompletionRequest):
             return PreparedCompletion.row_parts(self, request)
         return self.preparer.row_parts(request)
+
+    def encode_completions(self, requests: list[CompletionRequest]) -> None:
+        """Tokenise the prompts of many completions requests together (in parallel), ahead
+        of their ``row_parts``."""
+        encode_many(self, requests)
 
     def rows(self, request: dict | ScoreRequest | CompletionRequest) -> int:
         """Rows the request's document takes in a pass (the real layout: content plus the

@@ -384,12 +384,43 @@ class Worker:
     # ---- admitting entries -------------------------------------------------------------
 
     def _parse(self, stream: str, entry_id: str, fields: dict) -> Entry:
+        entry = self._read_entry(stream, entry_id, fields)
+        self._lay_out(entry)
+        return entry
+
+    def _parse_many(self, raw: list[tuple[str, str, dict]]) -> list[Entry]:
+        """``_parse`` of each entry, the prompts of completions requests tokenised together
+        first (lm-eval sends one request per option)."""
+        entries = [self._read_entry(*r) for r in raw]
+        completions = [e.request for e in entries if isinstance(e.request, CompletionRequest)]
+        if len(completions) > 1 and hasattr(self.engine, "encode_completions"):
+            try:
+                self.engine.encode_completions(completions)
+            except Exception:   # each one is tokenised again as it is laid out, alone
+                self.log.exception("tokenising completions together failed")
+        for entry in entries:
+            self._lay_out(entry)
+        return entries
+
+    @staticmethod
+    def _read_entry(stream: str, entry_id: str, fields: dict) -> Entry:
         entry = Entry(stream, entry_id, fields)
         try:
             if not entry.job:
                 raise ValueError("entry has no job id")
             try:
                 entry.request = read_request(fields["payload"])
+            except SpinfError as err:
+                entry.error = err
+        except Exception as err:   # a damaged entry; retried like any failure, then dead
+            entry.failure = f"{type(err).__name__}: {err}"
+        return entry
+
+    def _lay_out(self, entry: Entry) -> None:
+        if entry.request is None:
+            return
+        try:
+            try:
                 # the engine's own layout (prefix tree included); it keeps the content's
                 # token ids for the pass that scores the entry
                 entry.parts = self.engine.row_parts(entry.request)
@@ -397,7 +428,6 @@ class Worker:
                 entry.error = err
         except Exception as err:   # a damaged entry; retried like any failure, then dead
             entry.failure = f"{type(err).__name__}: {err}"
-        return entry
 
     async def _admit(self, raw: list[tuple[str, str, dict]], redelivered: bool) -> None:
         """Parse entries (on a thread) and sort them: ready for a pass, answered at once
@@ -413,7 +443,7 @@ class Worker:
             raise
 
     async def _sort_in(self, raw: list[tuple[str, str, dict]], redelivered: bool) -> None:
-        entries = await asyncio.to_thread(lambda: [self._parse(*r) for r in raw])
+        entries = await asyncio.to_thread(self._parse_many, raw)
         done_before: dict[str, str] = {}
         if redelivered:
             await self._load_deliveries(entries)
