@@ -266,6 +266,9 @@ def main() -> None:
     parser.add_argument("--code", type=Path, help="a checkout whose spinf_worker/, api/ to measure")
     parser.add_argument("--profile", type=Path, help="cProfile of the service phases, here")
     parser.add_argument("--ways", default="completions,score", help="which paths to measure")
+    parser.add_argument("--prompts-per-request", type=int, default=1, metavar="N",
+                        help="completions: N (item, option) prompts in one request's list "
+                             "(lm-eval's local-completions batch_size)")
     parser.add_argument("--no-stages", action="store_true", help="the service phase only")
     parser.add_argument("--out", type=Path, help="write the figures there as JSON too")
     args = parser.parse_args()
@@ -276,18 +279,26 @@ def main() -> None:
     import spinf_worker
     from api.tokens import load
     from spinf_worker.engine import Engine, EngineSettings
+    from spinf_worker.engine.engine import freeze_heap
 
     engine = Engine.load(device="cpu", settings=EngineSettings(max_pass_tokens=PASS_ROWS))
     stub_forward(engine)
+    freeze_heap()     # as `serve` does once its engine is loaded
     tokens = load(engine.model_name)
     contexts = items(engine.checkpoint.tokenizer, args.items, args.context_tokens)
     ways = {"completions": ("/v1/completions", completion_bodies(engine.model_name, contexts)),
             "score": ("/v1/score", score_bodies(contexts))}
     options = len(ways["completions"][1]) // len(contexts)
     ways = {way: ways[way] for way in args.ways.split(",")}
+    if args.prompts_per_request > 1 and "completions" in ways:
+        singles, n = ways["completions"][1], args.prompts_per_request
+        ways["completions"] = ("/v1/completions", [
+            {**singles[i], "prompt": [b["prompt"] for b in singles[i:i + n]]}
+            for i in range(0, len(singles), n)])
     figures: dict = {"code": str(Path(spinf_worker.__file__).parent), "items": args.items,
                      "context_tokens": args.context_tokens, "options": options,
-                     "concurrency": args.concurrency, "pass_rows": PASS_ROWS}
+                     "concurrency": args.concurrency, "pass_rows": PASS_ROWS,
+                     "prompts_per_request": args.prompts_per_request}
     for way, (_, bodies) in ways.items() if not args.no_stages else ():
         figures[f"{way}_stages_us"] = stages(engine, tokens, bodies, way, args.concurrency)
     timed = TimedEngine(engine)

@@ -215,11 +215,10 @@ class PreparedCompletion:
         """Per row of ``values`` / ``ids`` [rows, N], its top ``logprobs`` as {piece:
         logprob}, most likely first; a piece two tokens spell keeps the first's."""
         n = self.request.logprobs
+        if n == 1:   # lm-eval's: one token a row
+            return [{p: v} for p, v in zip(self.piece.many(ids[:, 0].tolist()),
+                                           values[:, 0].tolist(), strict=True)]
         values, ids = values[:, :n].tolist(), ids[:, :n].tolist()
-        known, piece = self.piece.known, self.piece
-        if n == 1:
-            return [{known.get(t) or piece(t): v}
-                    for (v,), (t,) in zip(values, ids, strict=True)]
         out = []
         for row_values, row_ids in zip(values, ids, strict=True):
             top = dict(zip(self.piece.many(row_ids), row_values, strict=True))
