@@ -160,12 +160,16 @@ class Preparer:
                         len(root) + len(d.query_set.block.ids))
                 for d, root in zip(p.docs, roots, strict=True)]
 
-    def prepare_batch(self, raws: Sequence[dict | ScoreRequest]
+    def prepare_batch(self, raws: Sequence[dict | ScoreRequest],
+                      scoring_texts: dict[int, str | None] | None = None
                       ) -> list[PreparedRequest | SpinfError]:
         """Parse and lay out requests, their contents tokenised together (in parallel); a bad
-        request yields its error in place (a bad input fails its whole request)."""
+        request yields its error in place (a bad input fails its whole request).
+        ``scoring_texts``: as ``parse`` takes it, kept by a caller preparing more requests
+        of one batch a few at a time (the blocks written once a batch)."""
         out: list[PreparedRequest | SpinfError] = []
-        texts: dict[int, str | None] = {}   # per scoring block (a bulk job sends one): its JSON
+        # per scoring block (a bulk job sends one): its JSON
+        texts: dict[int, str | None] = {} if scoring_texts is None else scoring_texts
         for raw in raws:
             try:
                 out.append(self.parse(raw, texts))
