@@ -274,6 +274,11 @@ class BranchBlock:
         return np.searchsorted(self.option_branch, np.arange(self.n_branches + 1))
 
     @cached_property
+    def root_children(self) -> np.ndarray:
+        """The branch tokens whose parent is the root (parent -1)."""
+        return np.flatnonzero(self.parent < 0)
+
+    @cached_property
     def top_position(self) -> int:
         """The last branch position - root (-1: no branch tokens, the root's last is)."""
         return int(self.pos.max()) if len(self.pos) else -1
