@@ -171,9 +171,14 @@ def check_media_kinds(messages: list[Message], readable: Collection[str], model:
 # ---- queries ---------------------------------------------------------------------------
 
 
+def input_param(request: ScoreRequest, index: int) -> str:
+    """Where the input is in the request."""
+    return f"inputs.{index}" if request.inputs is not None else "messages"
+
+
 def query_params(request: ScoreRequest, index: int, doc: Document) -> tuple[str, list[str]]:
     """(where the input is in the request, where each of its queries is)."""
-    where = f"inputs.{index}" if request.inputs is not None else "messages"
+    where = input_param(request, index)
     shared = request.scoring.query_params()
     own = {q.id: f"{where}.queries.{k}" for k, q in enumerate(
         request.inputs[index].queries or [] if request.inputs is not None else [])}

@@ -8,6 +8,8 @@ import copy
 
 import pytest
 
+from spinf_worker.errors import InvalidRequestError
+
 from .test_engine_parity import NEWS, QUERIES
 
 
@@ -111,3 +113,17 @@ def test_a_group_has_a_prefix_tree_of_its_own(tiny_engine):
         asked, {**asked, "id": "b", "group": "mine@1"}], "case_insensitive": False}})
     a, b = response.results[0].queries
     assert a.combinations == b.combinations
+
+
+def test_a_checked_block_is_checked_again_under_limits_of_its_own(tiny_engine):
+    """An input asking a scoring block's queries takes their checks as passed once another
+    input of the block passed them, but only without limits of its own: under a lower query
+    limit the same block is refused, and without one it is answered as before."""
+    scoring = {"queries": QUERIES}
+    first, limited, again = tiny_engine.score_batch([
+        {"text": NEWS, "scoring": scoring},
+        {"text": NEWS, "scoring": scoring, "limits": {"max_query_tokens": 2}},
+        {"text": NEWS, "scoring": scoring}])
+    assert isinstance(limited, InvalidRequestError)
+    assert limited.code == "template_too_long"
+    assert again.results == first.results

@@ -49,6 +49,9 @@ class ScoringBatch:
         self.scored: dict[int, dict[int, DocScores]] = {}
         self.completions: dict[int, PreparedCompletion] = {}   # until every prompt is done
         self.prompts_left: dict[int, int] = {}
+        # the JSON of each scoring block, by object (the requests are held while the batch
+        # runs): a bulk job's one block written once a batch, not once a chunk
+        self.scoring_texts: dict[int, str | None] = {}
 
     def _prepared(self):
         """Each request laid out, in order: scoring requests a chunk at a time (their
@@ -57,7 +60,7 @@ class ScoringBatch:
         for request in self.requests:
             if isinstance(request, CompletionRequest):
                 if chunk:
-                    yield from engine.preparer.prepare_batch(chunk)
+                    yield from engine.preparer.prepare_batch(chunk, self.scoring_texts)
                     chunk = []
                 try:
                     yield PreparedCompletion(engine, request)
@@ -66,10 +69,10 @@ class ScoringBatch:
                 continue
             chunk.append(request)
             if len(chunk) == PREPARE_CHUNK:
-                yield from engine.preparer.prepare_batch(chunk)
+                yield from engine.preparer.prepare_batch(chunk, self.scoring_texts)
                 chunk = []
         if chunk:
-            yield from engine.preparer.prepare_batch(chunk)
+            yield from engine.preparer.prepare_batch(chunk, self.scoring_texts)
 
     def start(self) -> ScoringBatch:
         """Prepare and launch everything; returns with the last pass still on the device.

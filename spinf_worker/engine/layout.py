@@ -82,6 +82,8 @@ class FlatDoc:
     # completion prompts: their rows as blocks (engine/prompt_blocks.py), attended block by
     # block; root == tokens, the last real row + 1, and padding rows may lie before it
     prompts: PromptBlocks | None = None
+    # max_position, when the layout knows it without reading the rows (BranchBlock.place)
+    last_position: int | None = field(default=None, repr=False, compare=False)
 
     @property
     def length(self) -> int:
@@ -91,6 +93,8 @@ class FlatDoc:
     def max_position(self) -> int:
         """The last position of a real row (asked of each document several times: its
         checks, its root key, the CPU attention's masks)."""
+        if self.last_position is not None:
+            return self.last_position
         return int(self.positions[: self.tokens].max())
 
     @cached_property
@@ -270,6 +274,16 @@ class BranchBlock:
         return np.searchsorted(self.option_branch, np.arange(self.n_branches + 1))
 
     @cached_property
+    def root_children(self) -> np.ndarray:
+        """The branch tokens whose parent is the root (parent -1)."""
+        return np.flatnonzero(self.parent < 0)
+
+    @cached_property
+    def top_position(self) -> int:
+        """The last branch position - root (-1: no branch tokens, the root's last is)."""
+        return int(self.pos.max()) if len(self.pos) else -1
+
+    @cached_property
     def paths(self) -> tuple[np.ndarray, np.ndarray]:
         """Each row's path (row - root), filled from the row itself up to its first branch
         token, zero-padded to [branch tokens, L], and which entries are real."""
@@ -332,6 +346,7 @@ class BranchBlock:
             readout_rows=torch.from_numpy(readout_rows),
             extract={b: (r, [*range(root), *(root + p for p in path)], settings)
                      for b, (r, path, settings) in self.extract.items()},
+            last_position=root + self.top_position,
         )
 
 

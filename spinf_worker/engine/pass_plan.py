@@ -47,14 +47,14 @@ def pass_rows(docs: list[FlatDoc], rows: int, pad_id: int) -> np.ndarray:
     out = np.empty((PASS_ROWS, rows), dtype=np.int32)
     out[0], out[1], out[2], out[5], out[6] = pad_id, 0, -1, -1, -1
     # a padding row: its subtree is itself, and so is its path (its root is empty)
-    out[3], out[4] = np.arange(1, rows + 1), np.arange(rows)
+    out[3], out[4] = np.arange(1, rows + 1, dtype=np.int32), np.arange(rows, dtype=np.int32)
     start = 0
     for i, doc in enumerate(docs):
         end = start + doc.length
         out[0, start:end] = doc.input_ids.numpy()
         out[1, start:end] = doc.positions.numpy()
         out[2, start:start + doc.tokens] = i
-        out[3, start:end] = doc.span_end + start
+        np.add(doc.span_end, start, out=out[3, start:end])
         out[4, start:start + doc.tokens] = start + doc.root
         if doc.prompts is not None:
             # completion prompts' blocks: padding rows may lie between real ones (a block
@@ -63,9 +63,10 @@ def pass_rows(docs: list[FlatDoc], rows: int, pad_id: int) -> np.ndarray:
             real = doc.prompts.real
             out[2, start:end] = np.where(real, i, -1)
             out[4, start:end] = np.where(real, start + doc.root, np.arange(start, end))
-        parent = doc.block.parent
-        out[5, start + doc.root:start + doc.tokens] = np.where(parent >= 0,
-                                                               parent + start + doc.root, -1)
+        # a branch row's parent as a pass row; -1 under the root (the block's first tokens)
+        parents = out[5, start + doc.root:start + doc.tokens]
+        np.add(doc.block.parent, start + doc.root, out=parents)
+        parents[doc.block.root_children] = -1
         for image in doc.media:
             if image.kind == "image":
                 out[6, start + image.start:start + image.end] = start + image.start

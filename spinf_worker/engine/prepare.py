@@ -9,6 +9,7 @@ the queries' JSON without ids) is expanded and laid out once (``QuerySet``) and 
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ from ..request_limits import (
     content_limit,
     content_too_long,
     decode_budget,
+    input_param,
     pack_queries,
     pack_runs,
     past_context,
@@ -56,6 +58,7 @@ from .slots import search_beams, slot_settings
 __all__ = ["PackRun", "Prepared", "PreparedRequest", "Preparer", "QuerySet", "case_spellings"]
 
 QUERY_SET_CACHE = 256   # laid-out query lists kept (bulk jobs repeat one list per document)
+CHECKED_BLOCKS = 64     # scoring blocks whose shared queries passed this engine's checks
 ROOT_CACHE = 4096       # contents tokenised by rows(), kept for the layout that follows
 
 
@@ -131,6 +134,10 @@ class Preparer:
         self._roots: OrderedDict[str, list[int]] = OrderedDict()   # tokenised by rows()
         self._query_sets: OrderedDict[tuple[str, ...], QuerySet] = OrderedDict()
         self._pack_queries: dict[str, list[Query]] = {}           # by pack group
+        # per validated scoring block (by id; the block kept, so the id is not reused): its
+        # shared queries, checked as an input asks them all without packs or own limits,
+        # and their query set. A bulk job sends one block with every document.
+        self._checked: dict[int, tuple[object, list[Query], QuerySet]] = {}
 
     def rows(self, raw: dict | ScoreRequest) -> int:
         """Rows the request's inputs take in passes, each alone (content plus the query
@@ -153,12 +160,16 @@ class Preparer:
                         len(root) + len(d.query_set.block.ids))
                 for d, root in zip(p.docs, roots, strict=True)]
 
-    def prepare_batch(self, raws: Sequence[dict | ScoreRequest]
+    def prepare_batch(self, raws: Sequence[dict | ScoreRequest],
+                      scoring_texts: dict[int, str | None] | None = None
                       ) -> list[PreparedRequest | SpinfError]:
         """Parse and lay out requests, their contents tokenised together (in parallel); a bad
-        request yields its error in place (a bad input fails its whole request)."""
+        request yields its error in place (a bad input fails its whole request).
+        ``scoring_texts``: as ``parse`` takes it, kept by a caller preparing more requests
+        of one batch a few at a time (the blocks written once a batch)."""
         out: list[PreparedRequest | SpinfError] = []
-        texts: dict[int, str | None] = {}   # per scoring block (a bulk job sends one): its JSON
+        # per scoring block (a bulk job sends one): its JSON
+        texts: dict[int, str | None] = {} if scoring_texts is None else scoring_texts
         for raw in raws:
             try:
                 out.append(self.parse(raw, texts))
@@ -220,29 +231,50 @@ class Preparer:
         case_insensitive = case_rule(request, runs)
         docs, limits = [], request.effective_limits
         for i, doc in enumerate(request.documents()):
-            where, params = query_params(request, i, doc)
+            where = input_param(request, i)
             check_media_kinds(doc.messages, self.media_kinds, self.model, where)
-            check_combination_count(doc.queries, params, self.max_combinations)
-            queries, key = list(doc.queries), doc.layout_key
-            if runs:
-                check_pack_ids(doc, runs, i)
-                for run in runs:
-                    mine = pack_queries(run.pack, self._pack_queries)
-                    queries += mine
-                    params += [None] * len(mine)   # a pack's own: no caller limits
-                key = query_layout_key(queries, case_insensitive)
-            if self.decision is not None:
-                check_queries(self.decision, self.model, queries, params)
-            elif self.capabilities is not None:
-                check_slots(list(self.capabilities), self.model, queries, params)
-            query_set = self._query_set(queries, key, case_insensitive,
-                                        request.scoring.empty_floor, limits, params)
+            queries, query_set = self._queries(request, i, doc, runs, case_insensitive, limits)
             prepared = Prepared(doc.input_id, where, queries, len(doc.queries), query_set,
                                 self._present(doc, runs, i))
             if self.media is not None and any(m.media_parts() for m in doc.messages):
                 self._present_images(prepared, doc, runs, i, limits)
             docs.append(prepared)
         return PreparedRequest(request, docs, runs)
+
+    def _queries(self, request: ScoreRequest, index: int, doc: Document, runs: list[PackRun],
+                 case_insensitive: bool, limits: Limits) -> tuple[list[Query], QuerySet]:
+        """The input's queries (its own, then its packs') checked, and their query set."""
+        # without packs or limits of its own, an input asking the queries another input of
+        # the same block passed (the block's shared ones, as a bulk job asks them) passes
+        # again: the checks read only the queries and this engine's settings
+        plain = not runs and request.limits is None
+        if plain and (found := self._checked.get(id(request.scoring))) is not None:
+            block, queries, query_set = found
+            if (block is request.scoring and len(queries) == len(doc.queries)
+                    and all(map(operator.is_, queries, doc.queries))):
+                return queries, query_set
+        _, params = query_params(request, index, doc)
+        check_combination_count(doc.queries, params, self.max_combinations)
+        queries, key = list(doc.queries), doc.layout_key
+        if runs:
+            check_pack_ids(doc, runs, index)
+            for run in runs:
+                mine = pack_queries(run.pack, self._pack_queries)
+                queries += mine
+                params += [None] * len(mine)   # a pack's own: no caller limits
+            key = query_layout_key(queries, case_insensitive)
+        if self.decision is not None:
+            check_queries(self.decision, self.model, queries, params)
+        elif self.capabilities is not None:
+            check_slots(list(self.capabilities), self.model, queries, params)
+        query_set = self._query_set(queries, key, case_insensitive, request.scoring.empty_floor,
+                                    limits, params)
+        if plain:
+            if len(self._checked) >= CHECKED_BLOCKS:
+                self._checked.clear()   # another thread's lookup then only misses
+            # the block kept with its id, so that the id is not another block's
+            self._checked[id(request.scoring)] = (request.scoring, queries, query_set)
+        return queries, query_set
 
     def _present(self, doc: Document, runs: list[PackRun], index: int) -> str:
         """The input's content presented, wrapped in its packs' context."""

@@ -169,6 +169,10 @@ class PlainSet:
     values: list[dict[str, str]]  # per branch: its combination's values
     query_start: list[int]        # per query + 1: its first branch
     option_count: list[int]       # per query: its options over all its combinations
+    branch_options: list[slice]   # per branch: its options among the input's
+    # per query its branches among the input's; None: one branch a query (a bulk job's
+    # usual set), answered in one comprehension
+    query_branches: list[slice] | None
     # the floors last read (per query, None: no floor) and their figures per option and per
     # branch: the same for every input asking the set while its floors are the same
     floors: tuple[list[DocScores | None], list, list] | None = None
@@ -181,13 +185,17 @@ class PlainSet:
         if qs.plain is None:
             plain = all(kind == "?" and starts is None
                         for kind, starts in zip(qs.kinds, qs.spellings, strict=True))
+            query_start = [0, *accumulate(len(grid) for grid in qs.grids)]
             qs.plain = cls(
                 [o for q, grid in zip(doc.queries, qs.grids, strict=True)
                  for _ in grid for o in q.options],
                 [c.values for grid in qs.grids for c in grid],
-                [0, *accumulate(len(grid) for grid in qs.grids)],
+                query_start,
                 [len(q.options) * len(grid) for q, grid in zip(doc.queries, qs.grids,
                                                                 strict=True)],
+                [slice(at, end) for at, end in pairwise(qs.block.option_start.tolist())],
+                None if all(len(grid) == 1 for grid in qs.grids) else
+                [slice(at, end) for at, end in pairwise(query_start)],
             ) if plain else False
         return qs.plain or None
 
@@ -197,16 +205,22 @@ def _plain_results(doc: Prepared, plain: PlainSet, scores: DocScores,
     """``_query_results`` of a plain query set: the same figures, bit for bit, read from
     the runner's lists in one pass each for options, combinations and queries."""
     qs = doc.query_set
-    logprobs, probs, starts, residual = scores.lists
+    logprobs, probs, _, residual = scores.lists
     floor_p, floor_residual = _plain_floors(plain, qs, floors)
     options = [{"text": t, "logprob": lp, "p": p, "floor_p": fp}
                for t, lp, p, fp in zip(plain.texts, logprobs, probs, floor_p, strict=True)]
-    combos = [{"values": v, "options": options[at:end], "residual": r, "floor_residual": fr}
-              for v, (at, end), r, fr in zip(plain.values, pairwise(starts), residual,
-                                             floor_residual, strict=True)]
+    if plain.query_branches is None:   # one branch a query: its combination built in place
+        out = [{"id": q.id, "combinations": [{"values": v, "options": options[own],
+                                               "residual": r, "floor_residual": fr}]}
+               for q, v, own, r, fr in zip(doc.queries, plain.values, plain.branch_options,
+                                           residual, floor_residual, strict=True)]
+    else:
+        combos = [{"values": v, "options": options[own], "residual": r, "floor_residual": fr}
+                  for v, own, r, fr in zip(plain.values, plain.branch_options, residual,
+                                           floor_residual, strict=True)]
+        out = [{"id": q.id, "combinations": combos[own]}
+               for q, own in zip(doc.queries, plain.query_branches, strict=True)]
     bounds = plain.query_start
-    out = [{"id": q.id, "combinations": combos[at:end]}
-           for q, (at, end) in zip(doc.queries, pairwise(bounds), strict=True)]
     # the queries whose mean residual may pass the mark: with one combination a query (a
     # bulk job's usual set) the mean is the branch's own residual, so only those past it
     asked = (np.flatnonzero(scores.residual > LOW_OPTION_MASS).tolist()

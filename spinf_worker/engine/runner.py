@@ -199,20 +199,20 @@ class ModelRunner:
                 first_at[int(bases[i]) + r] = (i, b)
             if doc.echo is not None:
                 echo_at.append((i, int(bases[i]), len(doc.echo.next_ids)))
-        rows = (torch.cat([doc.readout_rows for doc in docs])
-                + torch.from_numpy(np.repeat(np.asarray(starts, dtype=np.int64), reads)))
-        readout_t = torch.from_numpy(
-            np.concatenate([doc.block.term_readout for doc in docs])
-            + np.repeat(bases[:-1], [len(doc.block.term_readout) for doc in docs]))
-        order = torch.argsort(readout_t, stable=True)
-        readout_sorted = readout_t[order]
-        bounds = torch.searchsorted(readout_sorted, torch.arange(0, base + READOUT_CHUNK,
-                                                                 READOUT_CHUNK)).tolist()
-        n_terms = readout_t.shape[0]
-        index_d = self._upload(torch.cat([rows, readout_sorted,
-                                          torch.from_numpy(np.concatenate([doc.block.term_token for doc in docs]))[order]]))
+        # the indices worked out in numpy (a small torch op costs several times a numpy one)
+        rows = (np.concatenate([doc.readout_rows.numpy() for doc in docs])
+                + np.repeat(np.asarray(starts, dtype=np.int64), reads))
+        readout = (np.concatenate([doc.block.term_readout for doc in docs])
+                   + np.repeat(bases[:-1], [len(doc.block.term_readout) for doc in docs]))
+        order = np.argsort(readout, kind="stable")
+        readout_sorted = readout[order]
+        bounds = np.searchsorted(readout_sorted,
+                                 np.arange(0, base + READOUT_CHUNK, READOUT_CHUNK)).tolist()
+        n_terms = len(readout)
+        tokens = np.concatenate([doc.block.term_token for doc in docs])[order]
+        index_d = self._upload(torch.from_numpy(np.concatenate([rows, readout_sorted, tokens])))
         rows_d, readout_d, token_d = index_d.split([base, n_terms, n_terms])
-        values = torch.empty(readout_t.shape[0], dtype=torch.float32, device=self.device)
+        values = torch.empty(n_terms, dtype=torch.float32, device=self.device)
         first = {}
         echo = {}
         for i, _, count in echo_at:
@@ -244,7 +244,7 @@ class ModelRunner:
                 best = part.topk(top_lp.shape[1], dim=1)
                 top_lp[a_row - at:z_row - at] = best.values
                 top_ids[a_row - at:z_row - at] = best.indices
-        return PendingPass(docs, values, order, first,
+        return PendingPass(docs, values, torch.from_numpy(order), first,
                            echo={i: parts[1:] for i, parts in echo.items()})
 
     def finish(self, pending: PendingPass) -> list[DocScores]:
