@@ -14,6 +14,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, TypeAdapter, model_serializer
 
 from .errors import InvalidRequestError
+from .plain_reply import PlainReply
 
 MAX_COMPLETION_TOKENS = 16   # greedy tokens after a prompt (each one reads the prompt again)
 MAX_LOGPROBS = 20            # top-N per position
@@ -193,7 +194,7 @@ class CompletionUsage(BaseModel):
     total_tokens: int
 
 
-class CompletionResponse(BaseModel):
+class CompletionResponse(PlainReply):
     """OpenAI's ``text_completion`` object."""
 
     id: str
@@ -204,46 +205,17 @@ class CompletionResponse(BaseModel):
     choices: list[CompletionChoice]
     usage: CompletionUsage
 
-    # the data the engine built this reply from (of_engine): stored as it is
-    _plain: dict | None = PrivateAttr(default=None)
+    HELD = "choices"     # a token, a logprob, a top-N and an offset per prompt token
 
     @classmethod
     def of_engine(cls, data: dict[str, Any]) -> CompletionResponse:
-        """The reply of data the engine built in this shape, its ``choices`` (a token, a
-        logprob, a top-N and an offset per prompt token: nearly all of it) validated only
-        once read: a worker stores the data as it is (``plain``)."""
-        response = cls.model_validate({**data, "choices": []})
-        del response.__dict__["choices"]
-        response._plain = data
-        return response
+        """The reply of data the engine built in this shape, its ``choices`` (nearly all of
+        it) validated only once read: a worker stores the data as it is (``plain``)."""
+        return cls._held_back(data)
 
-    def _complete(self) -> None:
-        fields = self.__dict__
-        if "choices" not in fields and self._plain is not None:
-            # in its place among the fields: dumps and reprs list them in this order
-            now = {**fields, "choices": _CHOICES.validate_python(self._plain["choices"])}
-            fields.clear()
-            fields.update((name, now[name]) for name in type(self).model_fields if name in now)
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "choices" and self._plain is not None:   # held back by of_engine
-            self._complete()
-            return self.__dict__["choices"]
-        return super().__getattr__(name)
-
-    def __eq__(self, other: object) -> bool:
-        self._complete()
-        if isinstance(other, CompletionResponse):
-            other._complete()
-        return super().__eq__(other)
-
-    def __iter__(self):
-        self._complete()
-        return super().__iter__()
-
-    def __repr_args__(self):
-        self._complete()
-        return super().__repr_args__()
+    @classmethod
+    def _validate_held(cls, value: Any) -> Any:
+        return _CHOICES.validate_python(value)
 
     @model_serializer(mode="wrap")
     def _dump(self, handler):   # unannotated: the schema stays the model's

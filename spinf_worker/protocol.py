@@ -33,6 +33,7 @@ from pydantic_core import PydanticCustomError
 
 from spinf_worker import media, templates
 from spinf_worker.errors import InvalidRequestError, SpinfError
+from spinf_worker.plain_reply import PlainReply
 
 MAX_QUERIES = 10_000
 # The hosted API's media limits (a request's `limits` may lower them): frames per video,
@@ -956,7 +957,7 @@ class Timing(BaseModel):
     gpu_busy_ms: int = 0
 
 
-class ScoreResponse(_Optional):
+class ScoreResponse(PlainReply, _Optional):
     OPTIONAL = ("endpoint",)
 
     id: str                       # "scr_" + a ULID
@@ -973,47 +974,18 @@ class ScoreResponse(_Optional):
     # what the queue's statistics read (rows a pass holds); not part of the reply
     _rows: int = PrivateAttr(default=0)
     _padded_rows: int = PrivateAttr(default=0)
-    # the data the engine validated this reply from, less its timing (engine/respond.py)
-    _plain: dict | None = PrivateAttr(default=None)
+    HELD = "results"     # the engine's data less its timing is the reply's _plain
 
     @classmethod
     def of_engine(cls, data: dict[str, Any], timing: dict[str, int]) -> ScoreResponse:
         """The reply of data the engine built in the hosted shape (``plain`` less the
         timing), its ``results`` (nearly all of it) validated only once read: a worker hands
-        the data on with ``plain`` and never builds a model per query and option (thousands
-        a second, each one more object for the cyclic collector to walk)."""
-        response = cls.model_validate({**data, "results": [], "timing": timing})
-        del response.__dict__["results"]
-        response._plain = data
-        return response
+        the data on with ``plain`` and never builds a model per query and option."""
+        return cls._held_back(data, timing=timing)
 
-    def _complete(self) -> None:
-        fields = self.__dict__
-        if "results" not in fields and self._plain is not None:
-            # in its place among the fields: dumps and reprs list them in this order
-            now = {**fields, "results": _INPUT_RESULTS.validate_python(self._plain["results"])}
-            fields.clear()
-            fields.update((name, now[name]) for name in type(self).model_fields if name in now)
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "results" and self._plain is not None:   # held back by of_engine
-            self._complete()
-            return self.__dict__["results"]
-        return super().__getattr__(name)
-
-    def __eq__(self, other: object) -> bool:
-        self._complete()
-        if isinstance(other, ScoreResponse):
-            other._complete()
-        return super().__eq__(other)
-
-    def __iter__(self):
-        self._complete()
-        return super().__iter__()
-
-    def __repr_args__(self):
-        self._complete()
-        return super().__repr_args__()
+    @classmethod
+    def _validate_held(cls, value: Any) -> Any:
+        return _INPUT_RESULTS.validate_python(value)
 
     def plain(self) -> dict[str, Any]:
         """``model_dump()``, without dumping the model where the engine kept the data it was
