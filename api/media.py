@@ -19,7 +19,7 @@ from spinf_worker.protocol import ImageUrl, ImageUrlPart, ScoreRequest, VideoPar
 from spinf_worker.request_limits import check_media_kinds
 from spinf_worker.webhooks import CallbackRefused, TargetGuard
 
-from .services import Services
+from .services import Services, Workers
 
 
 def remote_images(request: ScoreRequest) -> Iterator[tuple[ImageUrl, str]]:
@@ -48,11 +48,12 @@ def served_media(workers) -> set[str] | None:
     return set.intersection(*(set(worker.media) for worker in workers))
 
 
-async def served_kinds(services: Services, model: str | None
+async def served_kinds(services: Services, model: str | None, workers: Workers | None = None
                        ) -> tuple[str, set[str]] | None:
     """(the served model's name, the media kinds its workers read), or None when unknown
-    (no worker registered, or one that does not say)."""
-    live, registered = await services.workers()
+    (no worker registered, or one that does not say). ``workers``: what
+    ``services.workers()`` read for this request already."""
+    live, registered = workers or await services.workers()
     workers = [w for w in (live or registered)
                if model is None or model in served_names(w.model)]
     kinds = served_media(workers) if workers else None
@@ -80,10 +81,11 @@ NOT_FETCHED = ("remote image URLs are not fetched on this server; send the image
                "URL")
 
 
-async def check_media(services: Services, request: ScoreRequest) -> None:
+async def check_media(services: Services, request: ScoreRequest,
+                      workers: Workers | None = None) -> None:
     """A request's media before it is queued: kinds the served model reads, then remote
     images fetched and inlined (where the server fetches them)."""
-    check_kinds(request, await served_kinds(services, request.model),
+    check_kinds(request, await served_kinds(services, request.model, workers),
                 remote=None if services.settings.fetch_media else NOT_FETCHED)
     await inline_remote_images(services, request)
 

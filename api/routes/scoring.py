@@ -81,7 +81,7 @@ async def check_model(services: Services, model: str | None,
         check_request_slots(list(manifest.capabilities), manifest.id, request)
 
 
-async def limits_check(services: Services) -> RequestCheck:
+async def limits_check(services: Services, workers: Workers | None = None) -> RequestCheck:
     """What ``check_limits`` runs, as a function of the request (batch queueing runs it on
     each line): the packs a request names (they exist here, with its context, decision,
     parameters, case rule, and their ids and groups are theirs), the combinations per query
@@ -90,9 +90,9 @@ async def limits_check(services: Services) -> RequestCheck:
     processed tokens (request_limits.check_request: the engine's own checks, in its order).
     Without a tokenizer (none here, or no single served model) the token limits are the
     worker's alone. The function may load a pack source: run it on a thread."""
-    tokens = await services.served_tokens()
+    tokens = await services.served_tokens(workers)
     sources = tuple(services.settings.packs)
-    served = await served_kinds(services, None)
+    served = await served_kinds(services, None, workers)
     remote = (NOT_FETCHED if not services.settings.fetch_media else
               "remote image URLs are fetched for /v1/score, /v1/chat/completions and /v1/jobs; "
               "send the image as a data: URL here")
@@ -111,10 +111,11 @@ async def limits_check(services: Services) -> RequestCheck:
     return check
 
 
-async def check_limits(services: Services, request: ScoreRequest) -> None:
+async def check_limits(services: Services, request: ScoreRequest,
+                       workers: Workers | None = None) -> None:
     """Refuse here what the worker would refuse, with its error (``limits_check``). On a
     thread: the first call may load the tokenizer or fetch a pack source."""
-    await asyncio.to_thread(await limits_check(services), request)
+    await asyncio.to_thread(await limits_check(services, workers), request)
 
 
 async def check_backlog(services: Services) -> None:
@@ -166,8 +167,8 @@ async def submit_and_wait(services: Services, caller: Caller, request: ScoreRequ
     workers = await services.workers()
     await services.check_serving(workers)
     await check_model(services, request.model, request, workers)
-    await check_media(services, request)
-    await check_limits(services, request)
+    await check_media(services, request, workers)
+    await check_limits(services, request, workers)
     await check_backlog(services)
     payload = request.model_dump(mode="json", exclude_none=True)
     job_id = await submit(services, caller, Submission(

@@ -325,9 +325,7 @@ class Worker:
             await asyncio.wait({*busy, self._admitting, stopped},
                                return_when=asyncio.FIRST_COMPLETED, timeout=block_ms / 1000)
             return
-        # a pass's worth: parsed while the passes before it run, never much more
-        count = min(self.settings.read_count,
-                    max(1, math.ceil((self.budget - rows) / self._entry_rows)))
+        count = self._room(rows)   # parsed while the passes before it run
         if not busy:
             raw, from_history = await self._read(count, block_ms)
         else:  # read what is there for the next pass, but don't sit on a finished one
@@ -369,13 +367,17 @@ class Worker:
         waiting = self._fill([e for e in self._ready if e.stream == self.keys.interactive])
         if waiting.rows >= self.budget:
             return          # requests enough for this pass: the rest are read meanwhile
-        # what the pass has room for: parsed here, before it starts, so never much more
-        count = min(self.settings.read_count,
-                    max(1, math.ceil((self.budget - waiting.rows) / self._entry_rows)))
         reply = await self.redis.xreadgroup(GROUP, self.name, {self.keys.interactive: ">"},
-                                            count=count)
+                                            count=self._room(waiting.rows))
         if reply:
             await self._admit(self._hold(self.keys.interactive, reply[0][1]), redelivered=False)
+
+    def _room(self, rows: int) -> int:
+        """Entries to read for a pass that holds ``rows`` already: its room over the rows an
+        entry took in the last pass, so a read is parsed in about a pass's time, never
+        much more."""
+        return min(self.settings.read_count,
+                   max(1, math.ceil((self.budget - rows) / self._entry_rows)))
 
     def _hold(self, stream: str, entries: list) -> list[tuple[str, str, dict]]:
         self._held[stream].update(entry_id for entry_id, _ in entries)
