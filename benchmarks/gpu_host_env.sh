@@ -21,9 +21,9 @@ if [ ! -f "$GPU_HOST/site/.installed" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
       --target "$GPU_HOST/site" "$CARRIED"/wheels/*.whl && touch "$GPU_HOST/site/.installed"
 fi
-if ls "$PWD"/.dev/extra/*.whl >/dev/null 2>&1; then
+if ls "$PWD"/.dev/extra/*.whl >/dev/null 2>&1 && [ ! -f "$GPU_HOST/site/.extra-installed" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target "$GPU_HOST/site" "$PWD"/.dev/extra/*.whl
+      --target "$GPU_HOST/site" "$PWD"/.dev/extra/*.whl && touch "$GPU_HOST/site/.extra-installed"
 fi
 if [ ! -f "$GPU_HOST/tokenizer/tokenizer.json" ]; then
   xz -dc "$CARRIED/tokenizer/tokenizer.json.xz" > "$GPU_HOST/tokenizer/tokenizer.json"
