@@ -308,7 +308,7 @@ def _client_process(url: str, items: list[tuple[int, dict]], concurrency: int,
         async with httpx.AsyncClient(base_url=url, timeout=HTTP_TIMEOUT_S, limits=limits) as c:
             await asyncio.gather(*(c.get("/healthz") for _ in range(concurrency)))
             await asyncio.to_thread(start.wait)
-            began = time.time()
+            began, cpu0 = time.time(), time.process_time()
 
             async def caller() -> None:
                 while not queue.empty():
@@ -316,9 +316,10 @@ def _client_process(url: str, items: list[tuple[int, dict]], concurrency: int,
                     got, seconds = await post_score(c, body)
                     done.append((i, got, seconds))
             await asyncio.gather(*(caller() for _ in range(concurrency)))
-            return done, began, time.time()
-    done, began, ended = asyncio.run(main())
-    out.put((done, time.process_time(), began, ended))
+            return done, began, time.time(), time.process_time() - cpu0
+    # CPU from the start barrier on: the process's start and imports are not the phase's
+    done, began, ended, cpu_s = asyncio.run(main())
+    out.put((done, cpu_s, began, ended))
 
 
 def run_concurrent(url: str, requests: list[dict], clients: int, procs: int
@@ -460,8 +461,12 @@ async def run_service(args: argparse.Namespace, service: Service, requests: list
             return await asyncio.to_thread(run_concurrent, service.url, requests,
                                            args.clients, args.client_procs)
 
-        row.update(await measured("batch", batch))
-        row.update(await measured("concurrent", concurrent))
+        if "batch" in args.phases:
+            row.update(await measured("batch", batch))
+        if "concurrent" in args.phases:
+            row.update(await measured("concurrent", concurrent))
+        if "interactive" not in args.phases:
+            return row
         m0 = await metrics(client)
         inter = await run_interactive(client, requests, args.trickle_ms / 1000)
         m1 = await metrics(client)
@@ -494,6 +499,10 @@ def main() -> None:
     parser.add_argument("--client-procs", type=int, default=4)
     parser.add_argument("--api-workers", type=int, default=1)
     parser.add_argument("--trickle-ms", type=float, default=200.0)
+    parser.add_argument("--phases", type=lambda s: s.split(","),
+                        default=["batch", "concurrent", "interactive"],
+                        help="the service's phases to measure, comma-separated (b: batch, "
+                             "c: concurrent, d: interactive); the warm-up runs regardless")
     parser.add_argument("--name", default=None, help="the row's name (default: model + quant)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--commit", default=None)
@@ -527,7 +536,7 @@ def main() -> None:
         with MemorySampler() as service_memory, Service(args, Path(tmp)).running() as service:
             row.update(asyncio.run(run_service(args, service, requests, reference)))
         row["service_nvidia_smi_peak_gib"] = round(service_memory.peak_mib / 1024, 2)
-    for key in ("batch", "concurrent"):
+    for key in set(args.phases) & {"batch", "concurrent"}:
         row[f"{key}_vs_engine"] = round(row[f"{key}_questions_per_s"]
                                         / row["engine_questions_per_s"], 3)
     args.out.mkdir(parents=True, exist_ok=True)

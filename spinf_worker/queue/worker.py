@@ -156,6 +156,7 @@ class Worker:
         self._claimed: list[tuple[str, str, dict]] = []   # from XAUTOCLAIM, not parsed yet
         self._starting: asyncio.Task | None = None     # a pass being laid out and launched
         self._admitting: asyncio.Task | None = None    # entries read, being parsed
+        self._admitting_requests = False      # whether those hold interactive entries
         self._entry_rows = ROW_TILE           # rows an entry took in the last pass started
         self._launched: Launched | None = None         # on the device, read-back not queued
         self._reading: set[asyncio.Task] = set()       # being read back from the device
@@ -335,6 +336,7 @@ class Worker:
                                    timeout=min(block_ms, self.settings.max_wait_ms) / 1000)
         if raw:
             self._admitting = asyncio.create_task(self._admit(raw, redelivered=from_history))
+            self._admitting_requests = any(r[0] == self.keys.interactive for r in raw)
 
     async def _read(self, count: int, block_ms: int | None
                     ) -> tuple[list[tuple[str, str, dict]], bool]:
@@ -554,21 +556,31 @@ class Worker:
             except Exception as err:
                 pass_.outcomes = await self._score_alone(live, err)
             self._launched = pass_
-            if self._answer_first(live):
+            if await self._answer_first(live):
                 self._read_back()
         except Exception:   # entries not answered stay pending and are reclaimed later
             self.log.exception("pass failed", jobs=[e.job for e in live])
             self._release_held(live)
 
-    def _answer_first(self, live: list[Entry]) -> bool:
+    async def _answer_first(self, live: list[Entry]) -> bool:
         """Whether a pass holding requests is read back as soon as it has run, ahead of the
         next pass's layout: when no other request is waiting, the next pass is bulk work,
         and a caller need not wait for its layout (during a bulk job, a layout of a small
-        model's pass takes longer than the device's pass). With requests waiting, passes
-        stay pipelined: many callers are served fastest at full throughput."""
+        model's pass takes longer than the device's pass). With requests waiting (ready,
+        being parsed, or still in the stream: reads are sized to a pass, so many callers
+        leave most of theirs there), passes stay pipelined: many callers are served fastest
+        at full throughput."""
         interactive = self.keys.interactive
-        return (any(e.stream == interactive for e in live)
-                and not any(e.stream == interactive for e in self._ready))
+        if not any(e.stream == interactive for e in live):
+            return False
+        if any(e.stream == interactive for e in self._ready) or (
+                self._admitting is not None and self._admitting_requests):
+            return False
+        try:   # entries not acked yet, less the ones this worker holds: not read by it yet
+            unread = await self.redis.xlen(interactive) - len(self._held[interactive])
+        except RedisError:
+            return True
+        return unread <= 0
 
     def _read_back(self) -> None:
         """Queue the read-back of the pass on the device, if any, on the engine thread now

@@ -521,9 +521,9 @@ async def test_the_next_launch_queues_behind_the_read_backs(redis, keys, setting
 async def test_a_pass_holding_a_request_is_read_back_before_bulk_layout(redis, keys, settings,
                                                                        tiny_engine):
     """During a bulk job a pass holding a request is read back as soon as it has run, ahead
-    of the next bulk pass's layout on the engine thread; while other requests wait, passes
-    of requests stay pipelined (read back behind the next launch). Either way each is
-    answered."""
+    of the next bulk pass's layout on the engine thread; while other requests wait (ready,
+    or still in the stream), passes of requests stay pipelined (read back behind the next
+    launch). Either way each is answered."""
     producer = Producer(redis, keys, settings)
     worker = Worker(tiny_engine, redis, keys, settings)
     jobs = [(await producer.submit(Submission(body(90 + i))))[0] for i in range(2)]
@@ -537,11 +537,18 @@ async def test_a_pass_holding_a_request_is_read_back_before_bulk_layout(redis, k
     worker._ready = [second, *bulk]           # another request waits: pipelined
     await worker._start_pass([first])
     assert worker._launched is not None and not worker._reading
-    worker._ready = bulk                      # only bulk work follows: answered first
+    worker._ready = list(bulk)                # none ready, but one not read yet: pipelined
+    jobs.append((await producer.submit(Submission(body(99))))[0])
     await worker._start_pass([second])
+    assert worker._launched is not None
+    raw, redelivered = await worker._read(64, None)
+    await worker._admit(raw, redelivered)
+    (late,) = [e for e in worker._ready if e.stream == keys.interactive]
+    worker._ready = list(bulk)                # only bulk work follows: answered first
+    await worker._start_pass([late])
     assert worker._launched is None and worker._reading   # its read-back queued
     await asyncio.wait_for(worker._drain(), WAIT_S)
-    assert [r["status_code"] for r in await results_of(redis, keys, jobs)] == [200, 200]
+    assert [r["status_code"] for r in await results_of(redis, keys, jobs)] == [200] * 3
 
 
 async def _read_until(worker: Worker, rows: int) -> None:
