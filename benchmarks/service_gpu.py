@@ -364,11 +364,16 @@ async def run_interactive(client: httpx.AsyncClient, requests: list[dict], trick
         k += 1
         await asyncio.sleep(trickle_s)
     seconds, _ = await batch
+    timings = []
     for task in singles:
-        _, s = await task
+        body, s = await task
         latencies.append(s)
-    # each request: (seconds after the batch was submitted, its latency), to place outliers
-    timeline = [[round(at, 3), round(s, 4)] for at, s in zip(sent, latencies, strict=True)]
+        timings.append(body.get("timing") or {})
+    # each request: (seconds after the batch was submitted, its latency, and of it the ms it
+    # waited in the stream for its pass and the ms from that pass's start to its answer), to
+    # place outliers and tell the worker's share from the API's and the reply path's
+    timeline = [[round(at, 3), round(s, 4), t.get("queue_ms"), t.get("score_ms")]
+                for at, s, t in zip(sent, latencies, timings, strict=True)]
     latencies.sort()
     return dict(batch_seconds=seconds, singles=len(latencies), timeline=timeline,
                 p50_s=statistics.median(latencies) if latencies else None,

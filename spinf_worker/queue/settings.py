@@ -48,8 +48,10 @@ class ServiceSettings(BaseSettings):
     load_format: Literal["auto", "dummy"] = Field(
         "auto", description="`dummy` (`--load-format`): the model's config and tokenizer with "
                             "random weights of its shapes, for capacity and speed runs")
-    max_wait_ms: int = Field(50, description="a lone request is not held longer than this for "
-                                             "a fuller pass")
+    max_wait_ms: int = Field(50, description="a pass that is not full waits at most this long "
+                                             "for the entries still to be read; with none "
+                                             "left and no pass queued on the device, it "
+                                             "starts at once")
     interactive_pass_tokens: int | None = Field(
         None, ge=1, description="bulk entries fill a pass that holds interactive requests "
                                 "only up to this many rows, so a request waits for a short "

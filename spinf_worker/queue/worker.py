@@ -158,6 +158,7 @@ class Worker:
         self._admitting: asyncio.Task | None = None    # entries read, being parsed
         self._admitting_requests = False      # whether those hold interactive entries
         self._entry_rows = ROW_TILE           # rows an entry took in the last pass started
+        self._drained = False                 # the last read left no entry in the streams
         self._launched: Launched | None = None         # on the device, read-back not queued
         self._reading: set[asyncio.Task] = set()       # being read back from the device
         self._finishing: set[asyncio.Task] = set()     # results being stored
@@ -227,6 +228,16 @@ class Worker:
         if self._single_file():
             return self._launched is None and not self._reading
         return True
+
+    def _nothing_to_wait_for(self) -> bool:
+        """Whether a pass that is not full starts now: no other entry is known to be coming
+        (the last read emptied the streams and none is being parsed) and no pass is being
+        read back (the device holds one pass at most, with none queued behind it). Holding
+        the pass then only delays it: entries that arrive meanwhile join the next one, laid
+        out while this one runs, as in continuous batching. Otherwise a pass waits to be
+        full, for ``max_wait_ms`` at most."""
+        return (self._drained and self._admitting is None and self._starting is None
+                and not self._reading)
 
     def _single_file(self) -> bool:
         """Whether bulk passes go on the device one at a time now: interactive requests came
@@ -307,7 +318,8 @@ class Worker:
         full = rows >= self.budget
         waited_ms = (time.monotonic() - min(e.arrived for e in self._ready)) * 1000 \
             if self._ready else 0.0
-        due = bool(self._ready) and (full or waited_ms >= self.settings.max_wait_ms)
+        due = bool(self._ready) and (full or waited_ms >= self.settings.max_wait_ms
+                                     or self._nothing_to_wait_for())
         if due and self._may_start():
             await self._take_interactive()
             self._dispatch()
@@ -327,11 +339,12 @@ class Worker:
                                return_when=asyncio.FIRST_COMPLETED, timeout=block_ms / 1000)
             return
         count = self._room(rows)   # parsed while the passes before it run
-        if not busy:
+        if not busy and not self._ready:
             raw, from_history = await self._read(count, block_ms)
-        else:  # read what is there for the next pass, but don't sit on a finished one
+        else:  # read what is there for the next pass, but don't sit on a finished one, nor
+            # on ready entries when the streams are empty (they are due then: _drained)
             raw, from_history = await self._read(count, None)
-            if not raw:
+            if not raw and busy:
                 await asyncio.wait({*busy, stopped}, return_when=asyncio.FIRST_COMPLETED,
                                    timeout=min(block_ms, self.settings.max_wait_ms) / 1000)
         if raw:
@@ -342,6 +355,7 @@ class Worker:
                     ) -> tuple[list[tuple[str, str, dict]], bool]:
         """Up to ``count`` entries: own pending ones first (after a restart), then new ones,
         interactive before bulk. Returns (entries, whether they are re-deliveries)."""
+        self._drained = False
         for stream, last in self._history.items():
             if last is None:
                 continue
@@ -353,12 +367,17 @@ class Worker:
         for stream in self.keys.streams:
             reply = await self.redis.xreadgroup(GROUP, self.name, {stream: ">"}, count=count)
             if reply:
+                # read short: no more waiting there (requests don't wait for bulk entries)
+                self._drained = len(reply[0][1]) < count
                 return self._hold(stream, reply[0][1]), False
+        self._drained = True
         if block_ms is None:
             return [], False
         reply = await self.redis.xreadgroup(GROUP, self.name, dict.fromkeys(self.keys.streams, ">"),
                                             count=count, block=block_ms)
-        return [e for stream, entries in reply or () for e in self._hold(stream, entries)], False
+        entries = [e for stream, entries in reply or () for e in self._hold(stream, entries)]
+        self._drained = len(entries) < count
+        return entries, False
 
     async def _take_interactive(self) -> None:
         """Interactive entries that arrived while the last pass was laid out (the worker does
@@ -576,8 +595,12 @@ class Worker:
         if any(e.stream == interactive for e in self._ready) or (
                 self._admitting is not None and self._admitting_requests):
             return False
-        try:   # entries not acked yet, less the ones this worker holds: not read by it yet
-            unread = await self.redis.xlen(interactive) - len(self._held[interactive])
+        # entries not acked yet, less the ones this worker holds: not read by it yet. Held
+        # ones counted first: a pass finishing meanwhile drops its entries from the stream
+        # before it drops them from ``_held``
+        held = len(self._held[interactive])
+        try:
+            unread = await self.redis.xlen(interactive) - held
         except RedisError:
             return True
         return unread <= 0

@@ -151,6 +151,24 @@ async def test_waiting_jobs_are_packed_into_full_passes(redis, keys, settings, t
 
 
 @pytest.mark.asyncio
+async def test_a_pass_waits_only_for_entries_still_to_read(redis, keys, settings, tiny_engine):
+    """``max_wait_ms`` far beyond the test's wait: a lone request reaching an idle worker is
+    scored at once (nothing is left to read, no pass is on the device), and twenty waiting
+    requests read four at a time still fill passes (a read that comes back full says more
+    wait), the last one starting once the streams are empty."""
+    settings = settings.model_copy(update={"max_wait_ms": 3_600_000, "read_count": 4})
+    producer = Producer(redis, keys, settings)
+    jobs = [(await producer.submit(Submission(body(i))))[0] for i in range(20)]
+    worker = Worker(tiny_engine, redis, keys, settings)
+    async with running(worker):
+        results = await results_of(redis, keys, jobs)
+        assert all(r["status_code"] == 200 for r in results)
+        assert worker.passes <= 2
+        lone = (await producer.submit(Submission(body(99))))[0]
+        assert (await results_of(redis, keys, [lone]))[0]["status_code"] == 200
+
+
+@pytest.mark.asyncio
 async def test_requests_about_one_text_fill_a_pass_as_one(redis, keys, settings, tiny_engine):
     """Requests that each ask one question about the same text share a root in a pass
     (engine/merge.py): the worker counts that root once when it fills a pass (Engine.row_parts),
