@@ -15,7 +15,13 @@ c. **concurrent**: the documents as ``--clients`` concurrent ``POST /v1/score`` 
    spread over ``--client-procs`` client processes (so the client is not the bottleneck);
 d. **interactive**: a trickle of single ``POST /v1/score`` requests (one every
    ``--trickle-ms``) while a second bulk batch of the documents runs: their p50 / p99 latency
-   against the duration of one full pass (phase b's mean).
+   against the duration of one full pass (phase b's mean); each single's timeline entry
+   holds its send time, latency, and the ``queue_ms`` and ``score_ms`` of its reply (waiting
+   in the stream; from its pass's start to its answer), the rest being the API's and the
+   reply path's.
+
+``--phases`` picks among b, c and d (the warm-up runs regardless); the clients' CPU seconds
+count from the phase's start barrier.
 
 Every service answer is compared with the in-process one, bit for bit. Per phase: docs/s,
 questions/s, the fraction of the wall time the worker was inside a pass
