@@ -10,7 +10,7 @@
 #
 # The carried folder is kept in $GPU_HOST/carried: later calls on the same machine need not
 # carry it again (a call's carry is at most 64 MiB). Wheels in .dev/extra (carried by a call of
-# their own: av, feedparser, trafilatura, soxr for the CLI's extras) are installed too.
+# their own: whatever else a run needs, py-spy say) are installed too, once.
 GPU_HOST=${GPU_HOST:-/root/gpu-host}
 mkdir -p "$GPU_HOST/site" "$GPU_HOST/tokenizer" "$GPU_HOST/models"
 if [ -d "$PWD/.dev/gpu-host" ] && [ ! -d "$GPU_HOST/carried" ]; then

@@ -7,7 +7,11 @@
 #
 #     [SPINF_TOKENIZER=DIR] [SPINF_SHARED_DATA=DIR] bash benchmarks/gpu_host_prepare.sh
 #
-# Carry .dev/gpu-host (about 35 MB) to the GPU host, then there: `source benchmarks/gpu_host_env.sh`.
+# Carry .dev/gpu-host (about 55 MB: one device call's carry) to the GPU host, then there:
+# `source benchmarks/gpu_host_env.sh`. The CLI checks that its extras are installed before it
+# starts a command, so their wheels come along (av, feedparser, trafilatura, soxr; without
+# trafilatura's own dependencies, which only feed ingestion imports). PLOTS=1 adds matplotlib
+# and its dependencies (~17 MB more: the sweeps' PNGs can be drawn here from their JSON).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OUT=$ROOT/.dev/gpu-host
@@ -26,8 +30,9 @@ rm -rf "$OUT" && mkdir -p "$OUT/wheels" "$OUT/redis" "$OUT/tokenizer" "$OUT/data
     typing-inspection annotated-doc uvicorn httptools redis hiredis structlog python-multipart \
     platformdirs orjson gguf spinf-client prometheus-client httpx httpcore h11 anyio sniffio idna \
     certifi pyyaml pytest pluggy iniconfig packaging pillow tenacity pytest-asyncio \
-    standardwebhooks matplotlib contourpy cycler fonttools kiwisolver pyparsing python-dateutil \
-    six typing-extensions opentelemetry-api
+    standardwebhooks python-dateutil six typing-extensions opentelemetry-api \
+    av feedparser feedparser-sgmllib trafilatura soxr \
+    $([ "${PLOTS:-0}" = 1 ] && echo matplotlib contourpy cycler fonttools kiwisolver pyparsing)
 CORE=$(unzip -p "$OUT"/wheels/pydantic-2*.whl '*/METADATA' \
        | sed -n 's/^Requires-Dist: \(pydantic-core==[^ ;]*\).*/\1/p')
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
