@@ -22,6 +22,7 @@ from ..conftest import (
     TINY_GEMMA4_AUDIO_TOKENS,
     TINY_GEMMA4_IMAGE_TOKENS,
     TINY_IMAGE_TOKENS,
+    tamed,
     write_tiny_gemma4_vision,
 )
 from ..media_builders import (
@@ -30,6 +31,7 @@ from ..media_builders import (
     two_images_request,
     video_frames_request,
 )
+from ..media_oracle import served_weights
 from ..test_batch_invariance import other_request
 from ..test_media_gemma3 import (
     QUERIES,
@@ -66,51 +68,10 @@ if torch.cuda.is_available():
 TOLERANCE = {"fp32": (0.03, 0.0), "bf16": (0.15, 0.01), "fp8": (0.4, 0.03)}
 
 
-def tamed(path: Path) -> Path:
-    """Gemma 4's text layers attend unscaled after their q/k norms, which the tiny
-    checkpoint draws around 1: nearly one-hot attention, too brittle to compare precisions
-    on (tests/gpu/test_gpu_families.py scales them too). A quarter of them here."""
-    from safetensors.torch import load_file, save_file
-
-    weights = load_file(path / "model.safetensors")
-    for name, tensor in weights.items():
-        if "language_model" in name and name.endswith(("q_norm.weight", "k_norm.weight")):
-            weights[name] = tensor * 0.25
-    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
-    return path
-
-
 def _oracle(path: Path):
     from ..media_oracle import gemma4_oracle
 
     return gemma4_oracle(path)
-
-
-def served_weights(oracle, scheme: str):
-    """A copy of the fp32 oracle holding the weights the engine serves under ``scheme``, still
-    computing in fp32: bf16 everywhere (fp32: as they are), and for fp8 the text body's
-    linear layers then by quant/fp8.py's per-channel rule (the towers stay bf16). On the
-    tamed Gemma 4 checkpoint the weights' rounding alone is most of a bf16 pass's distance to
-    fp32 (0.12 of 0.14 with an audio, on the CPU); against the served weights the CPU's bf16
-    module forward is within 0.05 on every Gemma 4 media test, where a wrong audio rule
-    moves options by 0.16."""
-    import copy
-
-    from spinf_worker.quant.fp8 import quantize_weight
-
-    if scheme == "fp32":
-        return oracle
-    served = copy.deepcopy(oracle)
-    with torch.no_grad():
-        for p in served.parameters():
-            p.copy_(p.to(torch.bfloat16).float())
-        if scheme == "fp8":
-            text = served.model.language_model
-            for m in text.modules():
-                if isinstance(m, torch.nn.Linear):
-                    q, scale = quantize_weight(m.weight.to(torch.bfloat16))
-                    m.weight.copy_(q.float() * scale[:, None])
-    return served.eval()
 
 
 @pytest.fixture(scope="module")
