@@ -67,3 +67,43 @@ def option_logprobs(oracle, tokenizer, root: list[int], queries: list[dict],
 def marked(name: str, token: int, value: int = 1) -> Callable[[list[int]], dict]:
     """``token_types`` marking ``token``'s places with ``value`` in the argument ``name``."""
     return lambda ids: {name: torch.tensor([[value * int(i == token) for i in ids]])}
+
+
+def served_weights(oracle, scheme: str, dtype: torch.dtype = torch.bfloat16, *,
+                   activations: bool = False):
+    """A copy of the fp32 oracle holding the weights the engine serves under ``scheme``, still
+    computing in fp32: rounded to ``dtype`` (the engine's: bf16 on CUDA, fp32 on the CPU;
+    the fp32 scheme: as they are), and for fp8 the text body's linear layers then by
+    quant/fp8.py's per-channel rule (the towers and embedders stay in ``dtype``). On the
+    tamed Gemma 4 checkpoint the weights' rounding alone is most of a bf16 pass's distance to
+    fp32 (0.12 of 0.14 with an audio, on the CPU); against the served weights the CPU's bf16
+    module forward is within 0.05 on every Gemma 4 media test, where a wrong audio rule
+    moves options by 0.16.
+
+    ``activations`` (fp8): those layers also round their inputs per token by quant/fp8.py's
+    rule, as the fp8 scheme does: the whole of what it serves, which the CPU's fp8 path
+    then equals (tests/test_media_gemma4_fp8.py)."""
+    import copy
+
+    from spinf_worker.quant.fp8 import quantize_rows, quantize_weight
+
+    if scheme == "fp32":
+        return oracle
+    served = copy.deepcopy(oracle)
+
+    def per_token(module, args):
+        x = args[0]
+        q, scale = quantize_rows(x.reshape(-1, x.shape[-1]))
+        return ((q.float() * scale[:, None]).reshape(x.shape).to(x.dtype), *args[1:])
+
+    with torch.no_grad():
+        for p in served.parameters():
+            p.copy_(p.to(dtype).float())
+        if scheme == "fp8":
+            for m in served.model.language_model.modules():
+                if isinstance(m, torch.nn.Linear):
+                    q, scale = quantize_weight(m.weight.to(dtype))
+                    m.weight.copy_(q.float() * scale[:, None])
+                    if activations:
+                        m.register_forward_pre_hook(per_token)
+    return served.eval()
