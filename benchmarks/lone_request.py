@@ -4,7 +4,7 @@ the time its entry waited in the stream for a pass (``timing.queue_ms``) and its
 warm-up requests, then 30 single ``POST /v1/score`` requests one after another (one question
 about a one-line text, each text distinct).
 
-    python benchmarks/lone_request.py [--code DIR] [--port N]
+    python benchmarks/lone_request.py [--code DIR]
 
 ``--code DIR``: serve another checkout's ``spinf_worker/`` and ``api/`` (``git worktree add``).
 """
@@ -22,7 +22,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from service_http import Service  # noqa: E402
+from service_http import Service, free_port  # noqa: E402
 
 BODY = {"text": "The central bank raised rates by half a point on Tuesday, surprising markets.",
         "scoring": {"queries": [{"id": "econ", "template": "Is it about the economy?{?}",
@@ -32,11 +32,10 @@ BODY = {"text": "The central bank raised rates by half a point on Tuesday, surpr
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--code", type=Path, default=ROOT)
-    ap.add_argument("--port", type=int, default=18731)
     ap.add_argument("--requests", type=int, default=30)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        service = Service(args.code.resolve(), Path(tmp), args.port)
+        service = Service(args.code.resolve(), Path(tmp), free_port())
         service.start()
         try:
             service.wait_ready()
@@ -55,8 +54,7 @@ def main() -> None:
                     scored.append(timing["score_ms"])
                     time.sleep(0.05)
         finally:
-            service.process.terminate()
-            service.process.wait(30)
+            service.stop()
     print(f"{args.code.resolve().name}: latency ms median {statistics.median(latency):.1f}, "
           f"queue_ms median {statistics.median(queued)}, score_ms median "
           f"{statistics.median(scored)}")

@@ -370,16 +370,16 @@ async def run_interactive(client: httpx.AsyncClient, requests: list[dict], trick
         k += 1
         await asyncio.sleep(trickle_s)
     seconds, _ = await batch
-    timings = []
-    for task in singles:
-        body, s = await task
-        latencies.append(s)
-        timings.append(body.get("timing") or {})
     # each request: (seconds after the batch was submitted, its latency, and of it the ms it
     # waited in the stream for its pass and the ms from that pass's start to its answer), to
     # place outliers and tell the worker's share from the API's and the reply path's
-    timeline = [[round(at, 3), round(s, 4), t.get("queue_ms"), t.get("score_ms")]
-                for at, s, t in zip(sent, latencies, timings, strict=True)]
+    timeline = []
+    for at, task in zip(sent, singles, strict=True):
+        body, s = await task
+        latencies.append(s)
+        timing = body.get("timing") or {}
+        timeline.append([round(at, 3), round(s, 4), timing.get("queue_ms"),
+                         timing.get("score_ms")])
     latencies.sort()
     return dict(batch_seconds=seconds, singles=len(latencies), timeline=timeline,
                 p50_s=statistics.median(latencies) if latencies else None,

@@ -85,16 +85,14 @@ def served_weights(oracle, scheme: str, dtype: torch.dtype = torch.bfloat16, *,
     then equals (tests/test_media_gemma4_fp8.py)."""
     import copy
 
-    from spinf_worker.quant.fp8 import quantize_rows, quantize_weight
+    from spinf_worker.quant.fp8 import quantize_weight
 
     if scheme == "fp32":
         return oracle
     served = copy.deepcopy(oracle)
 
     def per_token(module, args):
-        x = args[0]
-        q, scale = quantize_rows(x.reshape(-1, x.shape[-1]))
-        return ((q.float() * scale[:, None]).reshape(x.shape).to(x.dtype), *args[1:])
+        return (rounded_per_token(args[0]), *args[1:])
 
     with torch.no_grad():
         for p in served.parameters():
@@ -107,3 +105,12 @@ def served_weights(oracle, scheme: str, dtype: torch.dtype = torch.bfloat16, *,
                     if activations:
                         m.register_forward_pre_hook(per_token)
     return served.eval()
+
+
+def rounded_per_token(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with each row quantised by quant/fp8.py's per-token rule and read back: what the
+    fp8 scheme feeds its linear layers."""
+    from spinf_worker.quant.fp8 import quantize_rows
+
+    q, scale = quantize_rows(x.reshape(-1, x.shape[-1]))
+    return (q.float() * scale[:, None]).reshape(x.shape).to(x.dtype)
