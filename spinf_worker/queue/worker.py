@@ -28,7 +28,7 @@ from ..completions import CompletionRequest, CompletionResponse
 from ..errors import SpinfError
 from ..protocol import ScoreRequest, ScoreResponse
 from ..tiles import ROW_TILE, PassRows, RowPart
-from . import batches, jsonio
+from . import batches, jsonio, outcomes
 from .engine_thread import ENGINE_THREAD
 from .keys import GROUP, Keys
 from .results import JobResult
@@ -679,9 +679,8 @@ class Worker:
 
     async def _mark_running(self, entries: list[Entry]) -> None:
         async with self.redis.pipeline(transaction=False) as pipe:
-            for entry in entries:
-                pipe.hset(self.keys.job(entry.job), mapping={
-                    "status": "running", "started_at": int(time.time()), "worker": self.name})
+            outcomes.queue_running(pipe, self.keys, [e.job for e in entries],
+                                   int(time.time()), self.name)
             await pipe.execute()
 
     # ---- outcomes ----------------------------------------------------------------------
@@ -708,38 +707,25 @@ class Worker:
         held_back = {job.ack for job in jobs} if trouble is not None else set()
         acks = [e for e, _, _ in answered if (e.stream, e.id) not in lined | held_back]
         # One MULTI/EXEC, in this order: the results and job records first, then the reply
-        # notifications and callback entries, then the batch lines, each followed by its
-        # entry's ack (_RECORD_MANY_LUA), then the other acks. Redis runs it as one step:
+        # notifications and callback entries (one script call: outcomes.py), then the batch
+        # lines, each followed by its entry's ack (_RECORD_MANY_LUA), then the other acks.
+        # Redis runs it as one step:
         # nobody sees a notification, a callback, a line or an ack without its result, and
         # a crash before EXEC leaves it all undone (the entries are delivered again).
+        stats = dict(counts or {})
+        for name in ("failed", "expired"):
+            if n := sum(status == name for _, _, status in answered):
+                stats[name] = n
+        store = outcomes.StoreCall.of(self.keys, [
+            outcomes.Answer(entry.job, result, status, self._result_ttl(entry),
+                            reply=entry.fields.get("reply"),
+                            callback=bool(entry.fields.get("callback")))
+            for entry, result, status in answered if entry.job],
+            stats, finished_at=finished_at, job_ttl=ttl, reply_maxlen=REPLY_MAXLEN,
+            reply_ttl=REPLY_TTL_S)
         async with self.redis.pipeline(transaction=True) as pipe:
-            for entry, result, status in answered:
-                if status is None or not entry.job:
-                    continue
-                pipe.set(self.keys.result(entry.job), result.to_bytes(),
-                         ex=self._result_ttl(entry))
-                fields: dict[str, str | int] = {"status": status, "finished_at": finished_at}
-                if result.error is not None:
-                    fields["error"] = json.dumps(result.error)
-                pipe.hset(self.keys.job(entry.job), mapping=fields)
-                pipe.expire(self.keys.job(entry.job), ttl)
-            stats = dict(counts or {})
-            for name in ("failed", "expired"):
-                if n := sum(status == name for _, _, status in answered):
-                    stats[name] = n
-            for name, n in stats.items():
-                if isinstance(n, float):
-                    pipe.hincrbyfloat(self.keys.stats, name, n)
-                else:
-                    pipe.hincrby(self.keys.stats, name, n)
-            for entry, _, _ in answered:
-                if not entry.job:
-                    continue
-                if reply := entry.fields.get("reply"):
-                    pipe.xadd(reply, {"job": entry.job}, maxlen=REPLY_MAXLEN, approximate=True)
-                    pipe.expire(reply, REPLY_TTL_S)
-                if entry.fields.get("callback"):
-                    pipe.xadd(self.keys.callbacks, {"job": entry.job})
+            if len(store.keys) > 2 or stats:
+                store.queue(pipe)
             at = len(pipe)   # the script's reply
             if recorded:
                 record.queue(pipe)
