@@ -69,42 +69,57 @@ def marked(name: str, token: int, value: int = 1) -> Callable[[list[int]], dict]
     return lambda ids: {name: torch.tensor([[value * int(i == token) for i in ids]])}
 
 
+def text_body_linears(model) -> list[torch.nn.Module]:
+    """A multimodal model's text body's linear layers (Gemma 4's ``model.language_model``):
+    what the fp8 scheme quantises there, the towers, the embedders and the LM head aside."""
+    return [m for m in model.model.language_model.modules() if isinstance(m, torch.nn.Linear)]
+
+
 def served_weights(oracle, scheme: str, dtype: torch.dtype = torch.bfloat16, *,
-                   activations: bool = False):
+                   activations: bool = False,
+                   linears: Callable[[torch.nn.Module], list] = text_body_linears):
     """A copy of the fp32 oracle holding the weights the engine serves under ``scheme``, still
     computing in fp32: rounded to ``dtype`` (the engine's: bf16 on CUDA, fp32 on the CPU;
-    the fp32 scheme: as they are), and for fp8 the text body's linear layers then by
-    quant/fp8.py's per-channel rule (the towers and embedders stay in ``dtype``). On the
-    tamed Gemma 4 checkpoint the weights' rounding alone is most of a bf16 pass's distance to
-    fp32 (0.12 of 0.14 with an audio, on the CPU); against the served weights the CPU's bf16
-    module forward is within 0.05 on every Gemma 4 media test, where a wrong audio rule
-    moves options by 0.16.
+    the fp32 scheme: as they are), and for fp8 ``linears(copy)``'s weights (by default the
+    text body's linear layers) then by quant/fp8.py's per-channel rule (the towers and
+    embedders stay in ``dtype``). On the tamed Gemma 4 checkpoint the weights' rounding alone
+    is most of a bf16 pass's distance to fp32 (0.12 of 0.14 with an audio, on the CPU);
+    against the served weights the CPU's bf16 module forward is within 0.05 on every Gemma 4
+    media test, where a wrong audio rule moves options by 0.16.
 
     ``activations`` (fp8): those layers also round their inputs per token by quant/fp8.py's
     rule, as the fp8 scheme does: the whole of what it serves, which the CPU's fp8 path
-    then equals (tests/test_media_gemma4_fp8.py)."""
+    then equals (tests/test_media_gemma4_fp8.py, tests/test_qwen3_5_fp8.py). ``linears`` may
+    name any modules with an ``[out, in]`` weight whose first argument is the input (the
+    engine's own models/layers.Linear too)."""
     import copy
-
-    from spinf_worker.quant.fp8 import quantize_weight
 
     if scheme == "fp32":
         return oracle
     served = copy.deepcopy(oracle)
+    with torch.no_grad():
+        for p in served.parameters():
+            p.copy_(p.to(dtype).float())
+        if scheme == "fp8":
+            round_as_fp8(linears(served), activations=activations)
+    return served.eval()
+
+
+def round_as_fp8(linears, *, activations: bool = False) -> None:
+    """In place, each module of ``linears`` holding its weight rounded by quant/fp8.py's
+    per-channel rule (read back, still in the weight's dtype); ``activations``: rounding its
+    input per token too (a forward pre-hook)."""
+    from spinf_worker.quant.fp8 import quantize_weight
 
     def per_token(module, args):
         return (rounded_per_token(args[0]), *args[1:])
 
     with torch.no_grad():
-        for p in served.parameters():
-            p.copy_(p.to(dtype).float())
-        if scheme == "fp8":
-            for m in served.model.language_model.modules():
-                if isinstance(m, torch.nn.Linear):
-                    q, scale = quantize_weight(m.weight.to(dtype))
-                    m.weight.copy_(q.float() * scale[:, None])
-                    if activations:
-                        m.register_forward_pre_hook(per_token)
-    return served.eval()
+        for m in linears:
+            q, scale = quantize_weight(m.weight)
+            m.weight.copy_(q.float() * scale[:, None])
+            if activations:
+                m.register_forward_pre_hook(per_token)
 
 
 def rounded_per_token(x: torch.Tensor) -> torch.Tensor:

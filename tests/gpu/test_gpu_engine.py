@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 import torch
 
+from ..random_docs import random_docs as _random_docs
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 if torch.cuda.is_available():
@@ -73,18 +75,6 @@ def test_rmsnorm_rowwise():
     ref = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + w.float())
     assert rel_err(rmsnorm(x, w, 1e-6, 1.0), ref) < 1e-2
     assert torch.equal(rmsnorm(x[:5], w, 1e-6, 1.0), rmsnorm(x, w, 1e-6, 1.0)[:5])
-
-
-def _random_docs(n: int, seed: int) -> list:
-    rng = random.Random(seed)
-
-    # Questions from a few tokens, so their branches share prefixes in the tree.
-    def doc() -> DocTree:
-        return DocTree([2] + [rng.randrange(5, 4000) for _ in range(rng.randint(1, 300))],
-                       [Branch([rng.choice((17, 18, 19)) for _ in range(rng.randint(0, 12))],
-                               [[rng.randrange(5, 40) for _ in range(rng.randint(1, 3))]
-                                for _ in range(rng.randint(1, 4))]) for _ in range(8)])
-    return [doc().flatten(0) for _ in range(n)]
 
 
 def _flex_and_cpu_attention(docs: list, window: int, media: str = "none",

@@ -16,55 +16,58 @@ if torch.cuda.is_available():
     import transformers
 
     from spinf_worker.engine.runner import ModelRunner
-    from spinf_worker.models.build import init_random
-    from spinf_worker.models.qwen3_5 import GatedRMSNorm, Qwen3_5Config, Qwen3_5Model
 
-    from .test_gpu_engine import _random_docs
+    from ..media_oracle import served_weights
+    from ..qwen3_5_random import body_linears, random_qwen3_5
+    from .test_gpu_engine import _random_docs, rel_err
 
-# the released 27B's proportions, narrower: 3 DeltaNet layers to 1 full, 16 q/k heads serving
-# 48 value heads there (here 2 -> 6), head dims 128 (DeltaNet) and 256 (attention)
-CFG = dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num_layers=8, num_heads=4,
-           num_kv_heads=2, head_dim=256, rotary_dim=64,
-           layer_types=("linear_attention",) * 3 + ("full_attention",) + (
-               "linear_attention",) * 3 + ("full_attention",),
-           linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=128,
-           linear_value_head_dim=128, tie_word_embeddings=False)
+DEVICE = "cuda"
 
 
 def _runner(device: str, dtype: torch.dtype, scheme: str = "bf16") -> ModelRunner:
-    with torch.device("meta"):
-        model = Qwen3_5Model(Qwen3_5Config(**CFG))
-    model = model.to_empty(device="cpu").float()
-    with torch.no_grad():
-        init_random(model, seed=0)
-        gen = torch.Generator().manual_seed(1)
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):   # 1 + w norms near 1, the gated norm's w too
-                p.add_(0.2 * torch.randn(p.shape, generator=gen))
-            if name.endswith("A_log"):          # decays over a few to a few hundred tokens
-                p.copy_(torch.linspace(-4.0, 0.5, p.numel()))
-            if name.endswith("conv1d.weight"):
-                p.normal_(0.0, 0.3, generator=gen)
-        for m in model.modules():
-            if isinstance(m, GatedRMSNorm):
-                m.weight.fill_(1.0)
-    model = model.to(device=device, dtype=dtype)
-    if scheme == "fp8" and device == "cuda":
+    """The random Qwen3.5 of qwen3_5_random.CFG (the released 27B's proportions, narrower)."""
+    model = random_qwen3_5().to(device=device, dtype=dtype)
+    if scheme == "fp8":
         model.to_fp8()
     return ModelRunner(model.eval(), torch.device(device), dtype, 0)
 
 
-@pytest.mark.parametrize("scheme", ["bf16", pytest.param("fp8", marks=pytest.mark.xfail(strict=False, reason="H200, 2026-12-03: fp8 is 0.758 from the CPU in fp32 against a 0.4 bound (bf16 passes)"))])
+def _fp8_oracle() -> torch.nn.Module:
+    """The model in fp32 holding the weights CUDA serves in fp8 (bf16, then quant/fp8.py's
+    per-channel rule) and rounding its linear layers' inputs per token as the scheme does."""
+    return served_weights(random_qwen3_5(), "fp8", torch.bfloat16, activations=True,
+                          linears=body_linears)
+
+
+# fp8's per-token rounding of every linear layer's input makes this deep random model's
+# scores brittle: on the CPU, inputs 1e-7 apart in fp32 round one e4m3 step apart somewhere,
+# that step moves later layers' inputs across more boundaries, and after a few layers the two
+# sides are two draws of the rounding (a 1e-7 nudge of the oracle's embeddings moves options
+# by 0.14; the CPU's fp8 path in fp32, which equals the oracle to 2e-6 on the tiny checkpoint
+# of tests/test_qwen3_5_fp8.py, is 0.19 from it here). bf16 activations start 4e-3 apart:
+# the CPU's fp8 path in bf16 is 0.47-0.60 from the oracle over four document sets, and 0.45-0.59
+# from one rounding the weights only (benchmarks/qwen3_5_fp8_rounding.py). So fp8's bound
+# below says the GPU is as far from the oracle as the CPU's same path; that it rounds what the
+# oracle rounds is test_gpu_qwen3_5_fp8_layers_round_as_the_oracle's, layer by layer.
+@pytest.mark.parametrize("scheme", ["bf16", pytest.param("fp8", marks=pytest.mark.xfail(
+    strict=False, reason="not yet run on a GPU against the CPU oracle rounding as fp8 does "
+    "(H200, 2026-12-03: 0.758 from the CPU in fp32); on the CPU the same path in bf16 is "
+    "0.47-0.60 from that oracle (benchmarks/qwen3_5_fp8_rounding.py)"))])
 def test_gpu_qwen3_5_close_to_cpu_fp32_and_invariant(scheme):
+    """bf16 against the CPU in fp32; fp8 against the CPU's fp32 oracle of the fp8 scheme."""
     docs = _random_docs(8, seed=2)
-    cpu = _runner("cpu", torch.float32).run(docs)
-    gpu_runner = _runner("cuda", torch.bfloat16, scheme)
+    if scheme == "fp8":
+        cpu = ModelRunner(_fp8_oracle(), torch.device("cpu"), torch.float32, 0).run(docs)
+    else:
+        cpu = _runner("cpu", torch.float32).run(docs)
+    gpu_runner = _runner(DEVICE, torch.bfloat16, scheme)
     assert gpu_runner.graphs is None and not gpu_runner.model.use_fused
     gpu = gpu_runner.run(docs)
     worst = max(float(np.abs(dc.option_logprobs - dg.option_logprobs).max())
                 for dc, dg in zip(cpu, gpu, strict=True))
-    print(f"qwen3_5 {scheme}: max |Δlogprob| vs the CPU in fp32 {worst:.4f}")
-    assert worst < (0.4 if scheme == "fp8" else 0.15), worst
+    against = "oracle" if scheme == "fp8" else "engine"
+    print(f"qwen3_5 {scheme}: max |Δlogprob| vs the CPU's fp32 {against} {worst:.4f}")
+    assert worst < (0.7 if scheme == "fp8" else 0.15), worst
     for target in (0, 3, 7):
         alone = gpu_runner.run([docs[target]])[0]
         assert np.array_equal(alone.option_logprobs, gpu[target].option_logprobs), target
@@ -72,6 +75,37 @@ def test_gpu_qwen3_5_close_to_cpu_fp32_and_invariant(scheme):
         others = _random_docs(12, seed=10 + target)
         packed = gpu_runner.run(others[:target] + [docs[target]] + others[target:])[target]
         assert np.array_equal(alone.option_logprobs, packed.option_logprobs), target
+
+
+def test_gpu_qwen3_5_fp8_layers_round_as_the_oracle():
+    """fp8 on CUDA quantises the layers the oracle rounds, and each of them, fed the bf16 of
+    the input the CPU oracle's layer sees in a pass, gives the oracle layer's output to
+    within bf16's rounding of it; the same weights without rounding the input are several
+    times farther (no cascade: one layer at a time)."""
+    docs = _random_docs(2, seed=2)
+    oracle = _fp8_oracle()
+    names = {m: n for n, m in oracle.named_modules()}
+    inputs: dict[str, torch.Tensor] = {}
+
+    def keep(module, args):      # before the oracle's own hook rounds it
+        inputs[names[module]] = args[0].detach().to(torch.bfloat16)
+
+    hooks = [m.register_forward_pre_hook(keep, prepend=True) for m in body_linears(oracle)]
+    ModelRunner(oracle, torch.device("cpu"), torch.float32, 0).run(docs)
+    for h in hooks:
+        h.remove()
+    model = _runner(DEVICE, torch.bfloat16, "fp8").model
+    fp8 = {n for n, m in model.named_modules()
+           if getattr(m, "weight", None) is not None and m.weight.dtype == torch.float8_e4m3fn}
+    assert fp8 == set(inputs), fp8 ^ set(inputs)
+    for name, x in inputs.items():
+        layer = oracle.get_submodule(name)
+        with torch.no_grad():
+            want = layer(x.float())
+            unrounded = torch.nn.functional.linear(x.float(), layer.weight)
+            got = model.get_submodule(name)(x.to(DEVICE)).float().cpu()
+        err, apart = rel_err(got, want), rel_err(unrounded, want)
+        assert err < 5e-3 and apart > 3 * err, (name, err, apart)
 
 
 @pytest.mark.skipif(torch.cuda.is_available()
