@@ -28,7 +28,7 @@ from .scoring import (
     check_model,
     prefers_async,
     reply,
-    submit,
+    submit_and_wait_for,
     sync_timeout,
 )
 
@@ -66,9 +66,7 @@ async def completions(request: Request, services: ServicesDep, caller: CallerDep
     await check_context(services, completion, workers)
     await check_backlog(services)
     payload = {"model": completion.model, "completion": completion.model_dump(mode="json")}
-    job_id = await submit(services, caller, Submission(
-        request=payload, priority="interactive", idempotency_key=idempotency_key,
-        reply_to=services.listener.instance_id))
-    result = await services.listener.wait(job_id, timeout)
+    job_id, result = await submit_and_wait_for(services, caller, Submission(
+        request=payload, priority="interactive", idempotency_key=idempotency_key), timeout)
     return await reply(services, job_id, result, respond_async=respond_async, timeout=timeout,
                        shape=lambda body: body, request_id=request_id_of(request))

@@ -44,7 +44,7 @@ async def create_job(request: Request, services: ServicesDep, caller: CallerDep,
     await check_media(services, job_request, workers)
     await check_limits(services, job_request, workers)
     await check_backlog(services)
-    job_id = await submit(services, caller, Submission(
+    job_id, _created = await submit(services, caller, Submission(
         request=job_request.score_request(), priority="interactive",
         callback=job_request.callback, idempotency_key=idempotency_key,
         deadline_s=job_request.deadline_s))

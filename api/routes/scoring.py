@@ -27,7 +27,7 @@ from spinf_worker.openai_compat import (
 )
 from spinf_worker.protocol import ScoreRequest, ScoreResponse
 from spinf_worker.queue.batches import RequestCheck
-from spinf_worker.queue.producer import IdempotencyKeyReused, Submission
+from spinf_worker.queue.producer import IdempotencyKeyReused, Submission, new_job_id
 from spinf_worker.queue.results import JobResult
 from spinf_worker.request_limits import check_completion, check_request
 
@@ -141,17 +141,30 @@ def sync_timeout(services: Services, header: str | None) -> float:
     return min(seconds, limit)
 
 
-async def submit(services: Services, caller: Caller, submission: Submission) -> str:
-    """Queue the caller's job; its id. The Idempotency-Key is the caller's tenant's own: the
-    same key with the same body names the same job, with another body it is a 422."""
+async def submit(services: Services, caller: Caller, submission: Submission
+                 ) -> tuple[str, bool]:
+    """Queue the caller's job: its id, and whether it was created now. The Idempotency-Key is
+    the caller's tenant's own: the same key with the same body names the same job, with
+    another body it is a 422."""
     try:
-        job_id, _created = await services.producer.submit(
+        return await services.producer.submit(
             dataclasses.replace(submission, tenant=caller.tenant))
     except IdempotencyKeyReused:
         raise IdempotencyKeyReusedError(
             "this Idempotency-Key was already used with a different request; send a new key "
             "for a new request", param="Idempotency-Key") from None
-    return job_id
+
+
+async def submit_and_wait_for(services: Services, caller: Caller, submission: Submission,
+                              timeout: float) -> tuple[str, JobResult | None]:
+    """Queue an interactive job and wait up to ``timeout`` for its result: (job id, result
+    or None). Its reply is expected before its entry exists, so a job created now is not
+    looked up before the wait."""
+    job_id = new_job_id()
+    with services.listener.expecting(job_id):
+        job_id, created = await submit(services, caller, dataclasses.replace(
+            submission, job_id=job_id, reply_to=services.listener.instance_id))
+        return job_id, await services.listener.wait(job_id, timeout, fresh=created)
 
 
 def accepted(job_id: str, status: str = "queued") -> JSONResponse:
@@ -171,11 +184,8 @@ async def submit_and_wait(services: Services, caller: Caller, request: ScoreRequ
     await check_limits(services, request, workers)
     await check_backlog(services)
     payload = request.model_dump(mode="json", exclude_none=True)
-    job_id = await submit(services, caller, Submission(
-        request=payload, priority="interactive", idempotency_key=idempotency_key,
-        reply_to=services.listener.instance_id))
-    # wait() reads the stored result first, so a reply that beat us here is not lost
-    return job_id, await services.listener.wait(job_id, timeout)
+    return await submit_and_wait_for(services, caller, Submission(
+        request=payload, priority="interactive", idempotency_key=idempotency_key), timeout)
 
 
 def failed(result: JobResult, job_id: str, request_id: str | None) -> JSONResponse:

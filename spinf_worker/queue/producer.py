@@ -34,6 +34,7 @@ class Submission:
     # the API tenant that owns the job (api/auth.py); its idempotency keys are its own.
     # None: a job of no tenant (ingestion), which only operators read back.
     tenant: str | None = None
+    job_id: str | None = None          # the id to give the job (default: a new one)
 
     def digest(self) -> str:
         """What makes two submissions the same job: the request and the job's own fields as
@@ -85,7 +86,7 @@ class Producer:
         job it already named, and nothing is enqueued; when that job was submitted with a
         different body, IdempotencyKeyReused (with the job's id) is raised instead."""
         stream = self._stream(sub.priority)
-        job_id = new_job_id()
+        job_id = sub.job_id or new_job_id()
         ttl = self.settings.result_ttl_s
         if sub.idempotency_key is not None:
             key = (self.keys.idempotency(sub.idempotency_key) if sub.tenant is None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
+from collections.abc import Iterator
 
 import structlog
 from redis.asyncio import Redis
@@ -63,12 +64,26 @@ class ReplyListener:
         if job_id not in self._waiting:
             self._waiting[job_id] = asyncio.get_running_loop().create_future()
 
-    async def wait(self, job_id: str, timeout: float) -> JobResult | None:
-        """The job's result, or None when it is not ready within ``timeout`` seconds."""
+    @contextlib.contextmanager
+    def expecting(self, job_id: str) -> Iterator[None]:
+        """``expect(job_id)`` for the block's length: a job submitted inside it and created
+        then is waited for with ``wait(job_id, ..., fresh=True)``."""
+        self.expect(job_id)
+        try:
+            yield
+        finally:
+            self._waiting.pop(job_id, None)
+
+    async def wait(self, job_id: str, timeout: float, *, fresh: bool = False
+                   ) -> JobResult | None:
+        """The job's result, or None when it is not ready within ``timeout`` seconds.
+        ``fresh``: the job was created after ``expect(job_id)``, so no notification of it can
+        have gone unseen and its result is not read before the wait (a round trip a request
+        saves)."""
         self.expect(job_id)
         future = self._waiting[job_id]
         try:
-            result = await self._result(job_id)
+            result = None if fresh else await self._result(job_id)
             if result is not None:
                 return result
             with contextlib.suppress(TimeoutError):

@@ -446,6 +446,45 @@ async def test_reply_listener_wakes_on_notice_and_reads_the_result_key(redis, ke
         await listener.stop()
 
 
+@pytest.mark.asyncio
+async def test_a_job_expected_before_it_is_queued_is_not_looked_up_before_the_wait(
+        redis, keys, settings, tiny_engine):
+    """``expecting`` then ``wait(fresh=True)``: the answer of a job created inside the block
+    comes through its notice (its result is not read before the wait, so a result stored
+    before that is only found at the timeout); a job named by an idempotency key, created
+    earlier, is read first as always."""
+    producer = Producer(redis, keys, settings)
+    listener = ReplyListener(redis, keys)
+    await listener.start()
+    try:
+        async with running(Worker(tiny_engine, redis, keys, settings)):
+            with listener.expecting("job_fresh"):
+                job_id, created = await producer.submit(Submission(
+                    body(1), reply_to=listener.instance_id, job_id="job_fresh",
+                    idempotency_key="k1"))
+                result = await listener.wait(job_id, WAIT_S, fresh=created)
+            assert (job_id, created) == ("job_fresh", True) and result.succeeded
+            assert not listener._waiting
+            # the same key again: the job created before, whose result is read at once
+            with listener.expecting("job_other"):
+                again, created = await producer.submit(Submission(
+                    body(1), reply_to=listener.instance_id, job_id="job_other",
+                    idempotency_key="k1"))
+                assert (again, created) == ("job_fresh", False)
+                assert await listener.wait(again, timeout=0.0, fresh=created) == result
+        # a fresh wait does not look first: a result stored without a notice is found only
+        # once the wait is over
+        await redis.set(keys.result("job_quiet"), json.dumps({"status_code": 200, "body": {}}))
+        waiting = asyncio.create_task(listener.wait("job_quiet", timeout=WAIT_S, fresh=True))
+        await asyncio.sleep(0.3)
+        assert not waiting.done()
+        await redis.xadd(listener.stream, {"job": "job_quiet"})
+        assert (await waiting).status_code == 200
+    finally:
+        await listener.stop()
+    assert not listener._waiting
+
+
 def test_entry_rows_are_the_engines_own_count(tiny_engine, keys, settings):
     """A pass is packed by the engine's layout (Engine.rows); what that count rejects is the
     entry's own error, answered without a pass."""
