@@ -93,6 +93,20 @@ def oracle_scores(engine, oracle, content: str, prefix: str, strings: list[str]
     return on_content, on_empty
 
 
+def worst_option_gap(engine, oracle, content: str, queries: list[dict]) -> float:
+    """max |Δ option logprob| of the engine's scores against the oracle's (options as given),
+    asserting nothing: for schemes measured against more than one oracle."""
+    worst = 0.0
+    for query, result in zip(queries, score(engine, content, queries, case_insensitive=False),
+                             strict=True):
+        for combo in result.combinations:
+            prefix = prefix_of(query, combo.values)
+            for option in combo.options:
+                [want], _ = oracle_scores(engine, oracle, content, prefix, [option.text])
+                worst = max(worst, abs(option.logprob - want))
+    return worst
+
+
 def check_against_oracle(engine, oracle, content: str, queries: list[dict], *,
                          case_insensitive: bool = False) -> float:
     results = score(engine, content, queries, case_insensitive=case_insensitive)

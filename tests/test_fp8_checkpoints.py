@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from spinf_worker.errors import UnsupportedModelError
 
-from .test_engine_parity import NEWS, QUERIES, oracle_scores, prefix_of, score
+from .test_engine_parity import NEWS, QUERIES, score, worst_option_gap
 from .test_families import _randomise
 from .test_fp8_static import HF_INPUTS
 from .test_gptq import BODY, assert_config_refused, build
@@ -279,15 +279,7 @@ def w8a8_reference(model_dir: Path, layers: dict, activations: str, ignored=()):
 
 
 def worst_gap(engine, oracle) -> float:
-    worst = 0.0
-    for query, result in zip(QUERIES, score(engine, NEWS, QUERIES, case_insensitive=False),
-                             strict=True):
-        for combo in result.combinations:
-            prefix = prefix_of(query, combo.values)
-            for option in combo.options:
-                [want], _ = oracle_scores(engine, oracle, NEWS, prefix, [option.text])
-                worst = max(worst, abs(option.logprob - want))
-    return worst
+    return worst_option_gap(engine, oracle, NEWS, QUERIES)
 
 
 def test_fp8_checkpoint_layers_compute_the_stored_arithmetic(case):

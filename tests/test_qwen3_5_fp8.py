@@ -22,7 +22,7 @@ import torch
 import transformers
 
 from . import media_oracle
-from .test_engine_parity import NEWS, QUERIES, oracle_scores, prefix_of, score
+from .test_engine_parity import NEWS, QUERIES, worst_option_gap
 from .test_qwen3_5 import LONG, tiny_qwen3_5
 
 # over the 1e-3 of one fp8 step apart; ten times under the least a left-out rounding moves
@@ -61,16 +61,7 @@ def rounding_oracle(oracle, skip: str = "", activations: bool = True):
 
 def worst_gap(engine, oracle, document: str) -> float:
     """max |Δ option logprob| of the engine's scores against the oracle's."""
-    content, queries = DOCUMENTS[document]
-    worst = 0.0
-    for query, result in zip(queries, score(engine, content, queries, case_insensitive=False),
-                             strict=True):
-        for combo in result.combinations:
-            prefix = prefix_of(query, combo.values)
-            for option in combo.options:
-                [want], _ = oracle_scores(engine, oracle, content, prefix, [option.text])
-                worst = max(worst, abs(option.logprob - want))
-    return worst
+    return worst_option_gap(engine, oracle, *DOCUMENTS[document])
 
 
 def test_fp8_rounds_every_body_linear_layer(fp8_engine, oracle):

@@ -69,10 +69,12 @@ return answers
 """
 
 
-def queue_running(pipe, keys: Keys, jobs: list[str], started_at: int, worker: str) -> None:
-    """Queue on ``pipe``: the job records of ``jobs`` say "running" (written while the pass
-    runs, before its results)."""
-    pipe.eval(_RUNNING_LUA, len(jobs), *(keys.job(job) for job in jobs), started_at, worker)
+async def mark_running(redis, keys: Keys, jobs: list[str], started_at: int, worker: str
+                       ) -> None:
+    """The job records of ``jobs`` say "running" (written while the pass runs, before its
+    results)."""
+    await redis.eval(_RUNNING_LUA, len(jobs), *(keys.job(job) for job in jobs), started_at,
+                     worker)
 
 
 @dataclass(frozen=True)

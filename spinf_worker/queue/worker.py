@@ -678,10 +678,8 @@ class Worker:
         return outcomes
 
     async def _mark_running(self, entries: list[Entry]) -> None:
-        async with self.redis.pipeline(transaction=False) as pipe:
-            outcomes.queue_running(pipe, self.keys, [e.job for e in entries],
-                                   int(time.time()), self.name)
-            await pipe.execute()
+        await outcomes.mark_running(self.redis, self.keys, [e.job for e in entries],
+                                    int(time.time()), self.name)
 
     # ---- outcomes ----------------------------------------------------------------------
 
