@@ -16,6 +16,13 @@ stream, evenly spaced), each followed by one question, with four one-token optio
    the question as the template, the four options), same concurrency.
 3. **transformers**: the checkpoint in transformers, one forward per (item, option) sequence
    (batch 1, fp32 on the CPU, bf16 with ``--device cuda``).
+4. with ``--engine``, **engine_completions** and **engine_score**: the same requests scored
+   in this process (``Engine.score_batch`` of all of them at once, after a warm-up call of
+   each way), before the service starts: the most the service could reach each way, and so
+   the ceiling of its completions/score ratio. The echoed logprobs put the LM head (and its
+   log-softmax over the vocabulary) on every prompt row, where a score request reads out one
+   row per option: on a model whose LM head outweighs its body (the 270M's 262k x 640 against
+   ~100M body parameters) that, not the service, caps the ratio.
 
 Items/s each (wall time from the first request to the last answer, after a warm-up request),
 and the largest |difference| of an option's log-likelihood between completions and the other
@@ -144,6 +151,33 @@ def run_transformers(path: Path, tokenizer, bos: int, contexts: list[str], devic
     return scores, time.perf_counter() - t0
 
 
+def run_engine(args: argparse.Namespace, contexts: list[str]) -> dict[str, float]:
+    """Seconds of one ``Engine.score_batch`` of every completion request and of every score
+    request, in this process (the engine freed before the service starts)."""
+    from spinf_worker.completions import CompletionRequest
+    from spinf_worker.engine import Engine
+    from spinf_worker.engine.engine import EngineSettings
+
+    engine = Engine.load(args.model, device=args.device, load_format=args.load_format,
+                         settings=EngineSettings(scheme=args.quant) if args.quant else None)
+    ways = {"engine_completions": [CompletionRequest.parse(b) for b in completion_bodies(
+                engine.model_name, contexts)],
+            "engine_score": score_bodies(contexts)}
+    seconds = {}
+    for way, requests in ways.items():
+        # warm-up: on CUDA every pass size the timed call meets compiles here
+        engine.score_batch(requests if args.device == "cuda" else requests[:len(OPTIONS)])
+        t0 = time.perf_counter()
+        out = engine.score_batch(requests)
+        seconds[way] = time.perf_counter() - t0
+        if failed := [o for o in out if isinstance(o, Exception)]:
+            raise RuntimeError(f"{way}: {failed[0]}")
+    del engine
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    return seconds
+
+
 def split_service(args: argparse.Namespace, src: Path, tmp: Path, model_dir: Path):
     """service_gpu's private redis-server, ``api --workers N`` and one worker, running ``src``:
     the API's per-request work in processes of its own, beside the worker's."""
@@ -174,6 +208,8 @@ def main() -> None:
     ap.add_argument("--rev", default="HEAD",
                     help="the revision measured with --tree head (another one: a comparison)")
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--engine", action="store_true",
+                    help="also both ways in-process, before the service (the ratio's ceiling)")
     ap.add_argument("--api-workers", type=int, default=0, metavar="N",
                     help="the service as separate processes: a private redis-server "
                          "(--redis-server), `spinf-serve api --workers N` and one `worker` "
@@ -195,6 +231,7 @@ def main() -> None:
         ckpt = load_checkpoint(args.model, load_format=args.load_format)
         tok, bos = ckpt.tokenizer, ckpt.bos_token_id
         contexts = items(tok, args.items, args.context_tokens, args.data)
+        in_process = run_engine(args, contexts) if args.engine else {}
         if args.api_workers:
             service = split_service(args, src, Path(tmp), ckpt.path)
         else:
@@ -230,7 +267,13 @@ def main() -> None:
              completions_s=c_s, completions_items_per_s=args.items / c_s,
              score_s=s_s, score_items_per_s=args.items / s_s,
              max_abs_completions_vs_score=max(abs(a - b) for a, b in
-                                              zip(c_scores, s_scores, strict=True)))
+                                              zip(c_scores, s_scores, strict=True)),
+             completions_vs_score=s_s / c_s)
+    if in_process:
+        r.update({f"{way}_s": s for way, s in in_process.items()})
+        r.update({f"{way}_items_per_s": args.items / s for way, s in in_process.items()},
+                 engine_completions_vs_score=in_process["engine_score"]
+                 / in_process["engine_completions"])
     if not args.skip_transformers:
         t_scores, t_s = run_transformers(ckpt.path, tok, bos, contexts, args.device)
         r.update(transformers_s=t_s, transformers_items_per_s=args.items / t_s,
@@ -243,10 +286,11 @@ def main() -> None:
     path = out / f"{r['date']}-completions-sharing-{args.device}-{slug}{split}-{commit}.json"
     path.write_text(json.dumps(r, indent=1) + "\n")
     print("| way | items/s | s |\n|---|---|---|")
-    for way in ("completions", "score", "transformers"):
+    for way in ("completions", "score", "engine_completions", "engine_score", "transformers"):
         if f"{way}_s" in r:
             print(f"| {way} | {r[f'{way}_items_per_s']:.2f} | {r[f'{way}_s']:.1f} |")
-    print(json.dumps({k: v for k, v in r.items() if k.startswith("max_abs")}))
+    print(json.dumps({k: v for k, v in r.items()
+                      if k.startswith("max_abs") or k.endswith("_vs_score")}))
     print(f"wrote {path}")
 
 

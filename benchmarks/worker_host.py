@@ -13,7 +13,9 @@ shape (56 queries, two options each), so what is left is the worker's own work.
 benchmark itself staying this one. ``cpu_ms_per_entry`` is the process's CPU time (every
 thread) less the answering ``score_batch``'s; ``loop_cpu_ms_per_entry`` the event loop's thread
 alone (the worker's loop and the benchmark's polling of the batch, queued before the worker
-starts): the share that holds the interpreter lock beside the engine thread.
+starts): the share that holds the interpreter lock beside the engine thread;
+``redis_cpu_ms_per_entry`` the Redis server's (INFO cpu: meaningful on a Redis nothing else
+uses meanwhile).
 """
 
 from __future__ import annotations
@@ -92,6 +94,12 @@ def response_template(questions: dict):
     return template
 
 
+async def redis_cpu_s(redis) -> float:
+    """The Redis server's CPU seconds so far (INFO cpu: its main thread and the others)."""
+    info = await redis.info("cpu")
+    return info["used_cpu_user"] + info["used_cpu_sys"]
+
+
 async def one_run(engine, docs: list[str], questions: dict, n: int, rows: int) -> dict:
     from spinf_worker.queue import batches, files
     from spinf_worker.queue.keys import Keys
@@ -119,6 +127,7 @@ async def one_run(engine, docs: list[str], questions: dict, n: int, rows: int) -
     engine.stub_s, engine.stub_cpu_s = 0.0, 0.0
     worker = Worker(engine, redis, keys, settings, name="bench")
     stop = asyncio.Event()
+    redis_cpu = await redis_cpu_s(redis)
     cpu, loop_cpu = time.process_time(), time.thread_time()
     started = time.perf_counter()
     task = asyncio.create_task(worker.run(stop))
@@ -126,6 +135,7 @@ async def one_run(engine, docs: list[str], questions: dict, n: int, rows: int) -
         await asyncio.sleep(0.002)
     wall = time.perf_counter() - started
     cpu, loop_cpu = time.process_time() - cpu, time.thread_time() - loop_cpu
+    redis_cpu = await redis_cpu_s(redis) - redis_cpu
     stop.set()
     await task
     async for key in redis.scan_iter(match=f"{prefix}:*", count=1000):
@@ -136,6 +146,7 @@ async def one_run(engine, docs: list[str], questions: dict, n: int, rows: int) -
     return {"wall_s": wall, "host_ms_per_entry": 1000 * host / n,
             "cpu_ms_per_entry": 1000 * (cpu - engine.stub_cpu_s) / n,
             "loop_cpu_ms_per_entry": 1000 * loop_cpu / n,
+            "redis_cpu_ms_per_entry": 1000 * redis_cpu / n,
             "host_ms_per_pass": 1000 * host / passes, "passes": passes,
             "docs_per_pass": n / passes}
 
@@ -201,6 +212,8 @@ def main() -> None:
                "median_cpu_ms_per_entry": statistics.median(r["cpu_ms_per_entry"] for r in runs),
                "median_loop_cpu_ms_per_entry": statistics.median(
                    r["loop_cpu_ms_per_entry"] for r in runs),
+               "median_redis_cpu_ms_per_entry": statistics.median(
+                   r["redis_cpu_ms_per_entry"] for r in runs),
                "best": best, "runs": runs}
     text = json.dumps(figures, indent=1)
     if args.out is not None:
