@@ -113,6 +113,24 @@ class ScoringBatch:
                 tree = DocTree(list(floor_root), engine.preparer.branches([q], [grid], key[-1]))
                 self._settle(self.scheduler.add(("floor", key), tree.flatten(engine.pad_id)))
 
+    @property
+    def on_device(self) -> bool:
+        """Whether its passes run apart from the host (CUDA): a launched pass has then not
+        necessarily run."""
+        return self.engine.device.type == "cuda"
+
+    def wait_device(self) -> None:
+        """Block until the last pass launched has run on the device, without the engine
+        thread (the interpreter lock released): ``finish`` then reads it back at once, and
+        the engine thread lays out the next pass meanwhile instead of waiting here."""
+        if self.scheduler.in_flight is not None:
+            self.scheduler.in_flight[1].wait()
+
+    @property
+    def device_seconds(self) -> float | None:
+        """The device's time on this batch's passes read back so far (None on the CPU)."""
+        return self.scheduler.device_s
+
     def finish(self) -> list[ScoreResponse | CompletionResponse | SpinfError]:
         """Wait for the last pass and answer every request. Completions decoding more than
         one token add a document per step: their passes run here until every one is done."""

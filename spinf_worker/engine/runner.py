@@ -81,16 +81,33 @@ class PendingPass:
     """A pass queued on the device: its summands, sorted by readout row, not yet read back."""
 
     docs: list[FlatDoc]
-    values: torch.Tensor       # device, fp32, in readout order
+    values: torch.Tensor       # fp32, in readout order; on CUDA a host copy, valid once wait()
     order: torch.Tensor        # values[k] belongs to summand order[k] (document order)
     # Extraction slots: (doc index, branch) -> full-vocab logprobs after the template, and
     # the kept keys/values of the documents that have slots (rows from keep_base[doc]).
     first: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     kept: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
     keep_base: dict[int, int] = field(default_factory=dict)
-    # completion prompts: doc index -> (next-token logprobs, top-N logprobs, top-N ids)
+    # completion prompts: doc index -> (next-token logprobs, top-N logprobs, top-N ids), on
+    # the host as ``values``
     echo: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(
         default_factory=dict)
+    # CUDA: events recorded before the pass's first kernel and after its last one
+    events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+
+    def wait(self) -> None:
+        """Block until the pass has run on the device (the interpreter lock released
+        meanwhile, so another thread may wait here while the engine thread lays out the
+        next pass); at once on the CPU, where launching a pass runs it."""
+        if self.events is not None:
+            self.events[1].synchronize()
+
+    def device_seconds(self) -> float | None:
+        """The device's time on the pass, from the stream reaching it to its last kernel
+        (None on the CPU); once it has run."""
+        if self.events is None:
+            return None
+        return self.events[0].elapsed_time(self.events[1]) / 1000
 
 
 class ModelRunner:
@@ -148,6 +165,8 @@ class ModelRunner:
                 keep.append(torch.arange(at, at + doc.tokens))
                 kept_rows += doc.tokens
         if self.device.type == "cuda":
+            began = torch.cuda.Event(enable_timing=True)
+            began.record()
             # A few fixed pass sizes, so compiled kernels and captured graphs are reused.
             rows = -(-start // PASS_BUCKET) * PASS_BUCKET
             inputs = torch.from_numpy(pass_rows(docs, rows, self.pad_id))
@@ -155,7 +174,7 @@ class ModelRunner:
             # a pass with media runs eagerly: its towers and their features are not captured
             if self.graphs is not None and not keep and not media:
                 hidden = self.graphs.run(inputs)
-                return self._readouts(docs, starts, hidden)
+                return _ended(self._readouts(docs, starts, hidden), began)
             inputs = self._upload(inputs)
             ids, pos = inputs[0].long(), inputs[1].long()
             plan = cuda_pass_plan(self.model, inputs, real_rows=start)
@@ -180,7 +199,7 @@ class ModelRunner:
         hidden = self.model(ids, pos, plan)
         pending = self._readouts(docs, starts, hidden)
         pending.kept, pending.keep_base = plan.kept, keep_base
-        return pending
+        return _ended(pending, began) if self.device.type == "cuda" else pending
 
     def _readouts(self, docs: list[FlatDoc], starts: list[int], hidden: torch.Tensor
                   ) -> PendingPass:
@@ -244,13 +263,21 @@ class ModelRunner:
                 best = part.topk(top_lp.shape[1], dim=1)
                 top_lp[a_row - at:z_row - at] = best.values
                 top_ids[a_row - at:z_row - at] = best.indices
-        return PendingPass(docs, values, torch.from_numpy(order), first,
-                           echo={i: parts[1:] for i, parts in echo.items()})
+        echo_parts = {i: parts[1:] for i, parts in echo.items()}
+        if self.device.type == "cuda":
+            # the figures the host reads, copied to it now, behind this pass's kernels: its
+            # read-back then waits for this pass alone, not for the passes launched after it
+            # (a copy queued at read-back time would run after those, on the one stream)
+            values = values.to("cpu", non_blocking=True)
+            echo_parts = {i: tuple(p.to("cpu", non_blocking=True) for p in parts)
+                          for i, parts in echo_parts.items()}
+        return PendingPass(docs, values, torch.from_numpy(order), first, echo=echo_parts)
 
     def finish(self, pending: PendingPass) -> list[DocScores]:
         """Wait for the pass and turn its summands into per-option logprobs."""
+        pending.wait()     # its figures' copies to the host are done
         values = np.empty(pending.values.shape[0], dtype=np.float32)
-        values[pending.order.numpy()] = pending.values.cpu().numpy()
+        values[pending.order.numpy()] = pending.values.numpy()
         blocks = [doc.block for doc in pending.docs]
         # every document's options and branches numbered after the previous documents'
         terms = [len(b.term_option) for b in blocks]
@@ -273,8 +300,16 @@ class ModelRunner:
                          probs=probs[options[k]:options[k + 1]])
                for k, b in enumerate(blocks)]
         for i, parts in pending.echo.items():
-            out[i].echo = tuple(part.cpu().numpy() for part in parts)
+            out[i].echo = tuple(part.numpy() for part in parts)
         return out
+
+
+def _ended(pending: PendingPass, began: torch.cuda.Event) -> PendingPass:
+    """The pass with its events: ``began`` and one recorded now, after its last kernel."""
+    ended = torch.cuda.Event(enable_timing=True)
+    ended.record()
+    pending.events = (began, ended)
+    return pending
 
 
 def renormalised(logprobs: np.ndarray, owner: np.ndarray, branches: int) -> np.ndarray:

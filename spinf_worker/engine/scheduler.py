@@ -30,6 +30,7 @@ class PassScheduler:
         self.waiting: list[tuple[Hashable, FlatDoc, Hashable | None]] = []   # + root key
         self.waiting_rows = 0
         self.in_flight: tuple[Members, PendingPass] | None = None
+        self.device_s: float | None = None   # the device's time on the passes read back (CUDA)
 
     def add(self, tag: Hashable, doc: FlatDoc) -> list[tuple[Hashable, DocScores]]:
         """Queue a document; returns the (tag, scores) of the documents finished meanwhile."""
@@ -84,6 +85,8 @@ class PassScheduler:
     def _collect(self, job: tuple[Members, PendingPass]) -> list[tuple[Hashable, DocScores]]:
         members, pending = job
         scores = self.runner.finish(pending)
+        if (seconds := pending.device_seconds()) is not None:
+            self.device_s = (self.device_s or 0.0) + seconds
         if pending.first and self.after_pass is not None:
             self.after_pass(pending, scores)
         return [(tag, split(doc_scores, part))
