@@ -3,8 +3,9 @@
 Each thread that runs torch ops gets an OpenMP pool of its own, and idle pools still compete
 for the cores: passes hopping between executor threads ran 1.7x slower on 2 cores, and the
 slowdown stayed after the hopping stopped. So the model is loaded and every pass runs on this
-one thread, in order. It is a daemon thread: a process asked to stop does not wait for a
-model load that can take minutes the first time.
+one thread, in order of priority (``URGENT``, ``LAUNCH``, ``LATER``), then of arrival. It is a
+daemon thread: a process asked to stop does not wait for a model load that can take minutes
+the first time.
 """
 
 from __future__ import annotations
@@ -14,6 +15,11 @@ import contextlib
 import queue
 import threading
 from collections.abc import Callable
+from itertools import count
+
+# What runs first when several calls wait: a read-back a caller waits on, then the launch of a
+# pass (the device may be running dry), then everything else.
+URGENT, LAUNCH, LATER = 0, 1, 2
 
 
 class EngineThread:
@@ -22,7 +28,8 @@ class EngineThread:
 
     def __init__(self, name: str = "spinf-engine"):
         self.name = name
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._jobs: queue.PriorityQueue = queue.PriorityQueue()
+        self._order = count()     # arrival order among calls of one priority
         self._thread: threading.Thread | None = None
         self._starting = threading.Lock()
 
@@ -30,12 +37,13 @@ class EngineThread:
     def started(self) -> bool:
         return self._thread is not None
 
-    def run(self, fn: Callable, *args) -> asyncio.Future:
-        """``fn(*args)`` on the engine thread, after the calls queued before it."""
+    def run(self, fn: Callable, *args, priority: int = LATER) -> asyncio.Future:
+        """``fn(*args)`` on the engine thread, after the calls queued before it with the same
+        or a higher priority (a lower number)."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         self._start()
-        self._jobs.put((fn, args, loop, future))
+        self._jobs.put((priority, next(self._order), (fn, args, loop, future)))
         return future
 
     def _start(self) -> None:
@@ -49,7 +57,7 @@ class EngineThread:
 
     def _serve(self) -> None:
         while True:
-            fn, args, loop, future = self._jobs.get()
+            fn, args, loop, future = self._jobs.get()[2]
             try:
                 value, error = fn(*args), None
             except BaseException as err:   # noqa: BLE001 - handed to the awaiting coroutine

@@ -3,9 +3,12 @@ stores results and tells whoever waits (docs/QUEUE.md).
 
 One worker drives one engine, two passes deep: pass N+1 is laid out and queued on the device
 before pass N is read back (Engine.start_batch), so the device is not idle while the host
-reads results back, stores them and lays out what comes next. Meanwhile the event loop reads
-and parses the entries of the pass after, heartbeats, keeps the entries it holds from looking
-idle, and reclaims entries of dead workers with XAUTOCLAIM.
+reads results back, stores them and lays out what comes next. The engine thread never sits
+waiting for the device: a thread of its own waits for each pass to run, and only then is its
+read-back queued on the engine thread, so a pass laid out meanwhile is never held behind a
+read-back waiting for the device. Meanwhile the event loop reads and parses the entries of
+the pass after, heartbeats, keeps the entries it holds from looking idle, and reclaims
+entries of dead workers with XAUTOCLAIM.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from ..errors import SpinfError
 from ..protocol import ScoreRequest, ScoreResponse
 from ..tiles import ROW_TILE, PassRows, RowPart
 from . import batches, jsonio, outcomes
-from .engine_thread import ENGINE_THREAD
+from .engine_thread import ENGINE_THREAD, LATER, LAUNCH, URGENT
 from .keys import GROUP, Keys
 from .results import JobResult
 from .settings import ServiceSettings
@@ -119,6 +122,8 @@ class Launched:
     busy_s: float                   # engine-thread seconds spent on it so far
     flight: object | None = None
     outcomes: list | None = None
+    ran: asyncio.Task | None = None   # done once the pass has run on the device
+    urgent: bool = False            # read back ahead of launches (Worker._answer_first)
 
 
 def timed(fn, *args):
@@ -160,6 +165,8 @@ class Worker:
         self._entry_rows = ROW_TILE           # rows an entry took in the last pass started
         self._drained = False                 # the last read left no entry in the streams
         self._launched: Launched | None = None         # on the device, read-back not queued
+        self._last_ran: asyncio.Task | None = None     # the last pass launched has run
+        self._ran_before: asyncio.Task | None = None   # ... and the one before it
         self._reading: set[asyncio.Task] = set()       # being read back from the device
         self._finishing: set[asyncio.Task] = set()     # results being stored
         # own pending entries still to re-read on start: the last id read, None when done
@@ -567,15 +574,23 @@ class Worker:
             marking = asyncio.create_task(self._mark_running(live))
             pass_ = Launched(live, marking, now_ms(), 0.0)
             self.passes += 1
+            if self._ran_before is not None:
+                # one other pass at most on the device when this one reaches it: a third
+                # would only wait there, and so would a request put in it
+                await asyncio.wait({self._ran_before})
             flight = ENGINE_THREAD.run(timed, self.engine.start_batch,
-                                       [e.request for e in live])
-            self._read_back()          # queued behind the launch
+                                       [e.request for e in live], priority=LAUNCH)
+            self._read_back()          # read back once it has run, while this one runs
             try:
                 pass_.flight, pass_.busy_s = await flight
+                pass_.ran = asyncio.create_task(self._device_ran(pass_.flight,
+                                                                 self._last_ran))
+                self._ran_before, self._last_ran = self._last_ran, pass_.ran
             except Exception as err:
                 pass_.outcomes = await self._score_alone(live, err)
             self._launched = pass_
-            if await self._answer_first(live):
+            if pass_.outcomes is None and await self._answer_first(live):
+                pass_.urgent = True
                 self._read_back()
         except Exception:   # entries not answered stay pending and are reclaimed later
             self.log.exception("pass failed", jobs=[e.job for e in live])
@@ -605,24 +620,38 @@ class Worker:
             return True
         return unread <= 0
 
+    @staticmethod
+    async def _device_ran(flight, before: asyncio.Task | None) -> None:
+        """Done once ``flight``'s passes have run on the device (after the pass launched
+        before it: passes run in launch order), waited for on a thread of its own."""
+        if before is not None:
+            await asyncio.wait({before})
+        if getattr(flight, "on_device", False):   # on the CPU a launched pass has run
+            with contextlib.suppress(Exception):   # its read-back raises it, if it lasts
+                await asyncio.to_thread(flight.wait_device)
+
     def _read_back(self) -> None:
-        """Queue the read-back of the pass on the device, if any, on the engine thread now
-        (behind what is queued there, ahead of anything queued later), and the storing of
-        its results."""
+        """Read back the pass on the device, if any, once it has run: its read-back is then
+        queued on the engine thread (behind what is queued there, ahead of anything queued
+        later), and the storing of its results after it."""
         pass_, self._launched = self._launched, None
         if pass_ is not None:
-            finished = (ENGINE_THREAD.run(timed, pass_.flight.finish)
-                        if pass_.outcomes is None else None)
-            task = asyncio.create_task(self._read_pass(pass_, finished))
+            task = asyncio.create_task(self._read_pass(pass_))
             self._reading.add(task)
             task.add_done_callback(self._reading.discard)
 
-    async def _read_pass(self, pass_: Launched, finished: asyncio.Future | None) -> None:
+    async def _read_pass(self, pass_: Launched) -> None:
         try:
-            if finished is not None:
+            if pass_.outcomes is None:
+                if pass_.ran is not None:
+                    await asyncio.wait({pass_.ran})
                 try:
-                    pass_.outcomes, seconds = await finished
-                    pass_.busy_s += seconds
+                    pass_.outcomes, seconds = await ENGINE_THREAD.run(
+                        timed, pass_.flight.finish, priority=URGENT if pass_.urgent else LATER)
+                    # the device's time on the pass where it tells (CUDA), else the engine
+                    # thread's (the CPU, where launching a pass runs it)
+                    device_s = getattr(pass_.flight, "device_seconds", None)
+                    pass_.busy_s = device_s if device_s is not None else pass_.busy_s + seconds
                 except Exception as err:
                     pass_.outcomes = await self._score_alone(pass_.entries, err)
         except BaseException:
