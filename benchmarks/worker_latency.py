@@ -1,0 +1,229 @@
+"""A request's wait during a bulk job, counted in passes: the queue worker's scheduling against
+a simulated device.
+
+The real worker (spinf_worker/queue/worker.py) on a real Redis, serving the default model's
+engine whose passes run on a simulated device, so that what is measured is how the worker
+orders and overlaps its work, not how fast this machine is:
+- ``start_batch`` does ``--host-ms`` of layout work per document (Python holding the
+  interpreter lock, as the engine's own host work does), queues the pass on the device's
+  timeline (it runs once the pass before it is done, for ``--pass-ms`` times its share of a
+  full pass's documents) and returns;
+- ``finish`` waits for its pass to be done, then does ``--host-ms`` of reply work per
+  document and answers with responses of the real shape (benchmarks/worker_host.py's).
+
+A bulk batch of ``--docs`` news documents (the 56 questions each, 14 a full pass) runs while
+single interactive requests of one such document arrive every ``--trickle-ms``; each single's
+latency, from its submission to its reply notification, in passes (of ``--pass-ms``), p50
+and p99, with its ``queue_ms`` (in the stream) and the rest; and the batch's documents/s
+against the simulated device's at full passes.
+
+    python benchmarks/worker_latency.py [--pass-ms 60] [--host-ms 0.4] [--docs 840]
+        [--trickle-ms 150] [--code DIR] [--out FILE]
+
+``--code DIR``: the ``spinf_worker/`` of another checkout, the benchmark staying this one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import threading
+import time
+import uuid
+from itertools import pairwise
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from worker_host import (  # noqa: E402
+    ARTICLES,
+    DOC_TOKENS,
+    PER_PASS,
+    QUESTIONS,
+    REDIS_URL,
+    AnsweringEngine,
+    response_template,
+)
+
+READER = "latency"      # the reply stream the singles' notifications come to
+
+
+def spin(seconds: float) -> None:
+    """Python work holding the interpreter lock for ``seconds`` (as the engine's host work)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+class SimulatedDevice:
+    """Passes one after another on a timeline: each starts when it is queued or when the one
+    before it is done, whichever is later."""
+
+    def __init__(self, pass_s: float):
+        self.pass_s, self.free_at, self.busy_s = pass_s, 0.0, 0.0
+        self.passes: list[tuple[float, float, int]] = []   # (queued, done, documents)
+        self.lock = threading.Lock()
+
+    def queue(self, docs: int) -> float:
+        """Queue a pass of ``docs`` documents; when it will be done."""
+        seconds = self.pass_s * docs / PER_PASS
+        with self.lock:
+            now = time.perf_counter()
+            self.free_at = max(self.free_at, now) + seconds
+            self.busy_s += seconds
+            self.passes.append((now, self.free_at, docs))
+            return self.free_at
+
+
+class SimulatedEngine(AnsweringEngine):
+    """The real engine's rows() and settings; its passes on a SimulatedDevice."""
+
+    def __init__(self, engine, template, device: SimulatedDevice, host_s: float):
+        super().__init__(engine, template)
+        self.device, self.host_s = device, host_s
+
+    def start_batch(self, requests):
+        spin(self.host_s * len(requests))                 # layout
+        done_at = self.device.queue(len(requests))
+
+        def wait_device():
+            time.sleep(max(0.0, done_at - time.perf_counter()))
+
+        def finish():
+            wait_device()
+            spin(self.host_s * len(requests))             # readouts and replies
+            return self.score_batch(requests)
+
+        # as Engine.start_batch's batch on a GPU (engine/batch.py)
+        return SimpleNamespace(finish=finish, wait_device=wait_device, on_device=True)
+
+
+async def one_run(engine: SimulatedEngine, docs: list[str], questions: dict, n: int,
+                  rows: int, trickle_s: float) -> dict:
+    from spinf_worker.queue import batches, files
+    from spinf_worker.queue.keys import Keys
+    from spinf_worker.queue.producer import Producer, Submission
+    from spinf_worker.queue.redis_client import connect
+    from spinf_worker.queue.settings import ServiceSettings
+    from spinf_worker.queue.worker import Worker
+
+    prefix = f"bench-latency-{uuid.uuid4().hex[:8]}"
+    keys = Keys(prefix)
+    settings = ServiceSettings(redis_url=REDIS_URL, prefix=prefix,
+                               max_pass_tokens=PER_PASS * rows, max_backlog=n + 1000)
+    redis = connect(settings.redis_url)
+    scoring = {**questions, "case_insensitive": False}
+    lines = [{"custom_id": f"doc-{i}", "method": "POST", "url": "/v1/score",
+              "body": {"text": docs[i % len(docs)], "scoring": scoring}} for i in range(n)]
+    upload = await files.create_file(redis, keys, "".join(
+        json.dumps(line) + "\n" for line in lines).encode(), filename="in.jsonl",
+        purpose="batch", ttl_s=600)
+    batch = await batches.create_batch(redis, keys, input_file_id=upload["id"],
+                                       endpoint="/v1/score", completion_window="24h",
+                                       metadata=None, ttl_s=600)
+    producer = Producer(redis, keys, settings)
+    await batches.enqueue_batch(redis, keys, producer, batch["id"])
+    sent: dict[str, float] = {}
+    answered: dict[str, float] = {}
+    done = asyncio.Event()
+
+    async def trickle() -> None:
+        i = 0
+        while not done.is_set():
+            job, _ = await producer.submit(Submission(
+                {"text": docs[i % len(docs)], "scoring": scoring}, priority="interactive",
+                reply_to=READER))
+            sent[job] = time.perf_counter()
+            i += 1
+            await asyncio.sleep(trickle_s)
+
+    async def replies() -> None:
+        last = "0-0"
+        while not done.is_set() or len(answered) < len(sent):
+            reply = await redis.xread({keys.reply(READER): last}, block=100)
+            for _, entries in reply or ():
+                for entry_id, fields in entries:
+                    answered[fields["job"]] = time.perf_counter()
+                    last = entry_id
+
+    worker = Worker(engine, redis, keys, settings, name="bench")
+    stop = asyncio.Event()
+    started = time.perf_counter()
+    busy_before, first_pass = engine.device.busy_s, len(engine.device.passes)
+    task = asyncio.create_task(worker.run(stop))
+    side = [asyncio.create_task(trickle()), asyncio.create_task(replies())]
+    while (await batches.get_batch(redis, keys, batch["id"]))["status"] != "completed":
+        await asyncio.sleep(0.01)
+    wall = time.perf_counter() - started
+    done.set()
+    await asyncio.wait_for(asyncio.gather(*side), 60)
+    stop.set()
+    await task
+    results = {job: json.loads(await redis.get(keys.result(job))) for job in sent}
+    async for key in redis.scan_iter(match=f"{prefix}:*", count=1000):
+        await redis.delete(key)
+    await redis.aclose()
+    pass_s = engine.device.pass_s
+    waits = sorted(answered[job] - sent[job] for job in sent)
+    queued = sorted(r["body"]["timing"]["queue_ms"] / 1000 for r in results.values())
+    return {"wall_s": wall, "docs_per_s": n / wall,
+            "device_docs_per_s": PER_PASS / pass_s,
+            "of_device": n / wall / (PER_PASS / pass_s),
+            "device_busy": (engine.device.busy_s - busy_before) / wall,
+            "singles": len(waits),
+            "p50_passes": statistics.median(waits) / pass_s,
+            "p99_passes": waits[min(len(waits) - 1, int(0.99 * len(waits)))] / pass_s,
+            "max_passes": waits[-1] / pass_s,
+            "queue_p50_passes": statistics.median(queued) / pass_s,
+            "queue_p99_passes": queued[min(len(queued) - 1, int(0.99 * len(queued)))] / pass_s,
+            "passes": worker.passes, "docs_per_pass": statistics.mean(
+                docs for _, _, docs in engine.device.passes[first_pass:]),
+            # the device idle while the batch ran: a pass queued after the one before it
+            # was done (the first pass's wait for its entries left out)
+            "device_gaps_s": sum(max(0.0, queued - before) for (_, before, _), (queued, _, _)
+                                 in pairwise(engine.device.passes[first_pass:]))}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pass-ms", type=float, default=60.0,
+                        help="the simulated device's time for a full pass (14 documents)")
+    parser.add_argument("--host-ms", type=float, default=0.4,
+                        help="the engine's host work per document, at layout and at reply each")
+    parser.add_argument("--docs", type=int, default=840)
+    parser.add_argument("--trickle-ms", type=float, default=150.0)
+    parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--code", type=Path, help="a checkout whose spinf_worker/ to measure")
+    parser.add_argument("--out", type=Path, help="write the figures there as JSON too")
+    args = parser.parse_args()
+    if args.code is not None:
+        sys.path.insert(0, str(args.code.resolve()))
+    import spinf_worker
+    from spinf_worker.engine import Engine
+    from spinf_worker.tiles import padded_rows
+
+    engine = Engine.load(device="cpu")
+    texts = [json.loads(line)["text"] for line in ARTICLES.read_text().splitlines()[:24]]
+    docs = [engine.checkpoint.tokenizer.decode(list(engine.presenter.encode(t)[:DOC_TOKENS]))
+            for t in texts]
+    questions = json.loads(QUESTIONS.read_text())
+    device = SimulatedDevice(args.pass_ms / 1000)
+    simulated = SimulatedEngine(engine, response_template(questions), device,
+                                args.host_ms / 1000)
+    rows = max(padded_rows(1027), engine.rows({"text": docs[0], "scoring": {
+        **questions, "case_insensitive": False}}))
+    runs = [asyncio.run(one_run(simulated, docs, questions, args.docs, rows,
+                                args.trickle_ms / 1000)) for _ in range(args.repeat)]
+    settings = {k: v for k, v in vars(args).items() if k not in ("code", "out")}
+    figures = {"code": str(Path(spinf_worker.__file__).parent), **settings, "runs": runs}
+    text = json.dumps(figures, indent=1)
+    if args.out is not None:
+        args.out.write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
