@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import pytest_asyncio
@@ -555,10 +556,10 @@ async def test_bulk_passes_go_one_at_a_time_while_requests_come(redis, keys, set
 
 @pytest.mark.asyncio
 async def test_the_next_launch_queues_behind_the_read_backs(redis, keys, settings, tiny_engine):
-    """A pass may start while the pass before the last is still being read back: its launch
-    queues on the engine thread behind that read-back, so the engine thread never waits for
-    the event loop between passes (one other pass at most is on the device when it runs).
-    It waits for the launch before it, and for the stores to keep up."""
+    """A pass may start while the pass before the last is still being read back (its launch
+    waits on the engine thread only for that pass to have run: one other pass at most is on
+    the device when it runs). It waits for the launch before it, and for the stores to keep
+    up."""
     worker = Worker(tiny_engine, redis, keys, settings)
     worker._launched = object()                    # launched, its read-back not yet asked
     reading = asyncio.get_running_loop().create_future()
@@ -604,6 +605,61 @@ async def test_a_pass_holding_a_request_is_read_back_before_bulk_layout(redis, k
     worker._ready = list(bulk)                # only bulk work follows: answered first
     await worker._start_pass([late])
     assert worker._launched is None and worker._reading   # its read-back queued
+    await asyncio.wait_for(worker._drain(), WAIT_S)
+    assert [r["status_code"] for r in await results_of(redis, keys, jobs)] == [200] * 3
+
+
+class DeviceEngine:
+    """The engine, its passes on a device the test runs: each launched pass has run only once
+    the test sets its event (``ran``), and reading it back waits for that, as a CUDA pass's
+    read-back waits for the device."""
+
+    def __init__(self, engine):
+        self.engine, self.ran, self.launched = engine, [], []
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def start_batch(self, requests):
+        flight, ran = self.engine.start_batch(requests), threading.Event()
+        self.ran.append(ran)
+        self.launched.append(len(requests))
+
+        def finish():
+            assert ran.wait(WAIT_S), "read back before it ran"
+            return flight.finish()
+
+        return SimpleNamespace(finish=finish, on_device=True,
+                               wait_device=lambda: ran.wait(WAIT_S))
+
+
+@pytest.mark.asyncio
+async def test_a_launch_never_waits_behind_a_read_back_waiting_for_the_device(
+        redis, keys, settings, tiny_engine):
+    """A pass read back early (nothing else due) waits for the device on a thread of its own:
+    the next pass still launches on the engine thread at once, while the first one runs. A
+    third pass waits for the first to have run (two deep on the device); all are answered."""
+    producer = Producer(redis, keys, settings)
+    engine = DeviceEngine(tiny_engine)
+    worker = Worker(engine, redis, keys, settings)
+    jobs = [(await producer.submit(Submission(body(i), priority="bulk")))[0] for i in range(3)]
+    await worker._create_groups()
+    await _read_until(worker, 3 * tiny_engine.rows(ScoreRequest.parse(body(0))))
+    first, second, third = worker._ready
+    worker._ready = []
+    await asyncio.wait_for(worker._start_pass([first]), WAIT_S)
+    worker._read_back()                  # asked for at once: it waits for the device
+    await asyncio.wait_for(worker._start_pass([second]), WAIT_S)
+    assert engine.launched == [1, 1] and not engine.ran[0].is_set()
+    launching = asyncio.create_task(worker._start_pass([third]))
+    for _ in range(20):                  # the loop turns; the third pass may not launch yet
+        await asyncio.sleep(0)
+    assert engine.launched == [1, 1] and not launching.done()
+    engine.ran[0].set()
+    await asyncio.wait_for(launching, WAIT_S)
+    assert engine.launched == [1, 1, 1]
+    for ran in engine.ran:
+        ran.set()
     await asyncio.wait_for(worker._drain(), WAIT_S)
     assert [r["status_code"] for r in await results_of(redis, keys, jobs)] == [200] * 3
 
