@@ -28,7 +28,11 @@ _STATS_COUNTERS = {
     "spinf_pass_rows": ("rows", "Rows of all passes, padding included."),
     "spinf_pass_real_rows": ("real_rows", "Rows of all passes holding real tokens."),
     "spinf_dead_letters": ("dead", "Work entries moved to the dead-letter stream."),
-    "spinf_worker_busy_seconds": ("seconds_busy", "Seconds workers spent running passes."),
+    "spinf_worker_busy_seconds": ("seconds_busy", "Seconds the workers' devices spent running "
+                                  "passes (CUDA: from a pass's first kernel to its last; CPU: "
+                                  "the engine thread's)."),
+    "spinf_worker_engine_seconds": ("seconds_engine", "Seconds the workers' engine threads spent "
+                                    "laying out, launching and answering passes."),
 }
 _DELIVERY_OUTCOMES = {"succeeded": "docs", "failed": "failed", "expired": "expired",
                       "dead": "dead"}

@@ -24,8 +24,9 @@ d. **interactive**: a trickle of single ``POST /v1/score`` requests (one every
 count from the phase's start barrier.
 
 Every service answer is compared with the in-process one, bit for bit. Per phase: docs/s,
-questions/s, the fraction of the wall time the worker was inside a pass
-(``spinf_worker_busy_seconds_total``), CPU seconds of each tier (API processes, worker, Redis,
+questions/s, the fraction of the wall time the device ran the worker's passes
+(``spinf_worker_busy_seconds_total``: CUDA events) and the worker's engine thread worked on
+them (``spinf_worker_engine_seconds_total``), CPU seconds of each tier (API processes, worker, Redis,
 clients), and peak device memory (``nvidia-smi``, sampled, the worker's process and the
 in-process engine's ``torch.cuda.max_memory_allocated``).
 
@@ -421,7 +422,7 @@ def run_engine(args: argparse.Namespace, requests: list[dict]) -> dict:
 
 
 def phase(name: str, seconds: float, bodies: list, reference: list, busy_s: float,
-          cpu: dict[str, float]) -> dict:
+          engine_s: float, cpu: dict[str, float]) -> dict:
     from service_http import compare
 
     same, worst, fingerprint = compare(reference, bodies)
@@ -429,6 +430,7 @@ def phase(name: str, seconds: float, bodies: list, reference: list, busy_s: floa
             f"{name}_docs_per_s": round(len(bodies) / seconds, 1),
             f"{name}_questions_per_s": round(questions_in(bodies) / seconds, 1),
             f"{name}_gpu_busy": round(busy_s / seconds, 3),
+            f"{name}_engine_thread_busy": round(engine_s / seconds, 3),
             f"{name}_bit_identical": same, f"{name}_max_abs_diff": worst,
             f"{name}_same_fingerprint": fingerprint,
             **{f"{name}_cpu_s_{tier}": round(s, 2) for tier, s in cpu.items()}}
@@ -456,10 +458,11 @@ async def run_service(args: argparse.Namespace, service: Service, requests: list
             m1, c1 = await metrics(client), tier_cpu_s(service.pids())
             cpu = {k: c1[k] - c0[k] for k in c0}
             cpu["client"] = client_cpu + time.process_time() - own0
-            busy = m1.get("spinf_worker_busy_seconds_total", 0) - \
-                m0.get("spinf_worker_busy_seconds_total", 0)
+            busy, engine = (m1.get(f"spinf_worker_{k}_seconds_total", 0)
+                            - m0.get(f"spinf_worker_{k}_seconds_total", 0)
+                            for k in ("busy", "engine"))
             passes = m1.get("spinf_passes_total", 0) - m0.get("spinf_passes_total", 0)
-            out = phase(name, seconds, bodies, reference, busy, cpu)
+            out = phase(name, seconds, bodies, reference, busy, engine, cpu)
             out[f"{name}_passes"] = int(passes)
             out[f"{name}_mean_pass_s"] = round(busy / passes, 4) if passes else None
             return out

@@ -100,7 +100,7 @@ def score_counts(response: ScoreResponse) -> tuple[int, int, int, int]:
     return len(results), questions, response._rows, response._padded_rows
 
 
-def pass_counts(outcomes: list, busy_s: float) -> dict[str, int | float]:
+def pass_counts(outcomes: list, busy_s: float, engine_s: float) -> dict[str, int | float]:
     """What a pass adds to the stats hash (docs/QUEUE.md)."""
     counts = [score_counts(o) for o in outcomes if isinstance(o, ScoreResponse)]
     tokens = sum(c[2] for c in counts)
@@ -108,7 +108,7 @@ def pass_counts(outcomes: list, busy_s: float) -> dict[str, int | float]:
     return {"passes": 1, "docs": sum(c[0] for c in counts), "tokens": tokens,
             "questions": sum(c[1] for c in counts),
             "real_rows": tokens, "rows": sum(c[3] for c in counts),
-            "seconds_busy": busy_s}
+            "seconds_busy": busy_s, "seconds_engine": engine_s}
 
 
 @dataclass
@@ -119,7 +119,8 @@ class Launched:
     entries: list[Entry]
     marking: asyncio.Task           # the job records' "running", written meanwhile
     started_ms: int
-    busy_s: float                   # engine-thread seconds spent on it so far
+    engine_s: float                 # engine-thread seconds spent on it so far
+    busy_s: float = 0.0             # the device's seconds on it (on the CPU: engine_s)
     flight: object | None = None
     outcomes: list | None = None
     ran: asyncio.Task | None = None   # done once the pass has run on the device
@@ -582,7 +583,7 @@ class Worker:
                                        [e.request for e in live], priority=LAUNCH)
             self._read_back()          # read back once it has run, while this one runs
             try:
-                pass_.flight, pass_.busy_s = await flight
+                pass_.flight, pass_.engine_s = await flight
                 pass_.ran = asyncio.create_task(self._device_ran(pass_.flight,
                                                                  self._last_ran))
                 self._ran_before, self._last_ran = self._last_ran, pass_.ran
@@ -648,10 +649,11 @@ class Worker:
                 try:
                     pass_.outcomes, seconds = await ENGINE_THREAD.run(
                         timed, pass_.flight.finish, priority=URGENT if pass_.urgent else LATER)
+                    pass_.engine_s += seconds
                     # the device's time on the pass where it tells (CUDA), else the engine
                     # thread's (the CPU, where launching a pass runs it)
                     device_s = getattr(pass_.flight, "device_seconds", None)
-                    pass_.busy_s = device_s if device_s is not None else pass_.busy_s + seconds
+                    pass_.busy_s = device_s if device_s is not None else pass_.engine_s
                 except Exception as err:
                     pass_.outcomes = await self._score_alone(pass_.entries, err)
         except BaseException:
@@ -679,8 +681,9 @@ class Worker:
                     answered.append((entry, JobResult.failed(outcome), "failed"))
                 else:
                     await self._fail(entry, outcome)
-            await self._finish(answered, pass_counts(outcomes, pass_.busy_s))
-            self.log.info("pass done", docs=len(live), seconds=round(pass_.busy_s, 3))
+            busy_s = pass_.busy_s or pass_.engine_s   # a pass scored entry by entry: the latter
+            await self._finish(answered, pass_counts(outcomes, busy_s, pass_.engine_s))
+            self.log.info("pass done", docs=len(live), seconds=round(busy_s, 3))
         except Exception:   # entries not answered stay pending and are reclaimed later
             self.log.exception("pass failed", jobs=[e.job for e in live])
         finally:
