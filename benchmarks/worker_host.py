@@ -180,6 +180,22 @@ def parse_per_entry(engine, docs: list[str], questions: dict, n: int) -> dict:
             "result_read_ms": 1000 * (time.perf_counter() - started) / n}
 
 
+def news_job():
+    """The default model's engine on the CPU, the 24 news documents cut to DOC_TOKENS tokens,
+    the questions, and the rows a document takes in a pass (as the worker counts them)."""
+    from spinf_worker.engine import Engine
+    from spinf_worker.tiles import padded_rows
+
+    engine = Engine.load(device="cpu")
+    texts = [json.loads(line)["text"] for line in ARTICLES.read_text().splitlines()[:24]]
+    docs = [engine.checkpoint.tokenizer.decode(list(engine.presenter.encode(t)[:DOC_TOKENS]))
+            for t in texts]
+    questions = json.loads(QUESTIONS.read_text())
+    rows = max(padded_rows(1027), engine.rows({"text": docs[0], "scoring": {
+        **questions, "case_insensitive": False}}))
+    return engine, docs, questions, rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--code", type=Path, help="a checkout whose spinf_worker/ to measure")
@@ -190,17 +206,9 @@ def main() -> None:
     if args.code is not None:
         sys.path.insert(0, str(args.code.resolve()))
     import spinf_worker
-    from spinf_worker.engine import Engine
-    from spinf_worker.tiles import padded_rows
 
-    engine = Engine.load(device="cpu")
-    texts = [json.loads(line)["text"] for line in ARTICLES.read_text().splitlines()[:24]]
-    docs = [engine.checkpoint.tokenizer.decode(list(engine.presenter.encode(t)[:DOC_TOKENS]))
-            for t in texts]
-    questions = json.loads(QUESTIONS.read_text())
+    engine, docs, questions, rows = news_job()
     answering = AnsweringEngine(engine, response_template(questions))
-    rows = max(padded_rows(1027), engine.rows({"text": docs[0], "scoring": {
-        **questions, "case_insensitive": False}}))
     parse = parse_per_entry(answering, docs, questions, 200)
     runs = [asyncio.run(one_run(answering, docs, questions, args.docs, rows))
             for _ in range(args.repeat)]

@@ -39,12 +39,10 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from worker_host import (  # noqa: E402
-    ARTICLES,
-    DOC_TOKENS,
     PER_PASS,
-    QUESTIONS,
     REDIS_URL,
     AnsweringEngine,
+    news_job,
     response_template,
 )
 
@@ -202,19 +200,11 @@ def main() -> None:
     if args.code is not None:
         sys.path.insert(0, str(args.code.resolve()))
     import spinf_worker
-    from spinf_worker.engine import Engine
-    from spinf_worker.tiles import padded_rows
 
-    engine = Engine.load(device="cpu")
-    texts = [json.loads(line)["text"] for line in ARTICLES.read_text().splitlines()[:24]]
-    docs = [engine.checkpoint.tokenizer.decode(list(engine.presenter.encode(t)[:DOC_TOKENS]))
-            for t in texts]
-    questions = json.loads(QUESTIONS.read_text())
+    engine, docs, questions, rows = news_job()
     device = SimulatedDevice(args.pass_ms / 1000)
     simulated = SimulatedEngine(engine, response_template(questions), device,
                                 args.host_ms / 1000)
-    rows = max(padded_rows(1027), engine.rows({"text": docs[0], "scoring": {
-        **questions, "case_insensitive": False}}))
     runs = [asyncio.run(one_run(simulated, docs, questions, args.docs, rows,
                                 args.trickle_ms / 1000)) for _ in range(args.repeat)]
     settings = {k: v for k, v in vars(args).items() if k not in ("code", "out")}
