@@ -180,7 +180,7 @@ class _Runner:
 
     def launch(self, docs):
         self.passes.append([d.name for d in docs])
-        return SimpleNamespace(first={}, docs=docs)
+        return SimpleNamespace(first={}, docs=docs, device_seconds=lambda: None)
 
     def finish(self, pending):
         return [None] * len(pending.docs)
