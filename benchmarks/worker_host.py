@@ -223,9 +223,14 @@ def main() -> None:
                "median_redis_cpu_ms_per_entry": statistics.median(
                    r["redis_cpu_ms_per_entry"] for r in runs),
                "best": best, "runs": runs}
+    report(figures, args.out)
+
+
+def report(figures: dict, out: Path | None) -> None:
+    """The figures as JSON on stdout, and in ``out`` when given."""
     text = json.dumps(figures, indent=1)
-    if args.out is not None:
-        args.out.write_text(text + "\n")
+    if out is not None:
+        out.write_text(text + "\n")
     print(text)
 
 

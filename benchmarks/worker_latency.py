@@ -43,6 +43,7 @@ from worker_host import (  # noqa: E402
     REDIS_URL,
     AnsweringEngine,
     news_job,
+    report,
     response_template,
 )
 
@@ -208,11 +209,8 @@ def main() -> None:
     runs = [asyncio.run(one_run(simulated, docs, questions, args.docs, rows,
                                 args.trickle_ms / 1000)) for _ in range(args.repeat)]
     settings = {k: v for k, v in vars(args).items() if k not in ("code", "out")}
-    figures = {"code": str(Path(spinf_worker.__file__).parent), **settings, "runs": runs}
-    text = json.dumps(figures, indent=1)
-    if args.out is not None:
-        args.out.write_text(text + "\n")
-    print(text)
+    report({"code": str(Path(spinf_worker.__file__).parent), **settings, "runs": runs},
+           args.out)
 
 
 if __name__ == "__main__":
