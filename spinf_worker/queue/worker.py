@@ -223,11 +223,11 @@ class Worker:
 
     def _may_start(self) -> bool:
         """A pass may start when the previous one has launched and the stores keep up. Its
-        launch queues on the engine thread behind the read-backs asked for already, and the
-        pass launched last is read back behind it: when it runs, one other pass at most is
-        on the device (a third would only wait there, and so would a request put in it),
-        and the engine thread always has the next pass to lay out while the device runs
-        (a small model's pass costs the host more than the device). With
+        launch then waits for the pass before the last to have run (``_start_pass``): when
+        it runs, one other pass at most is on the device (a third would only wait there, and
+        so would a request put in it), and the engine thread has the next pass to lay out
+        while the device runs (a small model's pass costs the host more than the device).
+        With
         ``interactive_window_ms`` set, while interactive requests come a pass of bulk
         entries alone waits for the device to be free: a request arriving then waits for
         one pass, not two."""
@@ -559,8 +559,8 @@ class Worker:
         self._starting = asyncio.create_task(self._start_pass(batch))
 
     async def _start_pass(self, batch: list[Entry]) -> None:
-        """Lay out and launch a pass; the pass before it is read back behind it on the engine
-        thread, so the device runs this one meanwhile."""
+        """Lay out and launch a pass once one other pass at most is on the device; the pass
+        before it is read back once it has run, while the device runs this one."""
         live = batch
         try:
             at = now_ms()
@@ -598,10 +598,10 @@ class Worker:
             self._release_held(live)
 
     async def _answer_first(self, live: list[Entry]) -> bool:
-        """Whether a pass holding requests is read back as soon as it has run, ahead of the
-        next pass's layout: when no other request is waiting, the next pass is bulk work,
-        and a caller need not wait for its layout (during a bulk job, a layout of a small
-        model's pass takes longer than the device's pass). With requests waiting (ready,
+        """Whether a pass holding requests is read back as soon as it has run, ahead of any
+        launch on the engine thread: when no other request is waiting, the next pass is bulk
+        work, and a caller need not wait for its layout (during a bulk job, a layout of a
+        small model's pass takes longer than the device's pass). With requests waiting (ready,
         being parsed, or still in the stream: reads are sized to a pass, so many callers
         leave most of theirs there), passes stay pipelined: many callers are served fastest
         at full throughput."""
@@ -633,8 +633,8 @@ class Worker:
 
     def _read_back(self) -> None:
         """Read back the pass on the device, if any, once it has run: its read-back is then
-        queued on the engine thread (behind what is queued there, ahead of anything queued
-        later), and the storing of its results after it."""
+        queued on the engine thread (a caller's ahead of launches, bulk behind them), and the
+        storing of its results after it."""
         pass_, self._launched = self._launched, None
         if pass_ is not None:
             task = asyncio.create_task(self._read_pass(pass_))
