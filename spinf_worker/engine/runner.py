@@ -174,7 +174,7 @@ class ModelRunner:
             # a pass with media runs eagerly: its towers and their features are not captured
             if self.graphs is not None and not keep and not media:
                 hidden = self.graphs.run(inputs)
-                return _ended(self._readouts(docs, starts, hidden), began)
+                return self._readouts(docs, starts, hidden, began)
             inputs = self._upload(inputs)
             ids, pos = inputs[0].long(), inputs[1].long()
             plan = cuda_pass_plan(self.model, inputs, real_rows=start)
@@ -186,6 +186,7 @@ class ModelRunner:
                 plan.docs = [doc_span(d, s, self.model.cfg.sliding_window, self.device)
                              for d, s in zip(docs, starts, strict=True)]
         else:
+            began = None
             ids = torch.cat([d.input_ids for d in docs])
             pos = torch.cat([d.positions for d in docs])
             window = self.model.cfg.sliding_window
@@ -197,16 +198,17 @@ class ModelRunner:
         if keep:
             plan.keep_rows = self._upload(torch.cat(keep))
         hidden = self.model(ids, pos, plan)
-        pending = self._readouts(docs, starts, hidden)
+        pending = self._readouts(docs, starts, hidden, began)
         pending.kept, pending.keep_base = plan.kept, keep_base
-        return _ended(pending, began) if self.device.type == "cuda" else pending
+        return pending
 
-    def _readouts(self, docs: list[FlatDoc], starts: list[int], hidden: torch.Tensor
-                  ) -> PendingPass:
+    def _readouts(self, docs: list[FlatDoc], starts: list[int], hidden: torch.Tensor,
+                  began: torch.cuda.Event | None) -> PendingPass:
         """LM head on every document's readout rows (each document's block padded to the
         readout tile), and the (readout, token) summands gathered on the device. Summands are
         sorted by readout row so each LM-head chunk fills one slice: no data-dependent
-        indexing, no host sync."""
+        indexing, no host sync. ``began``: CUDA, the event recorded before the pass's first
+        kernel."""
         # each document's readouts numbered after the previous documents'
         reads = [doc.readout_rows.shape[0] for doc in docs]
         bases = np.cumsum([0, *reads])
@@ -264,14 +266,19 @@ class ModelRunner:
                 top_lp[a_row - at:z_row - at] = best.values
                 top_ids[a_row - at:z_row - at] = best.indices
         echo_parts = {i: parts[1:] for i, parts in echo.items()}
-        if self.device.type == "cuda":
+        events = None
+        if began is not None:
             # the figures the host reads, copied to it now, behind this pass's kernels: its
             # read-back then waits for this pass alone, not for the passes launched after it
             # (a copy queued at read-back time would run after those, on the one stream)
             values = values.to("cpu", non_blocking=True)
             echo_parts = {i: tuple(p.to("cpu", non_blocking=True) for p in parts)
                           for i, parts in echo_parts.items()}
-        return PendingPass(docs, values, torch.from_numpy(order), first, echo=echo_parts)
+            ended = torch.cuda.Event(enable_timing=True)
+            ended.record()
+            events = (began, ended)
+        return PendingPass(docs, values, torch.from_numpy(order), first, echo=echo_parts,
+                           events=events)
 
     def finish(self, pending: PendingPass) -> list[DocScores]:
         """Wait for the pass and turn its summands into per-option logprobs."""
@@ -302,14 +309,6 @@ class ModelRunner:
         for i, parts in pending.echo.items():
             out[i].echo = tuple(part.numpy() for part in parts)
         return out
-
-
-def _ended(pending: PendingPass, began: torch.cuda.Event) -> PendingPass:
-    """The pass with its events: ``began`` and one recorded now, after its last kernel."""
-    ended = torch.cuda.Event(enable_timing=True)
-    ended.record()
-    pending.events = (began, ended)
-    return pending
 
 
 def renormalised(logprobs: np.ndarray, owner: np.ndarray, branches: int) -> np.ndarray:

@@ -120,7 +120,7 @@ class Launched:
     marking: asyncio.Task           # the job records' "running", written meanwhile
     started_ms: int
     engine_s: float                 # engine-thread seconds spent on it so far
-    busy_s: float = 0.0             # the device's seconds on it (on the CPU: engine_s)
+    device_s: float | None = None   # the device's seconds on it, where it tells (CUDA)
     flight: object | None = None
     outcomes: list | None = None
     ran: asyncio.Task | None = None   # done once the pass has run on the device
@@ -650,10 +650,7 @@ class Worker:
                     pass_.outcomes, seconds = await ENGINE_THREAD.run(
                         timed, pass_.flight.finish, priority=URGENT if pass_.urgent else LATER)
                     pass_.engine_s += seconds
-                    # the device's time on the pass where it tells (CUDA), else the engine
-                    # thread's (the CPU, where launching a pass runs it)
-                    device_s = getattr(pass_.flight, "device_seconds", None)
-                    pass_.busy_s = device_s if device_s is not None else pass_.engine_s
+                    pass_.device_s = getattr(pass_.flight, "device_seconds", None)
                 except Exception as err:
                     pass_.outcomes = await self._score_alone(pass_.entries, err)
         except BaseException:
@@ -681,7 +678,9 @@ class Worker:
                     answered.append((entry, JobResult.failed(outcome), "failed"))
                 else:
                     await self._fail(entry, outcome)
-            busy_s = pass_.busy_s or pass_.engine_s   # a pass scored entry by entry: the latter
+            # the device's time on the pass where it tells, else the engine thread's (the CPU,
+            # where launching a pass runs it)
+            busy_s = pass_.engine_s if pass_.device_s is None else pass_.device_s
             await self._finish(answered, pass_counts(outcomes, busy_s, pass_.engine_s))
             self.log.info("pass done", docs=len(live), seconds=round(busy_s, 3))
         except Exception:   # entries not answered stay pending and are reclaimed later
