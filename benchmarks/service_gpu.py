@@ -160,6 +160,30 @@ def tier_cpu_s(tiers: dict[str, int]) -> dict[str, float]:
     return out
 
 
+@contextlib.contextmanager
+def profiled(out: Path | None, name: str, pid: int):
+    """py-spy profiles of the worker process while a phase runs (``--profile``): every
+    thread's samples, and those of whichever thread holds the interpreter lock (``--gil``),
+    as collapsed stacks (``{name}-worker.txt``, ``{name}-worker-gil.txt``)."""
+    if out is None:
+        yield
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    spies = [subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--threads",
+                               "--nonblocking", "--rate", "200", "--format", "raw",
+                               "--output", str(out / f"{name}-worker{tag}.txt"), *flags],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             for tag, flags in (("", []), ("-gil", ["--gil"]))]
+    time.sleep(1.0)      # attached before the phase starts
+    try:
+        yield
+    finally:
+        for spy in spies:
+            spy.send_signal(signal.SIGINT)
+        for spy in spies:
+            spy.wait(60)
+
+
 # ---- the service ----------------------------------------------------------------------------
 
 
@@ -454,7 +478,8 @@ async def run_service(args: argparse.Namespace, service: Service, requests: list
         async def measured(name: str, run) -> dict:
             m0, c0 = await metrics(client), tier_cpu_s(service.pids())
             own0 = time.process_time()
-            seconds, bodies, client_cpu = await run()
+            with profiled(args.profile, name, service.pids()["worker"]):
+                seconds, bodies, client_cpu = await run()
             m1, c1 = await metrics(client), tier_cpu_s(service.pids())
             cpu = {k: c1[k] - c0[k] for k in c0}
             cpu["client"] = client_cpu + time.process_time() - own0
@@ -520,6 +545,8 @@ def main() -> None:
     parser.add_argument("--name", default=None, help="the row's name (default: model + quant)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--commit", default=None)
+    parser.add_argument("--profile", type=Path, default=None,
+                        help="a directory for py-spy profiles of the worker in each phase")
     args = parser.parse_args()
     name = args.name or f"{Path(args.model).name}-{args.quant}"
     commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,

@@ -256,8 +256,12 @@ def load_engine(spec: WorkerSpec, settings: ServiceSettings):
                                      max_content_tokens=settings.max_content_tokens)
     if settings.max_pass_tokens:
         engine_settings.max_pass_tokens = settings.max_pass_tokens
-    return Engine.load(spec.model, device=spec.device, settings=engine_settings, packs=packs,
-                       load_format=settings.load_format)
+    engine = Engine.load(spec.model, device=spec.device, settings=engine_settings, packs=packs,
+                         load_format=settings.load_format)
+    sizes = engine.warm_up()    # before the heap is frozen (_run_worker)
+    if sizes:
+        log.info("pass sizes compiled", rows=sizes)
+    return engine
 
 
 def _worker_name() -> str:

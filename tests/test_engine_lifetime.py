@@ -22,3 +22,15 @@ def test_an_engine_is_freed_without_the_cyclic_collector(tiny_dir):
         assert model() is None and weight() is None
     finally:
         gc.enable()
+
+
+def test_warm_up_on_the_cpu_compiles_nothing_and_changes_no_score(tiny_dir):
+    """A service warms its engine up before it serves (serve.load_engine): on the CPU there
+    is no pass size to compile, and the engine answers as a cold one does."""
+    request = {"text": "A short note.", "scoring": {"queries": [
+        {"id": "q", "template": "\n\nIs it short?\nAnswer:{?}", "options": [" yes", " no"]}]}}
+    cold = Engine.load(str(tiny_dir), device="cpu").score(request)
+    engine = Engine.load(str(tiny_dir), device="cpu")
+    assert engine.warm_up() == []
+    warm = engine.score(request)
+    assert warm.results[0].model_dump() == cold.results[0].model_dump()

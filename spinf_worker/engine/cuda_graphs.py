@@ -51,14 +51,18 @@ class PassGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[int, PassGraph] = {}
 
+    def graph(self, rows: int) -> PassGraph:
+        """The bucket's graph, captured now if it has not been yet."""
+        graph = self.graphs.get(rows)
+        if graph is None:
+            graph = self.graphs[rows] = PassGraph(self.model, rows, self.pool)
+        return graph
+
     @torch.inference_mode()
     def run(self, inputs: torch.Tensor) -> torch.Tensor:
         """``inputs``: a pass's [PASS_ROWS, rows] int32 rows on the host. Returns the final-norm hidden
         states of every row (a buffer the next replay of this bucket overwrites)."""
-        rows = inputs.shape[1]
-        graph = self.graphs.get(rows)
-        if graph is None:
-            graph = self.graphs[rows] = PassGraph(self.model, rows, self.pool)
+        graph = self.graph(inputs.shape[1])
         # From pinned memory the copy is queued behind the work already on the stream (the
         # previous replay may still be reading this buffer) without the host waiting.
         graph.inputs.copy_(inputs.pin_memory(), non_blocking=True)

@@ -126,6 +126,24 @@ class ModelRunner:
 
             self.graphs = PassGraphs(model)
 
+    @torch.inference_mode()
+    def warm_up(self, max_rows: int) -> list[int]:
+        """CUDA: compile (and capture, with graphs) the forward of every pass size up to
+        ``max_rows`` now, each on a pass of padding rows, rather than in the first passes
+        that carry requests. Returns the sizes (none on the CPU: nothing to compile)."""
+        if self.device.type != "cuda":
+            return []
+        sizes = list(range(PASS_BUCKET, -(-max_rows // PASS_BUCKET) * PASS_BUCKET + 1,
+                           PASS_BUCKET))
+        for rows in sizes:
+            if self.graphs is not None:
+                self.graphs.graph(rows)
+                continue
+            inputs = self._upload(torch.from_numpy(pass_rows([], rows, self.pad_id)))
+            self.model(inputs[0].long(), inputs[1].long(), cuda_pass_plan(self.model, inputs))
+        torch.cuda.synchronize(self.device)
+        return sizes
+
     def flex_plan(self, docs: list[FlatDoc], rows: int):
         """CUDA: the pass's tree tensors on the device -> block masks."""
         inputs = self._upload(torch.from_numpy(pass_rows(docs, rows, self.pad_id)))

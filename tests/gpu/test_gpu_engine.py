@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 if torch.cuda.is_available():
     from spinf_worker.engine.layout import Branch, DocTree
-    from spinf_worker.engine.runner import ModelRunner, doc_span, pass_rows
+    from spinf_worker.engine.runner import PASS_BUCKET, ModelRunner, doc_span, pass_rows
     from spinf_worker.kernels.attention import AttentionPlan, packed_tree_attention
     from spinf_worker.kernels.flex_tree import TreeTokens, build_flex_plan, flex_tree_attention
     from spinf_worker.kernels.rowwise import quantize_rows_fp8, rmsnorm
@@ -171,6 +171,24 @@ def test_cuda_graph_passes_equal_eager_passes(scheme):
     assert bits(graphed.finish(first)) == want
     assert bits(graphed.finish(second)) == bits(eager.run(docs[::-1]))
     assert len(graphed.graphs.graphs) == 1
+
+
+@pytest.mark.parametrize("cuda_graphs", [True, False])
+def test_warm_up_compiles_every_pass_size_and_changes_no_bits(cuda_graphs):
+    """A service compiles (and captures) each pass size before it serves: the passes after
+    it reuse those graphs and give the bits a cold runner gives."""
+    docs = _random_docs(12, seed=4)
+    cold = _runner("cuda", torch.bfloat16, fp8=True, cuda_graphs=cuda_graphs)
+    warm = _runner("cuda", torch.bfloat16, fp8=True, cuda_graphs=cuda_graphs)
+    sizes = warm.warm_up(3 * PASS_BUCKET - 1)
+    assert sizes == [PASS_BUCKET, 2 * PASS_BUCKET, 3 * PASS_BUCKET]
+    if cuda_graphs:
+        assert sorted(warm.graphs.graphs) == sizes
+        captured = dict(warm.graphs.graphs)
+    bits = lambda scores: [lp.tolist() for s in scores for lp in s.logprobs]  # noqa: E731
+    assert bits(warm.run(docs)) == bits(cold.run(docs))
+    if cuda_graphs:   # the pass replayed a graph captured by the warm-up, none new
+        assert warm.graphs.graphs == captured
 
 
 @pytest.mark.parametrize("cuda_graphs", [True, False])
