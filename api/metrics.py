@@ -33,6 +33,9 @@ _STATS_COUNTERS = {
                                   "the engine thread's)."),
     "spinf_worker_engine_seconds": ("seconds_engine", "Seconds the workers' engine threads spent "
                                     "laying out, launching and answering passes."),
+    "spinf_worker_gc_seconds": ("seconds_gc", "Seconds the workers' cyclic garbage collector "
+                                "ran (holding the interpreter lock: passes and Redis work "
+                                "wait meanwhile)."),
 }
 _DELIVERY_OUTCOMES = {"succeeded": "docs", "failed": "failed", "expired": "expired",
                       "dead": "dead"}

@@ -26,9 +26,14 @@ count from the phase's start barrier.
 Every service answer is compared with the in-process one, bit for bit. Per phase: docs/s,
 questions/s, the fraction of the wall time the device ran the worker's passes
 (``spinf_worker_busy_seconds_total``: CUDA events) and the worker's engine thread worked on
-them (``spinf_worker_engine_seconds_total``), CPU seconds of each tier (API processes, worker, Redis,
+them (``spinf_worker_engine_seconds_total``), the seconds the worker's cyclic collector ran
+(``spinf_worker_gc_seconds_total``), CPU seconds of each tier (API processes, worker, Redis,
 clients), and peak device memory (``nvidia-smi``, sampled, the worker's process and the
 in-process engine's ``torch.cuda.max_memory_allocated``).
+
+``--profile DIR`` records py-spy profiles of the worker process during each phase (py-spy on
+the PATH): every thread's samples and, apart, those of whichever thread holds the
+interpreter lock, as collapsed stacks.
 
 ``--load-format dummy`` with a directory holding config.json and tokenizer.json measures a
 model's shapes with random weights (the same weights in-process and in the worker).
@@ -483,11 +488,12 @@ async def run_service(args: argparse.Namespace, service: Service, requests: list
             m1, c1 = await metrics(client), tier_cpu_s(service.pids())
             cpu = {k: c1[k] - c0[k] for k in c0}
             cpu["client"] = client_cpu + time.process_time() - own0
-            busy, engine = (m1.get(f"spinf_worker_{k}_seconds_total", 0)
-                            - m0.get(f"spinf_worker_{k}_seconds_total", 0)
-                            for k in ("busy", "engine"))
+            busy, engine, collector = (m1.get(f"spinf_worker_{k}_seconds_total", 0)
+                                       - m0.get(f"spinf_worker_{k}_seconds_total", 0)
+                                       for k in ("busy", "engine", "gc"))
             passes = m1.get("spinf_passes_total", 0) - m0.get("spinf_passes_total", 0)
             out = phase(name, seconds, bodies, reference, busy, engine, cpu)
+            out[f"{name}_worker_gc_s"] = round(collector, 3)
             out[f"{name}_passes"] = int(passes)
             out[f"{name}_mean_pass_s"] = round(busy / passes, 4) if passes else None
             return out

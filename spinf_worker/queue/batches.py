@@ -490,13 +490,16 @@ async def _endpoints(redis, keys: Keys, batch_ids: set[str]) -> dict[str, str | 
     return found
 
 
-def result_line(endpoint: str, job_id: str, custom_id: str | None, result: JobResult
-                ) -> tuple[dict, str]:
-    """The output or error line of a finished job, and the counter it adds to."""
+def result_line(endpoint: str, job_id: str, custom_id: str | None, result: JobResult,
+                body_json: bytes | None = None) -> tuple[dict, str]:
+    """The output or error line of a finished job, and the counter it adds to;
+    ``body_json``: the result's body written already (JobResult.body_json)."""
     if result.succeeded:
         body = result.body
         if endpoint == "/v1/chat/completions":
             body = score_to_chat_completion(body)
+        elif body_json is not None:
+            body = jsonio.RawJSON(body_json)
         response = {"status_code": 200, "request_id": job_id, "body": body}
         return {"id": _line_id(), "custom_id": custom_id, "response": response,
                 "error": None}, "completed"
@@ -517,6 +520,7 @@ class Finished:
     custom_id: str | None
     result: JobResult
     ack: tuple[str, str] | None = None
+    body_json: bytes | None = None   # the result's body written already (JobResult.body_json)
 
 
 @dataclass
@@ -548,7 +552,8 @@ async def record_call(redis, keys: Keys, jobs: list[Finished], group: str = ""
         if endpoint is None:
             gone.append(job)   # the batch expired or never existed
             continue
-        line, counter = result_line(endpoint, job.job_id, job.custom_id, job.result)
+        line, counter = result_line(endpoint, job.job_id, job.custom_id, job.result,
+                                    job.body_json)
         stream, entry_id = job.ack or (keys.batch(job.batch_id), "")
         call.keys += [*_script_keys(keys, job.batch_id), stream]
         call.args += [output_file_id(job.batch_id), error_file_id(job.batch_id),

@@ -48,10 +48,27 @@ def read(raw: str | bytes, *, long_integers: bool = True) -> tuple[Any, bool]:
     return json.loads(raw), False
 
 
+class RawJSON(bytes):
+    """JSON text written already (by ``dumps``), placed by ``dumps`` as it is where a value
+    goes: a result's body is written once for its key and its batch line alike."""
+
+
+def _as_written(value: Any) -> Any:
+    if isinstance(value, RawJSON):
+        return orjson.Fragment(bytes(value))
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+def _as_read(value: Any) -> Any:
+    if isinstance(value, RawJSON):
+        return json.loads(value)
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+
 def dumps(value: Any) -> bytes:
     """Compact JSON (UTF-8); the json module where orjson refuses (lone surrogates, integers
-    past 64 bits, keys that are not strings)."""
+    past 64 bits, keys that are not strings). A ``RawJSON`` in ``value`` is written as it is."""
     try:
-        return orjson.dumps(value)
+        return orjson.dumps(value, default=_as_written)
     except orjson.JSONEncodeError:
-        return json.dumps(value, separators=(",", ":")).encode()
+        return json.dumps(value, separators=(",", ":"), default=_as_read).encode()

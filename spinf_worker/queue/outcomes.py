@@ -88,6 +88,7 @@ class Answer:
     result_ttl: int
     reply: str | None = None       # the reply stream of the API instance waiting for it
     callback: bool = False
+    body_json: bytes | None = None   # the result's body written already (JobResult.body_json)
 
 
 @dataclass
@@ -109,7 +110,7 @@ class StoreCall:
             call.keys += [keys.result(answer.job), job_key, answer.reply or job_key]
             stored = answer.status is not None
             error = answer.result.error
-            call.args += [answer.job, answer.result.to_bytes() if stored else "",
+            call.args += [answer.job, answer.result.to_bytes(answer.body_json) if stored else "",
                           answer.result_ttl, answer.status or "",
                           json.dumps(error) if stored and error is not None else "",
                           ("r" if answer.reply else "") + ("c" if answer.callback else "")]

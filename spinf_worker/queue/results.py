@@ -105,9 +105,18 @@ class JobResult(BaseModel):
             data["error"] = self.error
         return data
 
-    def to_bytes(self) -> bytes:
-        """The stored text (what workers write): compact JSON, by orjson (queue/jsonio.py)."""
-        return jsonio.dumps(self._stored())
+    def body_json(self) -> bytes | None:
+        """The body as ``to_bytes`` writes it (None: no body): written once, a batch job's
+        result goes to its key and its output line alike."""
+        return None if self.body is None else jsonio.dumps(self.body)
+
+    def to_bytes(self, body_json: bytes | None = None) -> bytes:
+        """The stored text (what workers write): compact JSON, by orjson (queue/jsonio.py);
+        ``body_json``: the body's, ``body_json()``, when written already."""
+        data = self._stored()
+        if body_json is not None and "body" in data:
+            data["body"] = jsonio.RawJSON(body_json)
+        return jsonio.dumps(data)
 
     def to_json(self) -> str:
         """The same value as the json module writes it."""

@@ -32,6 +32,7 @@ from ..errors import SpinfError
 from ..protocol import ScoreRequest, ScoreResponse
 from ..tiles import ROW_TILE, PassRows, RowPart
 from . import batches, jsonio, outcomes
+from .collector_clock import CollectorClock
 from .engine_thread import ENGINE_THREAD, LATER, LAUNCH, URGENT
 from .keys import GROUP, Keys
 from .results import JobResult
@@ -100,7 +101,8 @@ def score_counts(response: ScoreResponse) -> tuple[int, int, int, int]:
     return len(results), questions, response._rows, response._padded_rows
 
 
-def pass_counts(outcomes: list, busy_s: float, engine_s: float) -> dict[str, int | float]:
+def pass_counts(outcomes: list, busy_s: float, engine_s: float, gc_s: float = 0.0
+                ) -> dict[str, int | float]:
     """What a pass adds to the stats hash (docs/QUEUE.md)."""
     counts = [score_counts(o) for o in outcomes if isinstance(o, ScoreResponse)]
     tokens = sum(c[2] for c in counts)
@@ -108,7 +110,7 @@ def pass_counts(outcomes: list, busy_s: float, engine_s: float) -> dict[str, int
     return {"passes": 1, "docs": sum(c[0] for c in counts), "tokens": tokens,
             "questions": sum(c[1] for c in counts),
             "real_rows": tokens, "rows": sum(c[3] for c in counts),
-            "seconds_busy": busy_s, "seconds_engine": engine_s}
+            "seconds_busy": busy_s, "seconds_engine": engine_s, "seconds_gc": gc_s}
 
 
 @dataclass
@@ -175,6 +177,7 @@ class Worker:
         self._claim_cursor: dict[str, str] = {s: "0-0" for s in keys.streams}
         self._need_groups = True
         self._interactive_seen = -math.inf    # when an interactive entry was last admitted
+        self._collector = CollectorClock()    # the cyclic collector's seconds, told per pass
 
     @property
     def budget(self) -> int:
@@ -190,15 +193,19 @@ class Worker:
         chores = [asyncio.create_task(self._heartbeat_loop(stop)),
                   asyncio.create_task(self._claim_loop(stop))]
         stopped = asyncio.create_task(stop.wait())
+        self._collector.start()
         try:
             await self._work(stop, stopped)
         finally:
             stopped.cancel()
-            await self._drain()
-            for chore in chores:
-                chore.cancel()
-            await asyncio.gather(*chores, return_exceptions=True)
-            await self._leave()
+            try:
+                await self._drain()
+                for chore in chores:
+                    chore.cancel()
+                await asyncio.gather(*chores, return_exceptions=True)
+                await self._leave()
+            finally:
+                self._collector.stop()
             self.log.info("worker stopped", passes=self.passes)
 
     async def _drain(self) -> None:
@@ -681,7 +688,8 @@ class Worker:
             # the device's time on the pass where it tells, else the engine thread's (the CPU,
             # where launching a pass runs it)
             busy_s = pass_.engine_s if pass_.device_s is None else pass_.device_s
-            await self._finish(answered, pass_counts(outcomes, busy_s, pass_.engine_s))
+            await self._finish(answered, pass_counts(outcomes, busy_s, pass_.engine_s,
+                                                     self._collector.take()))
             self.log.info("pass done", docs=len(live), seconds=round(busy_s, 3))
         except Exception:   # entries not answered stay pending and are reclaimed later
             self.log.exception("pass failed", jobs=[e.job for e in live])
@@ -722,9 +730,13 @@ class Worker:
         not be recorded stays pending (``_fail``)."""
         ttl = self.settings.result_ttl_s
         finished_at = int(time.time())
+        # each body written once: to its result key, and to its batch line where it has one
+        bodies = [result.body_json() if status is not None else None
+                  for _, result, status in answered]
         jobs = [batches.Finished(e.fields["batch"], e.job, e.fields.get("custom_id"), result,
-                                 ack=(e.stream, e.id))
-                for e, result, _ in answered if e.job and e.fields.get("batch")]
+                                 ack=(e.stream, e.id), body_json=body)
+                for (e, result, _), body in zip(answered, bodies, strict=True)
+                if e.job and e.fields.get("batch")]
         record, recorded, trouble = batches.RecordCall([], []), [], None
         if jobs:
             try:
@@ -748,8 +760,9 @@ class Worker:
         store = outcomes.StoreCall.of(self.keys, [
             outcomes.Answer(entry.job, result, status, self._result_ttl(entry),
                             reply=entry.fields.get("reply"),
-                            callback=bool(entry.fields.get("callback")))
-            for entry, result, status in answered if entry.job],
+                            callback=bool(entry.fields.get("callback")), body_json=body)
+            for (entry, result, status), body in zip(answered, bodies, strict=True)
+            if entry.job],
             stats, finished_at=finished_at, job_ttl=ttl, reply_maxlen=REPLY_MAXLEN,
             reply_ttl=REPLY_TTL_S)
         async with self.redis.pipeline(transaction=True) as pipe:

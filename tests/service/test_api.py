@@ -278,6 +278,7 @@ def test_ready_models_and_metrics(tiny_engine, tiny_dir, api_server, settings):
                      'spinf_queue_lag_seconds{stream="bulk"}', "spinf_workers_live 1.0",
                      "spinf_passes_total", "spinf_documents_total", "spinf_tokens_total",
                      "spinf_questions_total", "spinf_pass_fill_ratio",
+                     "spinf_worker_gc_seconds_total",
                      "spinf_dead_letters_total", 'spinf_deliveries_total{outcome="succeeded"} 1.0',
                      'spinf_deliveries_total{outcome="dead"}', "spinf_callback_attempts_total",
                      'method="POST",route="/v1/score",status_class="2xx"',

@@ -42,3 +42,28 @@ def test_readers_helpers():
     assert legacy.openai_error["type"] == "invalid_request"
     assert JobResult.expired().openai_error["type"] == "invalid_request"
     assert JobResult.dead_letter(3).openai_error["type"] == "api_error"
+
+
+def test_a_body_written_once_is_stored_and_lined_as_written():
+    """A worker writes a result's body once (``body_json``) and places that text in its
+    stored result and its batch line: the same values as writing each whole, and the json
+    module's fallback (a lone surrogate orjson refuses) places it alike."""
+    from spinf_worker.queue import jsonio
+    from spinf_worker.queue.batches import result_line
+
+    body = {"id": "scr_1", "results": [{"p": 0.1 + 0.2, "logprob": -1e-300}], "warnings": []}
+    ok = JobResult.ok(body)
+    written = ok.body_json()
+    assert jsonio.loads(written) == body
+    assert ok.to_bytes(written) == ok.to_bytes()
+    assert JobResult.from_json(ok.to_bytes(written)) == ok
+    line, counter = result_line("/v1/score", "job_1", "c\ud800", ok, written)
+    whole, _ = result_line("/v1/score", "job_1", "c\ud800", ok)
+    assert counter == "completed"
+    text = jsonio.dumps(line)                  # the custom id sends it through json
+    assert json.loads(text)["response"]["body"] == body
+    assert json.loads(text)["custom_id"] == "c\ud800"
+    whole["id"] = line["id"]
+    assert json.loads(text) == json.loads(jsonio.dumps(whole))
+    failed = JobResult.failed(InvalidRequestError("bad", param="scoring"))
+    assert failed.body_json() is None and failed.to_bytes(None) == failed.to_bytes()

@@ -134,6 +134,7 @@ async def test_submit_is_scored_like_the_engine_alone(redis, keys, settings, tin
     stats = await redis.hgetall(keys.stats)
     assert int(stats["docs"]) == 1 and int(stats["tokens"]) == scored._rows
     assert int(stats["questions"]) == 1
+    assert float(stats["seconds_gc"]) >= 0.0     # the collector's seconds, told per pass
     assert not await redis.hlen(keys.workers)   # signed off on the way out
 
 
