@@ -30,6 +30,7 @@ if [ ! -f "$GPU_HOST/tokenizer/tokenizer.json" ]; then
   cp "$CARRIED"/tokenizer/*.json "$GPU_HOST/tokenizer/"
 fi
 export PYTHONPATH=$GPU_HOST/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+export PATH=$GPU_HOST/site/bin:$PATH     # the carried wheels' commands (py-spy)
 export REDIS_SERVER=$CARRIED/redis/redis-server
 chmod +x "$REDIS_SERVER"
 export LD_LIBRARY_PATH=$CARRIED/redis${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
