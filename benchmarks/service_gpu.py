@@ -210,6 +210,8 @@ class Service:
                         SPINF_MAX_BACKLOG=str(10 * args.docs + 1000))
         if args.quant:
             self.env["SPINF_QUANT"] = args.quant
+        if args.switch_interval_ms:
+            self.env["SPINF_SWITCH_INTERVAL_MS"] = str(args.switch_interval_ms)
 
     def _start(self, name: str, command: list[str]) -> None:
         log = (self.tmp / f"{name}.log").open("wb")
@@ -551,6 +553,8 @@ def main() -> None:
     parser.add_argument("--name", default=None, help="the row's name (default: model + quant)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--commit", default=None)
+    parser.add_argument("--switch-interval-ms", type=float, default=None,
+                        help="the worker's interpreter switch interval (default: Python's)")
     parser.add_argument("--profile", type=Path, default=None,
                         help="a directory for py-spy profiles of the worker in each phase")
     args = parser.parse_args()
@@ -568,7 +572,8 @@ def main() -> None:
     row = {"date": datetime.date.today().isoformat(), "commit": commit, "name": name,
            "model": args.model, "load_format": args.load_format, "quant": args.quant,
            "docs": len(requests), "api_workers": args.api_workers, "clients": args.clients,
-           "client_procs": args.client_procs}
+           "client_procs": args.client_procs,
+           "switch_interval_ms": args.switch_interval_ms}
     with MemorySampler() as engine_memory:
         engine = run_engine(args, requests)
     reference = engine.pop("bodies")

@@ -63,6 +63,12 @@ class ServiceSettings(BaseSettings):
                              "there, so the next request waits for the pass running, not a "
                              "second one queued behind it (bulk passes then are not laid out "
                              "while the device runs). 0: always two deep")
+    switch_interval_ms: float | None = Field(
+        None, gt=0, description="the worker process's interpreter switch interval "
+                                "(sys.setswitchinterval): how long a thread running Python "
+                                "keeps the lock from another that waits, such as the engine "
+                                "thread with a pass to launch behind the event loop. None: "
+                                "Python's own (5 ms)")
     read_count: int = Field(256, description="stream entries a worker reads per XREADGROUP")
     claim_idle_ms: int = Field(
         120_000, description="an entry a worker has held this long is reclaimed by another "

@@ -19,6 +19,7 @@ import json
 import math
 import os
 import socket
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -194,6 +195,9 @@ class Worker:
                   asyncio.create_task(self._claim_loop(stop))]
         stopped = asyncio.create_task(stop.wait())
         self._collector.start()
+        interval = sys.getswitchinterval()
+        if self.settings.switch_interval_ms is not None:
+            sys.setswitchinterval(self.settings.switch_interval_ms / 1000)
         try:
             await self._work(stop, stopped)
         finally:
@@ -206,6 +210,7 @@ class Worker:
                 await self._leave()
             finally:
                 self._collector.stop()
+                sys.setswitchinterval(interval)
             self.log.info("worker stopped", passes=self.passes)
 
     async def _drain(self) -> None:

@@ -139,6 +139,21 @@ async def test_submit_is_scored_like_the_engine_alone(redis, keys, settings, tin
 
 
 @pytest.mark.asyncio
+async def test_a_worker_sets_its_switch_interval_while_it_runs(redis, keys, settings,
+                                                               tiny_engine):
+    before = sys.getswitchinterval()
+    producer = Producer(redis, keys, settings)
+    job, _ = await producer.submit(Submission(body(0)))
+    worker = Worker(tiny_engine, redis, keys,
+                    settings.model_copy(update={"switch_interval_ms": 0.5}))
+    async with running(worker):
+        [result] = await results_of(redis, keys, [job])
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+    assert result["status_code"] == 200
+    assert sys.getswitchinterval() == before       # given back on the way out
+
+
+@pytest.mark.asyncio
 async def test_waiting_jobs_are_packed_into_full_passes(redis, keys, settings, tiny_engine):
     producer = Producer(redis, keys, settings)
     jobs = [(await producer.submit(Submission(body(i))))[0] for i in range(20)]
