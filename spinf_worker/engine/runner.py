@@ -130,8 +130,10 @@ class ModelRunner:
     def warm_up(self, max_rows: int) -> list[int]:
         """CUDA: compile (and capture, with graphs) the forward of every pass size up to
         ``max_rows`` now, each on a pass of padding rows, rather than in the first passes
-        that carry requests. Returns the sizes (none on the CPU: nothing to compile)."""
-        if self.device.type != "cuda":
+        that carry requests. Returns the sizes (none on the CPU: nothing to compile; none
+        for a model whose layers walk each document's spans, as the DeltaNet layers do: a
+        pass without documents is not theirs to run)."""
+        if self.device.type != "cuda" or getattr(self.model, "tree_spans", False):
             return []
         sizes = list(range(PASS_BUCKET, -(-max_rows // PASS_BUCKET) * PASS_BUCKET + 1,
                            PASS_BUCKET))
