@@ -258,9 +258,13 @@ def load_engine(spec: WorkerSpec, settings: ServiceSettings):
         engine_settings.max_pass_tokens = settings.max_pass_tokens
     engine = Engine.load(spec.model, device=spec.device, settings=engine_settings, packs=packs,
                          load_format=settings.load_format)
-    sizes = engine.warm_up()    # before the heap is frozen (_run_worker)
-    if sizes:
-        log.info("pass sizes compiled", rows=sizes)
+    try:
+        sizes = engine.warm_up()    # before the heap is frozen (_run_worker)
+    except Exception:   # only ahead of time: the passes compile as they come instead
+        log.exception("compiling the pass sizes ahead failed; they compile as they come")
+    else:
+        if sizes:
+            log.info("pass sizes compiled", rows=sizes)
     return engine
 
 
