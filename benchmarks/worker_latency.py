@@ -18,7 +18,11 @@ and p99, with its ``queue_ms`` (in the stream) and the rest; and the batch's doc
 against the simulated device's at full passes.
 
     python benchmarks/worker_latency.py [--pass-ms 60] [--host-ms 0.4] [--docs 840]
-        [--trickle-ms 150] [--code DIR] [--out FILE]
+        [--trickle-ms 150 | --callers N] [--code DIR] [--out FILE]
+
+``--callers N`` instead: N concurrent callers, each sending one interactive request once its
+last is answered, ``--docs`` in all (the service benchmark's callers, less HTTP and the API
+tier): documents/s against the device's, documents a pass, latency in passes.
 
 ``--code DIR``: the ``spinf_worker/`` of another checkout, the benchmark staying this one.
 """
@@ -186,6 +190,81 @@ async def one_run(engine: SimulatedEngine, docs: list[str], questions: dict, n: 
                                  in pairwise(engine.device.passes[first_pass:]))}
 
 
+async def callers_run(engine: SimulatedEngine, docs: list[str], questions: dict, n: int,
+                      rows: int, callers: int) -> dict:
+    """``callers`` concurrent callers, each sending one interactive request and, once it is
+    answered, the next, ``n`` in all (as 256 ``POST /v1/score`` clients, less HTTP and the
+    API tier): documents/s against the device's, documents a pass, latency in passes."""
+    from spinf_worker.queue.keys import Keys
+    from spinf_worker.queue.producer import Producer, Submission
+    from spinf_worker.queue.redis_client import connect
+    from spinf_worker.queue.settings import ServiceSettings
+    from spinf_worker.queue.worker import Worker
+
+    prefix = f"bench-callers-{uuid.uuid4().hex[:8]}"
+    keys = Keys(prefix)
+    settings = ServiceSettings(redis_url=REDIS_URL, prefix=prefix,
+                               max_pass_tokens=PER_PASS * rows, max_backlog=n + 1000)
+    redis = connect(settings.redis_url)
+    scoring = {**questions, "case_insensitive": False}
+    waiting: dict[str, asyncio.Future] = {}
+    latencies: list[float] = []
+    sent = 0
+    done = asyncio.Event()
+
+    async def caller() -> None:
+        nonlocal sent
+        producer = Producer(redis, keys, settings)
+        while sent < n:
+            i, sent = sent, sent + 1
+            answer = asyncio.get_running_loop().create_future()
+            t0 = time.perf_counter()
+            job, _ = await producer.submit(Submission(
+                {"text": docs[i % len(docs)], "scoring": scoring}, priority="interactive",
+                reply_to=READER))
+            waiting[job] = answer
+            await answer
+            latencies.append(time.perf_counter() - t0)
+
+    async def replies() -> None:
+        last, early = "0-0", set()
+        while not done.is_set():
+            reply = await redis.xread({keys.reply(READER): last}, block=100)
+            for _, entries in reply or ():
+                for entry_id, fields in entries:
+                    last = entry_id
+                    early.add(fields["job"])
+            for job in [j for j in early if j in waiting]:   # a reply before its submit returned
+                early.discard(job)
+                waiting.pop(job).set_result(None)
+
+    worker = Worker(engine, redis, keys, settings, name="bench")
+    stop = asyncio.Event()
+    busy_before, first_pass = engine.device.busy_s, len(engine.device.passes)
+    task = asyncio.create_task(worker.run(stop))
+    reader = asyncio.create_task(replies())
+    started = time.perf_counter()
+    await asyncio.gather(*(caller() for _ in range(callers)))
+    wall = time.perf_counter() - started
+    done.set()
+    await reader
+    stop.set()
+    await task
+    async for key in redis.scan_iter(match=f"{prefix}:*", count=1000):
+        await redis.delete(key)
+    await redis.aclose()
+    pass_s = engine.device.pass_s
+    latencies.sort()
+    passes = engine.device.passes[first_pass:]
+    return {"wall_s": wall, "docs_per_s": n / wall, "device_docs_per_s": PER_PASS / pass_s,
+            "of_device": n / wall / (PER_PASS / pass_s),
+            "device_busy": (engine.device.busy_s - busy_before) / wall,
+            "passes": len(passes), "docs_per_pass": statistics.mean(d for _, _, d in passes),
+            "p50_passes": statistics.median(latencies) / pass_s,
+            "p99_passes": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))]
+            / pass_s}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pass-ms", type=float, default=60.0,
@@ -194,6 +273,9 @@ def main() -> None:
                         help="the engine's host work per document, at layout and at reply each")
     parser.add_argument("--docs", type=int, default=840)
     parser.add_argument("--trickle-ms", type=float, default=150.0)
+    parser.add_argument("--callers", type=int, default=0,
+                        help="instead of the bulk batch and the trickle: this many concurrent "
+                             "callers, --docs requests in all")
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--code", type=Path, help="a checkout whose spinf_worker/ to measure")
     parser.add_argument("--out", type=Path, help="write the figures there as JSON too")
@@ -206,8 +288,12 @@ def main() -> None:
     device = SimulatedDevice(args.pass_ms / 1000)
     simulated = SimulatedEngine(engine, response_template(questions), device,
                                 args.host_ms / 1000)
-    runs = [asyncio.run(one_run(simulated, docs, questions, args.docs, rows,
-                                args.trickle_ms / 1000)) for _ in range(args.repeat)]
+    if args.callers:
+        runs = [asyncio.run(callers_run(simulated, docs, questions, args.docs, rows,
+                                        args.callers)) for _ in range(args.repeat)]
+    else:
+        runs = [asyncio.run(one_run(simulated, docs, questions, args.docs, rows,
+                                    args.trickle_ms / 1000)) for _ in range(args.repeat)]
     settings = {k: v for k, v in vars(args).items() if k not in ("code", "out")}
     report({"code": str(Path(spinf_worker.__file__).parent), **settings, "runs": runs},
            args.out)
