@@ -417,9 +417,9 @@ async def run_interactive(client: httpx.AsyncClient, requests: list[dict], trick
     # API, the stores after the pass and the reply path)
     shares = [(q, sc, s * 1000 - q - sc) for _, s, q, sc in timeline
               if q is not None and sc is not None]
-    medians = {f"{name}_p50_ms": round(statistics.median(column), 1) if shares else None
-               for name, column in zip(("queue", "score", "rest"), zip(*shares) if shares
-                                       else ((), (), ()), strict=True)}
+    columns = list(zip(*shares, strict=True)) if shares else [(), (), ()]
+    medians = {f"{name}_p50_ms": round(statistics.median(column), 1) if column else None
+               for name, column in zip(("queue", "score", "rest"), columns, strict=True)}
     return dict(batch_seconds=seconds, singles=len(latencies), timeline=timeline,
                 p50_s=statistics.median(latencies) if latencies else None,
                 p99_s=latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))]
