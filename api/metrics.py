@@ -5,6 +5,7 @@ tokens/s and questions/s are ``rate()`` of the counters in Prometheus)."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
@@ -39,6 +40,49 @@ _STATS_COUNTERS = {
 }
 _DELIVERY_OUTCOMES = {"succeeded": "docs", "failed": "failed", "expired": "expired",
                       "dead": "dead"}
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One metric ``/metrics`` exports: its type, labels and help (the reference page,
+    docs/reference/metrics.md, is written from these)."""
+
+    kind: str                   # "counter", "gauge" or "histogram"
+    help: str
+    labels: tuple[str, ...] = ()
+
+
+# Every metric, by name (a counter is exported with ``_total`` after it).
+METRICS: dict[str, MetricSpec] = {
+    "spinf_request_duration_seconds": MetricSpec(
+        "histogram", "HTTP request duration by route template and status class.",
+        ("method", "route", "status_class")),
+    "spinf_queue_depth": MetricSpec("gauge", "Work entries waiting to be read by a worker.",
+                                    ("stream",)),
+    "spinf_queue_pending": MetricSpec(
+        "gauge", "Work entries read by a worker and not yet acknowledged.", ("stream",)),
+    "spinf_queue_lag_seconds": MetricSpec("gauge", "Age of the oldest waiting work entry.",
+                                          ("stream",)),
+    "spinf_workers_live": MetricSpec("gauge", "Workers with a recent heartbeat."),
+    **{name: MetricSpec("counter", help_text)
+       for name, (_, help_text) in _STATS_COUNTERS.items()},
+    "spinf_pass_fill_ratio": MetricSpec(
+        "gauge", "Share of pass rows holding real tokens, since the start."),
+    "spinf_deliveries": MetricSpec("counter", "Work entries finished, by outcome.",
+                                   ("outcome",)),
+    "spinf_callbacks": MetricSpec("counter", "Callbacks finished, by outcome.", ("outcome",)),
+    "spinf_callback_attempts": MetricSpec(
+        "counter", "Callback HTTP attempts, by response status.", ("status",)),
+}
+
+
+def _family(name: str, value: float | None = None) -> Metric:
+    """The family of ``METRICS[name]`` for this scrape (its labels, or its one ``value``)."""
+    spec = METRICS[name]
+    family = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily}[spec.kind]
+    if spec.labels:
+        return family(name, spec.help, labels=list(spec.labels))
+    return family(name, spec.help, value=value)
 _CALLBACK_OUTCOMES = ("delivered", "failed", "refused")
 _CALLBACK_ATTEMPT_PREFIX = "callback_attempts_"
 
@@ -49,11 +93,10 @@ class ApiMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        spec = METRICS["spinf_request_duration_seconds"]
         self.request_duration = Histogram(
-            "spinf_request_duration_seconds",
-            "HTTP request duration by route template and status class.",
-            ["method", "route", "status_class"], buckets=REQUEST_BUCKETS,
-            registry=self.registry)
+            "spinf_request_duration_seconds", spec.help, list(spec.labels),
+            buckets=REQUEST_BUCKETS, registry=self.registry)
 
     def observe(self, method: str, route: str, status: int, seconds: float) -> None:
         self.request_duration.labels(method, route, f"{status // 100}xx").observe(seconds)
@@ -94,13 +137,8 @@ async def _stream_state(redis, stream: str, now_ms: int) -> tuple[int, int, floa
 async def queue_families(redis, keys: Keys, live: list[WorkerInfo]) -> list[Metric]:
     seconds, micros = await redis.time()
     now_ms = seconds * 1000 + micros // 1000  # the clock that stamped the stream ids
-    depth = GaugeMetricFamily("spinf_queue_depth",
-                              "Work entries waiting to be read by a worker.", labels=["stream"])
-    pending = GaugeMetricFamily("spinf_queue_pending",
-                                "Work entries read by a worker and not yet acknowledged.",
-                                labels=["stream"])
-    lag = GaugeMetricFamily("spinf_queue_lag_seconds",
-                            "Age of the oldest waiting work entry.", labels=["stream"])
+    depth, pending, lag = (_family(name) for name in (
+        "spinf_queue_depth", "spinf_queue_pending", "spinf_queue_lag_seconds"))
     for name, stream in (("interactive", keys.interactive), ("bulk", keys.bulk)):
         waiting, in_flight, age = await _stream_state(redis, stream, now_ms)
         depth.add_metric([name], waiting)
@@ -108,26 +146,20 @@ async def queue_families(redis, keys: Keys, live: list[WorkerInfo]) -> list[Metr
         lag.add_metric([name], age)
 
     stats = await redis.hgetall(keys.stats)
-    families: list[Metric] = [depth, pending, lag, GaugeMetricFamily(
-        "spinf_workers_live", "Workers with a recent heartbeat.", value=len(live))]
-    for name, (field, help_text) in _STATS_COUNTERS.items():
-        families.append(CounterMetricFamily(name, help_text, value=_number(stats.get(field))))
+    families: list[Metric] = [depth, pending, lag, _family("spinf_workers_live", len(live))]
+    for name, (field, _) in _STATS_COUNTERS.items():
+        families.append(_family(name, _number(stats.get(field))))
     rows = _number(stats.get("rows"))
-    families.append(GaugeMetricFamily(
-        "spinf_pass_fill_ratio", "Share of pass rows holding real tokens, since the start.",
-        value=_number(stats.get("real_rows")) / rows if rows else 0.0))
+    families.append(_family("spinf_pass_fill_ratio",
+                            _number(stats.get("real_rows")) / rows if rows else 0.0))
 
-    deliveries = CounterMetricFamily("spinf_deliveries", "Work entries finished, by outcome.",
-                                     labels=["outcome"])
+    deliveries = _family("spinf_deliveries")
     for outcome, field in _DELIVERY_OUTCOMES.items():
         deliveries.add_metric([outcome], _number(stats.get(field)))
-    callbacks = CounterMetricFamily("spinf_callbacks", "Callbacks finished, by outcome.",
-                                    labels=["outcome"])
+    callbacks = _family("spinf_callbacks")
     for outcome in _CALLBACK_OUTCOMES:
         callbacks.add_metric([outcome], _number(stats.get(f"callbacks_{outcome}")))
-    attempts = CounterMetricFamily("spinf_callback_attempts",
-                                   "Callback HTTP attempts, by response status.",
-                                   labels=["status"])
+    attempts = _family("spinf_callback_attempts")
     for field, value in sorted(stats.items()):
         if field.startswith(_CALLBACK_ATTEMPT_PREFIX):
             attempts.add_metric([field.removeprefix(_CALLBACK_ATTEMPT_PREFIX)], _number(value))

@@ -5,7 +5,8 @@
 - docs/reference/configuration.md: every setting (ServiceSettings: SPINF_* environment
   variables; EngineSettings: the Python engine; IngestConfig and SourceConfig: the ingest
   YAML), the other environment variables the code reads, and every command's flags (the
-  CLI's argparse parser).
+  CLI's argparse parser);
+- docs/reference/metrics.md: every metric `GET /metrics` exports (api/metrics.py).
 
     python scripts/docs_reference.py           # write the files
     python scripts/docs_reference.py --check   # exit 1, naming them, when a file is stale
@@ -309,11 +310,30 @@ def render_configuration() -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+def render_metrics() -> str:
+    from api.metrics import METRICS
+
+    lines = ["# Metrics", "", GENERATED, "",
+             "`GET /metrics` (Prometheus text format) on every API process: its own request "
+             "durations, and the queue's and the workers' figures read from Redis at scrape "
+             "time, the same cluster view from every replica. Rates (tokens/s, questions/s, "
+             "the device's busy share) are `rate()` of the counters. The histogram also has the "
+             "Prometheus client's `_created` timestamp. (`spinf-serve ingest` serves its own "
+             "feeds' metrics: [INGEST.md](../INGEST.md).)", "",
+             "| metric | type | labels | |", "| --- | --- | --- | --- |"]
+    for name, spec in METRICS.items():
+        exported = f"{name}_total" if spec.kind == "counter" else name
+        labels = ", ".join(f"`{label}`" for label in spec.labels)
+        lines.append(f"| `{exported}` | {spec.kind} | {labels} | {_cell(spec.help)} |")
+    return "\n".join(lines) + "\n"
+
+
 def render_all() -> dict[Path, str]:
     schema = openapi_schema()
     return {REFERENCE / "openapi.json": json.dumps(schema, indent=1, ensure_ascii=False) + "\n",
             REFERENCE / "api.md": render_api(schema),
-            REFERENCE / "configuration.md": render_configuration()}
+            REFERENCE / "configuration.md": render_configuration(),
+            REFERENCE / "metrics.md": render_metrics()}
 
 
 def main(argv: list[str] | None = None) -> int:
