@@ -104,20 +104,33 @@ class SimulatedEngine(AnsweringEngine):
         return SimpleNamespace(finish=finish, wait_device=wait_device, on_device=True)
 
 
+def private_queue(name: str, rows: int, n: int):
+    """A key prefix of its own on the local Redis: its keys, the worker's settings (passes
+    of ``rows`` rows a document) and a client."""
+    from spinf_worker.queue.keys import Keys
+    from spinf_worker.queue.redis_client import connect
+    from spinf_worker.queue.settings import ServiceSettings
+
+    prefix = f"bench-{name}-{uuid.uuid4().hex[:8]}"
+    settings = ServiceSettings(redis_url=REDIS_URL, prefix=prefix,
+                               max_pass_tokens=PER_PASS * rows, max_backlog=n + 1000)
+    return Keys(prefix), settings, connect(settings.redis_url)
+
+
+async def drop_queue(redis, keys) -> None:
+    """Delete every key of a private_queue and close its client."""
+    async for key in redis.scan_iter(match=f"{keys.prefix}:*", count=1000):
+        await redis.delete(key)
+    await redis.aclose()
+
+
 async def one_run(engine: SimulatedEngine, docs: list[str], questions: dict, n: int,
                   rows: int, trickle_s: float) -> dict:
     from spinf_worker.queue import batches, files
-    from spinf_worker.queue.keys import Keys
     from spinf_worker.queue.producer import Producer, Submission
-    from spinf_worker.queue.redis_client import connect
-    from spinf_worker.queue.settings import ServiceSettings
     from spinf_worker.queue.worker import Worker
 
-    prefix = f"bench-latency-{uuid.uuid4().hex[:8]}"
-    keys = Keys(prefix)
-    settings = ServiceSettings(redis_url=REDIS_URL, prefix=prefix,
-                               max_pass_tokens=PER_PASS * rows, max_backlog=n + 1000)
-    redis = connect(settings.redis_url)
+    keys, settings, redis = private_queue("latency", rows, n)
     scoring = {**questions, "case_insensitive": False}
     lines = [{"custom_id": f"doc-{i}", "method": "POST", "url": "/v1/score",
               "body": {"text": docs[i % len(docs)], "scoring": scoring}} for i in range(n)]
@@ -166,9 +179,7 @@ async def one_run(engine: SimulatedEngine, docs: list[str], questions: dict, n: 
     stop.set()
     await task
     results = {job: json.loads(await redis.get(keys.result(job))) for job in sent}
-    async for key in redis.scan_iter(match=f"{prefix}:*", count=1000):
-        await redis.delete(key)
-    await redis.aclose()
+    await drop_queue(redis, keys)
     pass_s = engine.device.pass_s
     waits = sorted(answered[job] - sent[job] for job in sent)
     queued = sorted(r["body"]["timing"]["queue_ms"] / 1000 for r in results.values())
@@ -195,17 +206,10 @@ async def callers_run(engine: SimulatedEngine, docs: list[str], questions: dict,
     """``callers`` concurrent callers, each sending one interactive request and, once it is
     answered, the next, ``n`` in all (as 256 ``POST /v1/score`` clients, less HTTP and the
     API tier): documents/s against the device's, documents a pass, latency in passes."""
-    from spinf_worker.queue.keys import Keys
     from spinf_worker.queue.producer import Producer, Submission
-    from spinf_worker.queue.redis_client import connect
-    from spinf_worker.queue.settings import ServiceSettings
     from spinf_worker.queue.worker import Worker
 
-    prefix = f"bench-callers-{uuid.uuid4().hex[:8]}"
-    keys = Keys(prefix)
-    settings = ServiceSettings(redis_url=REDIS_URL, prefix=prefix,
-                               max_pass_tokens=PER_PASS * rows, max_backlog=n + 1000)
-    redis = connect(settings.redis_url)
+    keys, settings, redis = private_queue("callers", rows, n)
     scoring = {**questions, "case_insensitive": False}
     waiting: dict[str, asyncio.Future] = {}
     latencies: list[float] = []
@@ -250,9 +254,7 @@ async def callers_run(engine: SimulatedEngine, docs: list[str], questions: dict,
     await reader
     stop.set()
     await task
-    async for key in redis.scan_iter(match=f"{prefix}:*", count=1000):
-        await redis.delete(key)
-    await redis.aclose()
+    await drop_queue(redis, keys)
     pass_s = engine.device.pass_s
     latencies.sort()
     passes = engine.device.passes[first_pass:]

@@ -6,9 +6,11 @@ import os
 import uuid
 
 import pytest
+import pytest_asyncio
 import redis
 
 from spinf_worker.queue.keys import Keys
+from spinf_worker.queue.redis_client import connect
 from spinf_worker.queue.settings import ServiceSettings
 
 from ..conftest import WAIT_S
@@ -23,6 +25,14 @@ def redis_url() -> str:
     except redis.ConnectionError as err:
         pytest.fail(f"tests need Redis at {REDIS_URL} (.ci/run starts one): {err}")
     return REDIS_URL
+
+
+@pytest_asyncio.fixture(name="redis")
+async def async_redis(redis_url):
+    """The service's own asyncio client of the test Redis (queue/redis_client.connect)."""
+    client = connect(redis_url, socket_timeout=WAIT_S)
+    yield client
+    await client.aclose()
 
 
 @pytest.fixture

@@ -8,12 +8,10 @@ import json
 import time
 
 import pytest
-import pytest_asyncio
 
 from spinf_worker.queue import batches, files
 from spinf_worker.queue.keys import GROUP
 from spinf_worker.queue.producer import Producer, Submission
-from spinf_worker.queue.redis_client import connect
 from spinf_worker.queue.results import JobResult
 from spinf_worker.queue.worker import Worker
 
@@ -21,13 +19,6 @@ from ..conftest import WAIT_S
 from .live import jsonl
 
 QUERY = {"id": "animal", "template": "Is it about an animal? {?}", "options": [" yes", " no"]}
-
-
-@pytest_asyncio.fixture
-async def redis(redis_url):
-    client = connect(redis_url, socket_timeout=WAIT_S)
-    yield client
-    await client.aclose()
 
 
 async def queued_batch(redis, keys, settings, name: str, n: int) -> str:

@@ -8,12 +8,10 @@ import json
 
 import httpx
 import pytest
-import pytest_asyncio
 
 from api.models import Batch, BatchList, FileObject
 from spinf_worker.queue import batches, files
 from spinf_worker.queue.producer import Producer
-from spinf_worker.queue.redis_client import connect
 from spinf_worker.queue.results import JobResult
 
 from ..conftest import WAIT_S
@@ -268,13 +266,6 @@ def test_a_custom_id_seen_on_an_invalid_line_is_refused_on_later_lines(tiny_engi
                               ("good", "duplicate_custom_id", 6),
                               ("wrong-url-first", "duplicate_custom_id", 2),
                               ("wrong-url-first", "invalid_url", 1)]
-
-
-@pytest_asyncio.fixture
-async def redis(redis_url):
-    client = connect(redis_url, socket_timeout=WAIT_S)
-    yield client
-    await client.aclose()
 
 
 @pytest.mark.asyncio

@@ -6,19 +6,8 @@ from __future__ import annotations
 import re
 
 import pytest
-import pytest_asyncio
 
 from api.metrics import METRICS, ApiMetrics, queue_families, render
-from spinf_worker.queue.redis_client import connect
-
-from ..conftest import WAIT_S
-
-
-@pytest_asyncio.fixture
-async def redis(redis_url):
-    client = connect(redis_url, socket_timeout=WAIT_S)
-    yield client
-    await client.aclose()
 
 
 @pytest.mark.asyncio

@@ -12,7 +12,6 @@ import time
 
 import httpx
 import pytest
-import pytest_asyncio
 import redis as redis_sync
 from fastapi.responses import JSONResponse
 
@@ -22,7 +21,6 @@ from spinf_worker.errors import ModelNotFoundError, SpinfError, error_type
 from spinf_worker.model_names import HOSTED_ALIASES, aliases, is_default, served_names
 from spinf_worker.protocol import DEFAULT_LIMITS
 from spinf_worker.queue.keys import Keys
-from spinf_worker.queue.redis_client import connect
 
 from ..conftest import WAIT_S
 from . import live
@@ -322,13 +320,6 @@ def test_models_in_the_hosted_and_openai_shapes(tiny_engine, api_server, setting
 
 
 # ---- the worker's registration while it loads (serve.py) ------------------------------------
-
-
-@pytest_asyncio.fixture
-async def redis(redis_url):
-    client = connect(redis_url, socket_timeout=WAIT_S)
-    yield client
-    await client.aclose()
 
 
 async def _registration(redis, keys: Keys, name: str) -> dict | None:

@@ -16,13 +16,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import pytest_asyncio
 from redis.exceptions import ResponseError
 
 from spinf_worker.protocol import ScoreRequest
 from spinf_worker.queue.keys import GROUP
 from spinf_worker.queue.producer import IdempotencyKeyReused, Producer, Submission
-from spinf_worker.queue.redis_client import connect
 from spinf_worker.queue.replies import ReplyListener
 from spinf_worker.queue.worker import Worker
 
@@ -35,13 +33,6 @@ def body(i: int, **extra) -> dict:
     return {"text": f"Note {i}: the cat sat on the mat.",
             "scoring": {"queries": [{"id": "animal", "template": "Is it about an animal? {?}",
                                      "options": [" yes", " no"]}]}, **extra}
-
-
-@pytest_asyncio.fixture
-async def redis(redis_url):
-    client = connect(redis_url, socket_timeout=WAIT_S)
-    yield client
-    await client.aclose()
 
 
 @contextlib.asynccontextmanager
