@@ -102,7 +102,7 @@ def score_counts(response: ScoreResponse) -> tuple[int, int, int, int]:
     return len(results), questions, response._rows, response._padded_rows
 
 
-def pass_counts(outcomes: list, busy_s: float, engine_s: float, gc_s: float = 0.0
+def pass_counts(outcomes: list, busy_s: float, engine_s: float, gc_s: float
                 ) -> dict[str, int | float]:
     """What a pass adds to the stats hash (docs/QUEUE.md)."""
     counts = [score_counts(o) for o in outcomes if isinstance(o, ScoreResponse)]
@@ -194,24 +194,31 @@ class Worker:
         chores = [asyncio.create_task(self._heartbeat_loop(stop)),
                   asyncio.create_task(self._claim_loop(stop))]
         stopped = asyncio.create_task(stop.wait())
-        self._collector.start()
-        interval = sys.getswitchinterval()
-        if self.settings.switch_interval_ms is not None:
-            sys.setswitchinterval(self.settings.switch_interval_ms / 1000)
-        try:
-            await self._work(stop, stopped)
-        finally:
-            stopped.cancel()
+        with self._process_tuned():
             try:
+                await self._work(stop, stopped)
+            finally:
+                stopped.cancel()
                 await self._drain()
                 for chore in chores:
                     chore.cancel()
                 await asyncio.gather(*chores, return_exceptions=True)
                 await self._leave()
-            finally:
-                self._collector.stop()
-                sys.setswitchinterval(interval)
-            self.log.info("worker stopped", passes=self.passes)
+                self.log.info("worker stopped", passes=self.passes)
+
+    @contextlib.contextmanager
+    def _process_tuned(self):
+        """While the worker runs: the collector's seconds counted, and the process's switch
+        interval the settings' (``switch_interval_ms``); both as they were afterwards."""
+        interval = sys.getswitchinterval()
+        if self.settings.switch_interval_ms is not None:
+            sys.setswitchinterval(self.settings.switch_interval_ms / 1000)
+        self._collector.start()
+        try:
+            yield
+        finally:
+            self._collector.stop()
+            sys.setswitchinterval(interval)
 
     async def _drain(self) -> None:
         """Finish every pass started: the one being launched, then every read-back. Entries
