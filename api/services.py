@@ -206,7 +206,7 @@ ServicesDep = Annotated[Services, Depends(get_services)]
 class ResultResponse(JSONResponse):
     """A job's result as the reply's body, written by orjson: a scoring reply is thousands of
     floats, and the json module takes several times as long to write them (a sync caller
-    waits for it). The worker stored the result through orjson already (queue/jsonio.py), so
+    waits for it). The worker stored the result through orjson already (spinf_worker/jsonio.py), so
     it holds nothing orjson would write otherwise."""
 
     def render(self, content: Any) -> bytes:

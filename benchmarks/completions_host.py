@@ -97,9 +97,9 @@ def stages(engine, tokens, bodies: list[dict], kind: str, per_pass: int) -> dict
         from api.routes.scoring import ResultResponse as JSONResponse
     except ImportError:
         from starlette.responses import JSONResponse
+    from spinf_worker import jsonio
     from spinf_worker.completions import CompletionRequest
     from spinf_worker.protocol import ScoreRequest
-    from spinf_worker.queue import jsonio
     from spinf_worker.queue.results import JobResult
     from spinf_worker.queue.worker import read_request
     from spinf_worker.request_limits import check_completion, check_request

@@ -18,6 +18,8 @@ grouped into stages:
   LM head, ``finish``)
 - respond: building each ScoreResponse
 - other: the rest of score_batch's wall time (the batch's and scheduler's own loops)
+- store: what a worker does next with each reply, its body's JSON (``JobResult.body_json``);
+  after ``score_batch``, on the worker's event loop: shown, left out of the host total
 
 The model's forward and LM head are device work: timed apart and left out of the host total.
 ``--forward stub`` (the default) replaces them by constants of the right shapes, so that a
@@ -61,7 +63,13 @@ ROOT = Path(__file__).resolve().parents[1]
 CODE = Path(sys.argv[sys.argv.index("--code") + 1]) if "--code" in sys.argv else ROOT
 sys.path.insert(0, str(CODE))
 
+import orjson  # noqa: E402
 import torch  # noqa: E402
+
+try:   # where the measured checkout keeps its JSON writer
+    from spinf_worker.jsonio import dumps  # noqa: E402
+except ImportError:
+    from spinf_worker.queue.jsonio import dumps  # noqa: E402
 
 from spinf_worker.tools.news_job import (  # noqa: E402
     ARTICLES,
@@ -73,7 +81,7 @@ from spinf_worker.tools.news_job import (  # noqa: E402
 )
 
 STAGES = ("prepare", "layout", "pack", "launch", "launch_cpu", "launch_cuda", "readout",
-          "respond", "other")
+          "respond", "other", "store")
 # the host work of a pass on CUDA: launch_cpu is the CPU attention's, launch_cuda the CUDA
 # launch's pass rows (built beside each CPU pass, as runner.launch builds them on CUDA)
 HOST = ("prepare", "layout", "pack", "launch", "launch_cuda", "readout", "respond", "other")
@@ -193,14 +201,20 @@ def run_once(engine, requests: list[dict], timers: Timers, collector: CollectorT
     # option into a model, and those models, kept, would be walked by the cyclic collector
     # in every run after (a worker keeps no reply)
     results = [r.plain()["results"] for r in responses]
-    questions = sum(len(q["combinations"]) for rs in results for res in rs
-                    for q in res["queries"])
-    stages = {s: timers.own.get(s, 0.0) for s in STAGES if s != "other"}
+    # what a worker does with each reply next: its body's JSON (JobResult.body_json)
+    c1 = timers.clock()
+    stored = [dumps(r.plain()) for r in responses]
+    store = timers.clock() - c1
+    questions = sum(getattr(r, "_questions", 0) for r in responses) or sum(
+        len(q["combinations"]) for rs in results for res in rs for q in res["queries"])
+    stages = {s: timers.own.get(s, 0.0) for s in STAGES if s not in ("other", "store")}
     stages["other"] = spent - sum(stages.values()) - timers.own.get("device", 0.0)
+    stages["store"] = store
+    results = [orjson.loads(s)["results"] for s in stored] if keep else None
     return dict(wall_s=wall, device_s=timers.own.get("device", 0.0), stages_s=stages,
                 passes=timers.calls.get("launch", 0), gc_s=collector.seconds,
                 gc_collections=collector.collections,
-                questions=questions, results=results if keep else None)
+                questions=questions, results=results)
 
 
 def hot_functions(engine, requests: list[dict], top: int) -> list[dict]:

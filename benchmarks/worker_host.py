@@ -59,7 +59,7 @@ class AnsweringEngine:
         for request in requests:
             # as the engine answers (engine/respond.py): plain data, validated once read
             response = ScoreResponse.of_engine(self.template.plain(), {"score_ms": 40})
-            response._rows, response._padded_rows = 1027, 1152
+            response._rows, response._padded_rows, response._questions = 1027, 1152, 56
             out.append(response)
             # what score_batch leaves in the engine's caches for this request
             for doc in request.documents():

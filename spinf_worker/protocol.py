@@ -31,7 +31,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from spinf_worker import media, templates
+from spinf_worker import jsonio, media, templates
 from spinf_worker.errors import InvalidRequestError, SpinfError
 from spinf_worker.plain_reply import PlainReply
 
@@ -974,6 +974,7 @@ class ScoreResponse(PlainReply, _Optional):
     # what the queue's statistics read (rows a pass holds); not part of the reply
     _rows: int = PrivateAttr(default=0)
     _padded_rows: int = PrivateAttr(default=0)
+    _questions: int = PrivateAttr(default=0)   # combinations over the results' queries
     HELD = "results"     # the engine's data less its timing is the reply's _plain
 
     @classmethod
@@ -985,7 +986,10 @@ class ScoreResponse(PlainReply, _Optional):
 
     @classmethod
     def _validate_held(cls, value: Any) -> Any:
-        return _INPUT_RESULTS.validate_python(value)
+        # an input's result the engine wrote as JSON already (engine/respond.py) read back
+        return _INPUT_RESULTS.validate_python(
+            [jsonio.loads(r, long_integers=False) if isinstance(r, jsonio.RawJSON) else r
+             for r in value])
 
     def plain(self) -> dict[str, Any]:
         """``model_dump()``, without dumping the model where the engine kept the data it was

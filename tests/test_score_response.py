@@ -10,6 +10,8 @@ import re
 
 import pytest
 
+from spinf_worker import jsonio
+from spinf_worker.engine import respond
 from spinf_worker.model_names import HOSTED_ALIASES
 from spinf_worker.protocol import ScoredQuery, ScoreResponse
 
@@ -206,7 +208,56 @@ def test_the_plain_reply_is_the_models_dump(tiny_engine):
     for body in (request, packs, {"messages": [{"role": "user", "content": NEWS}],
                                   "scoring": {"queries": QUERIES}}):
         response = tiny_engine.score(body)
-        assert same_json(response.plain(), response.model_dump())
+        assert same_json(stored(response), response.model_dump())
         response.timing.queue_ms, response.timing.wall_ms = 7, 9
-        assert same_json(response.plain(), response.model_dump())
+        assert same_json(stored(response), response.model_dump())
         assert response.plain()["timing"]["queue_ms"] == 7
+
+
+def stored(response) -> dict:
+    """What a worker stores of a reply, read back (an input's result may be JSON already)."""
+    return jsonio.loads(jsonio.dumps(response.plain()))
+
+
+# options scored as given, floors on for some queries and off for others, a grid, warnings,
+# and the characters a JSON template must keep as they are ("%", quotes, NUL, non-ASCII)
+AS_GIVEN = [
+    QUERIES[0] | {"id": "topic %s", "options": [" business", " sports %d", ' "a"']},
+    QUERIES[1] | {"empty_floor": False},
+    QUERIES[3] | {"values": {"thing": ["rates\u0000", "fútbol"], "place": ["the text"]}},
+    {"id": "odd", "template": "\n\nReply with a colour:{?}", "options": [" 7", " %%"]},
+]
+
+
+def as_data(doc, plain, scores, floors, warnings):
+    """An input of a plain set answered as data, as every other input is."""
+    return {"input_id": doc.input_id,
+            "queries": respond._plain_results(doc, plain, scores, floors, warnings)}
+
+
+@pytest.mark.parametrize("grid", [False, True])
+def test_a_bulk_inputs_result_written_from_its_template_is_its_datas_json(
+        tiny_engine, monkeypatch, grid):
+    """An input whose queries are all scored on their options as given, without packs (a
+    bulk job's), is answered as JSON text filled into its query set's template: the same
+    text, byte for byte, as its result's data dumped, over inputs of one set and of two."""
+    queries = AS_GIVEN if grid else [AS_GIVEN[0], AS_GIVEN[1], AS_GIVEN[3]]
+    request = {"inputs": [{"id": "a", "messages": [{"content": NEWS}]},
+                          {"id": 'b "%s"', "messages": [{"content": NEWS[:70]}]},
+                          {"id": "c", "messages": [{"content": "Short."}],
+                           "query_ids": ["odd"]}],
+               "scoring": {"queries": queries, "case_insensitive": False}}
+    messages = {"messages": [{"role": "user", "content": NEWS}],
+                "scoring": {"queries": queries, "case_insensitive": False}}
+    written = [tiny_engine.score(body) for body in (request, messages, request)]
+    assert all(isinstance(r, jsonio.RawJSON) for w in written for r in w.plain()["results"])
+    monkeypatch.setattr(respond, "_plain_result_json", as_data)
+    built = [tiny_engine.score(body) for body in (request, messages)]
+    for text, data in zip(written, [*built, built[0]], strict=True):
+        assert not any(isinstance(r, jsonio.RawJSON) for r in data.plain()["results"])
+        assert jsonio.dumps(text.plain()["results"]) == jsonio.dumps(data.plain()["results"])
+        assert text.warnings == data.warnings and text.usage == data.usage
+        assert text.results == data.results        # read back in-process, as models
+        assert text._questions == data._questions == sum(
+            len(q.combinations) for r in data.results for q in r.queries)
+    assert any(w["code"] == "low_option_mass" for w in built[0].warnings)

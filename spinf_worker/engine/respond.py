@@ -1,6 +1,10 @@
 """Scores -> the hosted API's response: per input its queries (options with floor_p, residual
 and floor_residual; extraction answers), its packs' categories and decision; usage, timing
-and warnings."""
+and warnings.
+
+A bulk job's input (its queries all scored on their options as given, no packs) is answered
+as its result's JSON text, written from a template of its query set (``ResultTemplate``):
+its figures go in as orjson writes them, the same text as its data's dump, bit for bit."""
 
 from __future__ import annotations
 
@@ -11,8 +15,10 @@ from dataclasses import dataclass
 from itertools import accumulate, pairwise
 
 import numpy as np
+import orjson
 
 from ..ids import new_ulid
+from ..jsonio import RawJSON
 from ..protocol import Query, ScoreResponse
 from ..templates import Combination
 from .prepare import Prepared, PreparedRequest, QuerySet
@@ -33,27 +39,18 @@ def build_response(p: PreparedRequest, scores: list[DocScores], floors: dict[tup
     counts = {"queries": 0, "combinations": 0, "options": 0, "prompts": 0, "floor_prompts": 0}
     extraction = {"slots": 0, "text": 0, "number": 0, "currency": 0}
     generation = {"slots": 0, "sequences": 0, "max_tokens": 0}
-    content_tokens = query_tokens = floor_tokens = decoded = rows = padded = 0
+    content_tokens = query_tokens = floor_tokens = decoded = rows = padded = questions = 0
     # media: per image its soft tokens and the two markers around them
     media = {"images": 0, "image_tokens": 0, "video_frames": 0, "video_tokens": 0,
              "audio_seconds": 0, "audio_tokens": 0}
     for doc, doc_scores in zip(p.docs, scores, strict=True):
-        queries = _query_results(doc, doc_scores, floors, warnings)
-        result = {"input_id": doc.input_id, "queries": queries[:doc.n_own]}
-        hidden = set()
-        if p.packs:
-            result["packs"] = []
-            by_id = {q["id"]: q for q in queries[doc.n_own:]}
-            for run in p.packs:
-                mine = [by_id[qid] for qid in by_id if qid in run.query_ids]
-                result["packs"].append({"id": run.pack.id, "version": run.pack.version,
-                                        "context": run.context,
-                                        **run.pack.evaluate(mine, run.decision)})
-                if run.include_queries:
-                    result["queries"] += mine
-                else:
-                    hidden |= run.query_ids
-        results.append(result)
+        if not p.packs and (plain := PlainSet.of(doc)) is not None:
+            results.append(_plain_result_json(doc, plain, doc_scores, floors, warnings))
+            questions += len(plain.values)
+        else:
+            result = _input_result(p, doc, doc_scores, floors, warnings)
+            results.append(result)
+            questions += sum(len(q["combinations"]) for q in result["queries"])
         qs = doc.query_set
         content_tokens += doc.flat.root - 1
         for image in doc.flat.media:
@@ -107,8 +104,27 @@ def build_response(p: PreparedRequest, scores: list[DocScores], floors: dict[tup
     data.update(system_fingerprint=fingerprint, results=results, warnings=warnings,
                 usage=usage)
     response = ScoreResponse.of_engine(data, {"wall_ms": elapsed_ms, "score_ms": elapsed_ms})
-    response._rows, response._padded_rows = rows, padded
+    response._rows, response._padded_rows, response._questions = rows, padded, questions
     return response
+
+
+def _input_result(p: PreparedRequest, doc: Prepared, scores: DocScores,
+                  floors: dict[tuple, DocScores], warnings: list[dict]) -> dict:
+    """One input's result as data: its queries, then its packs' categories and decisions
+    (the queries a pack shows among them)."""
+    queries = _query_results(doc, scores, floors, warnings)
+    result = {"input_id": doc.input_id, "queries": queries[:doc.n_own]}
+    if p.packs:
+        result["packs"] = []
+        by_id = {q["id"]: q for q in queries[doc.n_own:]}
+        for run in p.packs:
+            mine = [by_id[qid] for qid in by_id if qid in run.query_ids]
+            result["packs"].append({"id": run.pack.id, "version": run.pack.version,
+                                    "context": run.context,
+                                    **run.pack.evaluate(mine, run.decision)})
+            if run.include_queries:
+                result["queries"] += mine
+    return result
 
 
 def _query_counts(doc: Prepared) -> tuple[dict, dict, dict]:
@@ -176,6 +192,7 @@ class PlainSet:
     # the floors last read (per query, None: no floor) and their figures per option and per
     # branch: the same for every input asking the set while its floors are the same
     floors: tuple[list[DocScores | None], list, list] | None = None
+    template: ResultTemplate | None = None   # for those floors
 
     @classmethod
     def of(cls, doc: Prepared) -> PlainSet | None:
@@ -204,33 +221,103 @@ def _plain_results(doc: Prepared, plain: PlainSet, scores: DocScores,
                    floors: dict[tuple, DocScores], warnings: list[dict]) -> list[dict]:
     """``_query_results`` of a plain query set: the same figures, bit for bit, read from
     the runner's lists in one pass each for options, combinations and queries."""
-    qs = doc.query_set
     logprobs, probs, _, residual = scores.lists
-    floor_p, floor_residual = _plain_floors(plain, qs, floors)
+    floor_p, floor_residual = _plain_floors(plain, doc.query_set, floors)
+    _plain_warnings(doc, plain, scores, warnings)
+    return _plain_queries(doc, plain, logprobs, probs, residual, floor_p, floor_residual)
+
+
+def _plain_queries(doc: Prepared, plain: PlainSet, logprobs: list, probs: list,
+                   residual: list, floor_p: list, floor_residual: list) -> list[dict]:
+    """A plain set's queries in the hosted shape, from its figures option after option
+    (logprobs, probs, floor_p) and branch after branch (residual, floor_residual)."""
     options = [{"text": t, "logprob": lp, "p": p, "floor_p": fp}
                for t, lp, p, fp in zip(plain.texts, logprobs, probs, floor_p, strict=True)]
     if plain.query_branches is None:   # one branch a query: its combination built in place
-        out = [{"id": q.id, "combinations": [{"values": v, "options": options[own],
-                                               "residual": r, "floor_residual": fr}]}
-               for q, v, own, r, fr in zip(doc.queries, plain.values, plain.branch_options,
-                                           residual, floor_residual, strict=True)]
-    else:
-        combos = [{"values": v, "options": options[own], "residual": r, "floor_residual": fr}
-                  for v, own, r, fr in zip(plain.values, plain.branch_options, residual,
-                                           floor_residual, strict=True)]
-        out = [{"id": q.id, "combinations": combos[own]}
-               for q, own in zip(doc.queries, plain.query_branches, strict=True)]
+        return [{"id": q.id, "combinations": [{"values": v, "options": options[own],
+                                                "residual": r, "floor_residual": fr}]}
+                for q, v, own, r, fr in zip(doc.queries, plain.values, plain.branch_options,
+                                            residual, floor_residual, strict=True)]
+    combos = [{"values": v, "options": options[own], "residual": r, "floor_residual": fr}
+              for v, own, r, fr in zip(plain.values, plain.branch_options, residual,
+                                       floor_residual, strict=True)]
+    return [{"id": q.id, "combinations": combos[own]}
+            for q, own in zip(doc.queries, plain.query_branches, strict=True)]
+
+
+def _plain_warnings(doc: Prepared, plain: PlainSet, scores: DocScores,
+                    warnings: list[dict]) -> None:
+    """The low-option-mass warnings of an input of a plain set."""
+    residual = scores.residual
     bounds = plain.query_start
+    n_queries = len(bounds) - 1
     # the queries whose mean residual may pass the mark: with one combination a query (a
     # bulk job's usual set) the mean is the branch's own residual, so only those past it
-    asked = (np.flatnonzero(scores.residual > LOW_OPTION_MASS).tolist()
-             if len(residual) == len(out) else range(len(out)))
+    asked = (np.flatnonzero(residual > LOW_OPTION_MASS).tolist()
+             if plain.query_branches is None else range(n_queries))
     for j in asked:
         at, end = bounds[j], bounds[j + 1]
-        mean_residual = sum(residual[at:end]) / (end - at)
-        if mean_residual > LOW_OPTION_MASS and qs.one_token[j]:
+        mean_residual = sum(residual[at:end].tolist()) / (end - at)
+        if mean_residual > LOW_OPTION_MASS and doc.query_set.one_token[j]:
             _low_mass(warnings, doc, doc.queries[j], mean_residual)
-    return out
+
+
+def _plain_result_json(doc: Prepared, plain: PlainSet, scores: DocScores,
+                       floors: dict[tuple, DocScores], warnings: list[dict]) -> RawJSON:
+    """An input of a plain set without packs: its result's JSON text, the text its data
+    (``_plain_results``) dumps to."""
+    floor_p, floor_residual = _plain_floors(plain, doc.query_set, floors)
+    if plain.template is None:
+        plain.template = ResultTemplate.of(doc, plain, floor_p, floor_residual)
+    _plain_warnings(doc, plain, scores, warnings)
+    return plain.template.fill(doc.input_id, scores)
+
+
+class _Figure:
+    """Where one of an input's own figures goes in a ResultTemplate: ``at`` among its
+    figures [option logprobs | option probabilities | branch residuals]; -1: its input id."""
+
+    __slots__ = ("at",)
+
+    def __init__(self, at: int):
+        self.at = at
+
+
+@dataclass
+class ResultTemplate:
+    """A plain set's result JSON less its input's own figures, for floors as they were: an
+    input's result is one printf of it with the figures as orjson writes them (a bulk job
+    answers thousands of options a second; a dict for each one costs more than its pass)."""
+
+    text: bytes          # "%s" for the input id, then for each figure in order; "%" doubled
+    order: np.ndarray    # per figure in the text: its index among the input's figures
+
+    @classmethod
+    def of(cls, doc: Prepared, plain: PlainSet, floor_p: list, floor_residual: list
+           ) -> ResultTemplate:
+        n_options, n_branches = len(plain.texts), len(plain.values)
+        figures = [_Figure(k) for k in range(2 * n_options + n_branches)]
+        queries = _plain_queries(doc, plain, figures[:n_options],
+                                 figures[n_options:2 * n_options], figures[2 * n_options:],
+                                 floor_p, floor_residual)
+        order = []
+
+        def place(figure: _Figure) -> orjson.Fragment:
+            order.append(figure.at)
+            return orjson.Fragment(b"\0")   # orjson writes a string's NUL as \u0000
+
+        text = orjson.dumps({"input_id": _Figure(-1), "queries": queries}, default=place)
+        if order[0] != -1:
+            raise AssertionError("the input id is the template's first field")
+        return cls(text.replace(b"%", b"%%").replace(b"\0", b"%s"),
+                   np.array(order[1:], dtype=np.intp))
+
+    def fill(self, input_id: str | None, scores: DocScores) -> RawJSON:
+        figures = np.concatenate((scores.option_logprobs, scores.option_probs,
+                                  scores.residual), dtype=np.float64)
+        digits = (orjson.dumps(figures[self.order], option=orjson.OPT_SERIALIZE_NUMPY)[1:-1]
+                  .split(b",") if len(self.order) else [])
+        return RawJSON(self.text % (orjson.dumps(input_id), *digits))
 
 
 def _plain_floors(plain: PlainSet, qs: QuerySet, floors: dict[tuple, DocScores]
@@ -250,6 +337,7 @@ def _plain_floors(plain: PlainSet, qs: QuerySet, floors: dict[tuple, DocScores]
                 floor_p += lists.probs[:lists.branch_start[len(grid)]]
                 floor_residual += lists.residual[:len(grid)]
         plain.floors = (used, floor_p, floor_residual)
+        plain.template = None
     return plain.floors[1], plain.floors[2]
 
 

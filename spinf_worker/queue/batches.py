@@ -60,11 +60,12 @@ import orjson
 import structlog
 from redis.exceptions import RedisError
 
+from .. import jsonio
 from ..completions import CompletionRequest
 from ..errors import SpinfError
 from ..openai_compat import score_request_from_chat, score_to_chat_completion
 from ..protocol import ScoreRequest
-from . import files, jsonio
+from . import files
 from .keys import Keys
 from .results import JobResult
 

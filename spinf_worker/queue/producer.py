@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from . import jsonio
+from .. import jsonio
 from .keys import GROUP, Keys
 from .results import JobResult
 from .settings import ServiceSettings

@@ -15,9 +15,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from .. import jsonio
 from ..errors import ERROR_TYPES, SpinfError, error_type
 from ..protocol import ScoreResponse
-from . import jsonio
 
 EXPIRED_ERROR = {"message": "deadline passed before the job was scored",
                  "type": "timeout_error", "param": None, "code": "deadline_exceeded"}
@@ -120,7 +120,7 @@ class JobResult(BaseModel):
 
     def to_json(self) -> str:
         """The same value as the json module writes it."""
-        return json.dumps(self._stored())
+        return json.dumps(self._stored(), default=jsonio.as_read)
 
     @classmethod
     def from_json(cls, raw: str | bytes) -> JobResult:

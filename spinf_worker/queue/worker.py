@@ -28,11 +28,12 @@ import structlog
 from redis.asyncio import Redis
 from redis.exceptions import RedisError, ResponseError
 
+from .. import jsonio
 from ..completions import CompletionRequest, CompletionResponse
 from ..errors import SpinfError
 from ..protocol import ScoreRequest, ScoreResponse
 from ..tiles import ROW_TILE, PassRows, RowPart
-from . import batches, jsonio, outcomes
+from . import batches, outcomes
 from .collector_clock import CollectorClock
 from .engine_thread import ENGINE_THREAD, LATER, LAUNCH, URGENT
 from .keys import GROUP, Keys
@@ -94,12 +95,11 @@ def read_request(payload: str | bytes) -> ScoreRequest | CompletionRequest:
 
 
 def score_counts(response: ScoreResponse) -> tuple[int, int, int, int]:
-    """What the queue's statistics count of a reply: documents, questions, real rows, rows.
-    Counted on the plain data the reply is stored from: reading ``results`` would validate
-    every option of an engine's reply (ScoreResponse.of_engine) only to count them."""
-    results = response.plain()["results"]
-    questions = sum(len(q["combinations"]) for r in results for q in r["queries"])
-    return len(results), questions, response._rows, response._padded_rows
+    """What the queue's statistics count of a reply: documents, questions, real rows, rows,
+    as the engine counted them (reading ``results`` would validate every option of its
+    reply, ScoreResponse.of_engine, only to count them)."""
+    return (len(response.plain()["results"]), response._questions, response._rows,
+            response._padded_rows)
 
 
 def pass_counts(outcomes: list, busy_s: float, engine_s: float, gc_s: float

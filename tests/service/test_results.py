@@ -48,7 +48,7 @@ def test_a_body_written_once_is_stored_and_lined_as_written():
     """A worker writes a result's body once (``body_json``) and places that text in its
     stored result and its batch line: the same values as writing each whole, and the json
     module's fallback (a lone surrogate orjson refuses) places it alike."""
-    from spinf_worker.queue import jsonio
+    from spinf_worker import jsonio
     from spinf_worker.queue.batches import result_line
 
     body = {"id": "scr_1", "results": [{"p": 0.1 + 0.2, "logprob": -1e-300}], "warnings": []}

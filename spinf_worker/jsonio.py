@@ -1,4 +1,5 @@
-"""JSON of what the queue stores and reads back (work entries, results, batch lines): orjson,
+"""JSON of what the queue stores and reads back (work entries, results, batch lines), and of the
+results the engine writes as text already (``RawJSON``): orjson,
 several times faster than the json module, and compact.
 
 ``loads`` returns exactly what ``json.loads`` returns; orjson reads every valid text the same
@@ -59,7 +60,8 @@ def _as_written(value: Any) -> Any:
     raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
-def _as_read(value: Any) -> Any:
+def as_read(value: Any) -> Any:
+    """``json.dumps``' default for a value holding ``RawJSON``: the value it holds."""
     if isinstance(value, RawJSON):
         return json.loads(value)
     raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
@@ -71,4 +73,4 @@ def dumps(value: Any) -> bytes:
     try:
         return orjson.dumps(value, default=_as_written)
     except orjson.JSONEncodeError:
-        return json.dumps(value, separators=(",", ":"), default=_as_read).encode()
+        return json.dumps(value, separators=(",", ":"), default=as_read).encode()
