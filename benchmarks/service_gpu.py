@@ -24,8 +24,9 @@ d. **interactive**: a trickle of single ``POST /v1/score`` requests (one every
 count from the phase's start barrier.
 
 Every service answer is compared with the in-process one, bit for bit. Per phase: docs/s,
-questions/s, the fraction of the wall time the device ran the worker's passes
-(``spinf_worker_busy_seconds_total``: CUDA events) and the worker's engine thread worked on
+questions/s, the fraction of the wall time the device ran the passes (CUDA events: the
+in-process engine's, and the worker's ``spinf_worker_busy_seconds_total``) and the worker's
+engine thread worked on
 them (``spinf_worker_engine_seconds_total``), the seconds the worker's cyclic collector ran
 (``spinf_worker_gc_seconds_total``), CPU seconds of each tier (API processes, worker, Redis,
 clients), and peak device memory (``nvidia-smi``, sampled, the worker's process and the
@@ -444,8 +445,10 @@ def run_engine(args: argparse.Namespace, requests: list[dict]) -> dict:
     engine.score_batch(requests)                 # without the floors: other pass sizes
     freeze_heap()      # as the worker does once its engine is loaded: the same collector work
     t0 = time.perf_counter()
-    responses = engine.score_batch(requests)     # answers are on the host: the device is done
+    batch = engine.start_batch(requests)         # score_batch, its device time kept
+    responses = batch.finish()                   # answers are on the host: the device is done
     seconds = time.perf_counter() - t0
+    device_s = batch.device_seconds
     bodies = [r.model_dump(mode="json") for r in responses]
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
     tokenizer = engine.checkpoint.tokenizer
@@ -456,7 +459,8 @@ def run_engine(args: argparse.Namespace, requests: list[dict]) -> dict:
     if cuda:
         torch.cuda.empty_cache()
     return dict(seconds=seconds, bodies=bodies, peak_allocated_gib=round(peak, 2),
-                tokenizer=tokenizer)
+                tokenizer=tokenizer,
+                gpu_busy=None if device_s is None else round(device_s / seconds, 3))
 
 
 def phase(name: str, seconds: float, bodies: list, reference: list, busy_s: float,
@@ -588,6 +592,7 @@ def main() -> None:
     row.update(engine_seconds=round(engine["seconds"], 3),
                engine_docs_per_s=round(len(reference) / engine["seconds"], 1),
                engine_questions_per_s=round(questions_in(reference) / engine["seconds"], 1),
+               engine_gpu_busy=engine["gpu_busy"],
                engine_peak_allocated_gib=engine["peak_allocated_gib"],
                engine_nvidia_smi_peak_gib=round(engine_memory.peak_mib / 1024, 2))
     print(json.dumps(row), flush=True)
