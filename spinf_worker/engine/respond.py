@@ -248,17 +248,21 @@ def _plain_queries(doc: Prepared, plain: PlainSet, logprobs: list, probs: list,
 def _plain_warnings(doc: Prepared, plain: PlainSet, scores: DocScores,
                     warnings: list[dict]) -> None:
     """The low-option-mass warnings of an input of a plain set."""
+    qs = doc.query_set
     residual = scores.residual
+    if plain.query_branches is None:
+        # one combination a query (a bulk job's usual set): its mean residual is its
+        # branch's own, so only the branches past the mark are looked at
+        past = np.flatnonzero(residual > LOW_OPTION_MASS).tolist()
+        for j, mean_residual in zip(past, residual[past].tolist(), strict=True):
+            if qs.one_token[j]:
+                _low_mass(warnings, doc, doc.queries[j], mean_residual)
+        return
     bounds = plain.query_start
-    n_queries = len(bounds) - 1
-    # the queries whose mean residual may pass the mark: with one combination a query (a
-    # bulk job's usual set) the mean is the branch's own residual, so only those past it
-    asked = (np.flatnonzero(residual > LOW_OPTION_MASS).tolist()
-             if plain.query_branches is None else range(n_queries))
-    for j in asked:
+    for j in range(len(bounds) - 1):
         at, end = bounds[j], bounds[j + 1]
         mean_residual = sum(residual[at:end].tolist()) / (end - at)
-        if mean_residual > LOW_OPTION_MASS and doc.query_set.one_token[j]:
+        if mean_residual > LOW_OPTION_MASS and qs.one_token[j]:
             _low_mass(warnings, doc, doc.queries[j], mean_residual)
 
 
