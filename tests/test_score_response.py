@@ -5,9 +5,11 @@ model and endpoint echoed, floors on or off per call and per query, combinations
 from __future__ import annotations
 
 import json
+import math
 import pickle
 import re
 
+import numpy as np
 import pytest
 
 from spinf_worker import jsonio
@@ -235,20 +237,23 @@ def as_data(doc, plain, scores, floors, warnings):
             "queries": respond._plain_results(doc, plain, scores, floors, warnings)}
 
 
+@pytest.mark.parametrize("case_insensitive", [False, True])
 @pytest.mark.parametrize("grid", [False, True])
 def test_a_bulk_inputs_result_written_from_its_template_is_its_datas_json(
-        tiny_engine, monkeypatch, grid):
-    """An input whose queries are all scored on their options as given, without packs (a
-    bulk job's), is answered as JSON text filled into its query set's template: the same
-    text, byte for byte, as its result's data dumped, over inputs of one set and of two."""
+        tiny_engine, monkeypatch, grid, case_insensitive):
+    """An input whose queries are all scored on their options, without packs (a bulk
+    job's), is answered as JSON text filled into its query set's template: the same text,
+    byte for byte, as its result's data dumped, over inputs of one set and of two."""
     queries = AS_GIVEN if grid else [AS_GIVEN[0], AS_GIVEN[1], AS_GIVEN[3]]
+    if case_insensitive:   # multi-token options: none spelled otherwise, scored as given
+        queries = [*queries, QUERIES[2]]
+    scoring = {"queries": queries, "case_insensitive": case_insensitive}
     request = {"inputs": [{"id": "a", "messages": [{"content": NEWS}]},
                           {"id": 'b "%s"', "messages": [{"content": NEWS[:70]}]},
                           {"id": "c", "messages": [{"content": "Short."}],
                            "query_ids": ["odd"]}],
-               "scoring": {"queries": queries, "case_insensitive": False}}
-    messages = {"messages": [{"role": "user", "content": NEWS}],
-                "scoring": {"queries": queries, "case_insensitive": False}}
+               "scoring": scoring}
+    messages = {"messages": [{"role": "user", "content": NEWS}], "scoring": scoring}
     written = [tiny_engine.score(body) for body in (request, messages, request)]
     assert all(isinstance(r, jsonio.RawJSON) for w in written for r in w.plain()["results"])
     monkeypatch.setattr(respond, "_plain_result_json", as_data)
@@ -261,3 +266,25 @@ def test_a_bulk_inputs_result_written_from_its_template_is_its_datas_json(
         assert text._questions == data._questions == sum(
             len(q.combinations) for r in data.results for q in r.queries)
     assert any(w["code"] == "low_option_mass" for w in built[0].warnings)
+
+
+def test_spellings_summed_for_a_whole_input_equal_those_summed_query_by_query(tiny_engine):
+    """Options asked case-insensitively are summed over their spellings for all of an
+    input's queries at once (a set of scored queries alone, engine/spellings.py) or one
+    query's branch at a time (a set with an extraction query in it): the same bits, and
+    the sums of the runner's spelled logprobs."""
+    from spinf_worker.engine import spellings
+
+    extraction = {"id": "month", "template": '\n\nQ: Which month?\nA: "{*}"', "max_tokens": 2}
+    scored = [QUERIES[0], QUERIES[2], QUERIES[3]]
+    alone, mixed = (tiny_engine.score({"text": NEWS, "scoring": {"queries": queries}})
+                    for queries in (scored, [*scored, extraction]))
+    assert isinstance(alone.plain()["results"][0], jsonio.RawJSON)
+    assert not isinstance(mixed.plain()["results"][0], jsonio.RawJSON)
+    assert alone.results[0].queries == mixed.results[0].queries[:3]
+    # the sum itself: a branch of two options of two spellings each
+    spelled = np.log(np.array([0.1, 0.2, 0.05, 0.15], dtype=np.float32))
+    logprobs, probs, residual = spellings.summed(spelled, np.array([0, 2]), np.array([0]))
+    assert logprobs.tolist() == pytest.approx([math.log(0.3), math.log(0.2)], rel=1e-6)
+    assert probs.tolist() == pytest.approx([0.6, 0.4], rel=1e-6)
+    assert residual.tolist() == pytest.approx([0.5], rel=1e-6)

@@ -8,10 +8,9 @@ its figures go in as orjson writes them, the same text as its data's dump, bit f
 
 from __future__ import annotations
 
-import math
 import operator
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate, pairwise
 
 import numpy as np
@@ -24,9 +23,12 @@ from ..templates import Combination
 from .prepare import Prepared, PreparedRequest, QuerySet
 from .runner import DocScores, ScoreLists
 from .slots import extraction_result
+from .spellings import SetSpellings, branch_figures
 
 # the mean residual over which a query's one-token options probably do not fit its template
 LOW_OPTION_MASS = 0.9
+# result templates kept per query set (one per list of query ids asking it)
+MAX_TEMPLATES = 64
 
 
 def build_response(p: PreparedRequest, scores: list[DocScores], floors: dict[tuple, DocScores],
@@ -177,53 +179,72 @@ def _decoded_tokens(doc: Prepared, scores: DocScores) -> int:
 
 @dataclass
 class PlainSet:
-    """A query set whose queries are all scored on their options as given (a bulk job's),
-    flattened once: its inputs are answered from flat lists (option after option, branch
-    after branch) in a few comprehensions, not a loop per query and combination."""
+    """A query set whose queries are all scored on their options (a bulk job's), as given
+    or summed over their spellings, flattened once: its inputs are answered from flat
+    arrays (option after option, branch after branch), not a loop per query and
+    combination."""
 
     texts: list[str]              # per option (FlatDoc order): its text
     values: list[dict[str, str]]  # per branch: its combination's values
     query_start: list[int]        # per query + 1: its first branch
     option_count: list[int]       # per query: its options over all its combinations
     branch_options: list[slice]   # per branch: its options among the input's
+    spellings: SetSpellings | None   # None: every option scored as given
     # per query its branches among the input's; None: one branch a query (a bulk job's
     # usual set), answered in one comprehension
     query_branches: list[slice] | None
     # the floors last read (per query, None: no floor) and their figures per option and per
     # branch: the same for every input asking the set while its floors are the same
     floors: tuple[list[DocScores | None], list, list] | None = None
-    template: ResultTemplate | None = None   # for those floors
+    # for those floors, by the queries' ids: requests whose queries differ in their ids
+    # alone share a set
+    templates: dict[tuple[str, ...], ResultTemplate] = field(default_factory=dict)
 
     @classmethod
     def of(cls, doc: Prepared) -> PlainSet | None:
         """The input's query set flattened (None: some query is not plain), worked out
         once per set: every input asking it has the same options and combinations."""
         qs = doc.query_set
+        if qs.plain is None and not all(kind == "?" for kind in qs.kinds):
+            qs.plain = False
         if qs.plain is None:
-            plain = all(kind == "?" and starts is None
-                        for kind, starts in zip(qs.kinds, qs.spellings, strict=True))
             query_start = [0, *accumulate(len(grid) for grid in qs.grids)]
+            options = [len(q.options) for q in doc.queries]
+            grids = [len(grid) for grid in qs.grids]
+            option_start = [0, *accumulate(n for n, g in zip(options, grids, strict=True)
+                                           for _ in range(g))]
+            spelled = any(starts is not None for starts in qs.spellings)
             qs.plain = cls(
                 [o for q, grid in zip(doc.queries, qs.grids, strict=True)
                  for _ in grid for o in q.options],
                 [c.values for grid in qs.grids for c in grid],
                 query_start,
-                [len(q.options) * len(grid) for q, grid in zip(doc.queries, qs.grids,
-                                                                strict=True)],
-                [slice(at, end) for at, end in pairwise(qs.block.option_start.tolist())],
-                None if all(len(grid) == 1 for grid in qs.grids) else
+                [n * g for n, g in zip(options, grids, strict=True)],
+                [slice(at, end) for at, end in pairwise(option_start)],
+                SetSpellings.of(qs.block.option_start.tolist(), qs.spellings, options, grids)
+                if spelled else None,
+                None if all(g == 1 for g in grids) else
                 [slice(at, end) for at, end in pairwise(query_start)],
-            ) if plain else False
+            )
         return qs.plain or None
+
+    def figures(self, scores: DocScores) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """An input's per-option logprobs and probabilities, per-branch residuals."""
+        if self.spellings is None:   # the runner's own
+            return scores.option_logprobs, scores.option_probs, scores.residual
+        return self.spellings.figures(scores)
 
 
 def _plain_results(doc: Prepared, plain: PlainSet, scores: DocScores,
                    floors: dict[tuple, DocScores], warnings: list[dict]) -> list[dict]:
     """``_query_results`` of a plain query set: the same figures, bit for bit, read from
     the runner's lists in one pass each for options, combinations and queries."""
-    logprobs, probs, _, residual = scores.lists
+    if plain.spellings is None:
+        logprobs, probs, _, residual = scores.lists
+    else:
+        logprobs, probs, residual = (a.tolist() for a in plain.figures(scores))
     floor_p, floor_residual = _plain_floors(plain, doc.query_set, floors)
-    _plain_warnings(doc, plain, scores, warnings)
+    _plain_warnings(doc, plain, plain.figures(scores)[2], warnings)
     return _plain_queries(doc, plain, logprobs, probs, residual, floor_p, floor_residual)
 
 
@@ -245,11 +266,10 @@ def _plain_queries(doc: Prepared, plain: PlainSet, logprobs: list, probs: list,
             for q, own in zip(doc.queries, plain.query_branches, strict=True)]
 
 
-def _plain_warnings(doc: Prepared, plain: PlainSet, scores: DocScores,
+def _plain_warnings(doc: Prepared, plain: PlainSet, residual: np.ndarray,
                     warnings: list[dict]) -> None:
-    """The low-option-mass warnings of an input of a plain set."""
+    """The low-option-mass warnings of an input of a plain set (``residual``: per branch)."""
     qs = doc.query_set
-    residual = scores.residual
     if plain.query_branches is None:
         # one combination a query (a bulk job's usual set): its mean residual is its
         # branch's own, so only the branches past the mark are looked at
@@ -271,10 +291,15 @@ def _plain_result_json(doc: Prepared, plain: PlainSet, scores: DocScores,
     """An input of a plain set without packs: its result's JSON text, the text its data
     (``_plain_results``) dumps to."""
     floor_p, floor_residual = _plain_floors(plain, doc.query_set, floors)
-    if plain.template is None:
-        plain.template = ResultTemplate.of(doc, plain, floor_p, floor_residual)
-    _plain_warnings(doc, plain, scores, warnings)
-    return plain.template.fill(doc.input_id, scores)
+    ids = tuple([q.id for q in doc.queries])
+    if (template := plain.templates.get(ids)) is None:
+        if len(plain.templates) >= MAX_TEMPLATES:
+            plain.templates.clear()
+        template = plain.templates[ids] = ResultTemplate.of(doc, plain, floor_p,
+                                                            floor_residual)
+    logprobs, probs, residual = plain.figures(scores)
+    _plain_warnings(doc, plain, residual, warnings)
+    return template.fill(doc.input_id, logprobs, probs, residual)
 
 
 class _Figure:
@@ -316,9 +341,9 @@ class ResultTemplate:
         return cls(text.replace(b"%", b"%%").replace(b"\0", b"%s"),
                    np.array(order[1:], dtype=np.intp))
 
-    def fill(self, input_id: str | None, scores: DocScores) -> RawJSON:
-        figures = np.concatenate((scores.option_logprobs, scores.option_probs,
-                                  scores.residual), dtype=np.float64)
+    def fill(self, input_id: str | None, logprobs: np.ndarray, probs: np.ndarray,
+             residual: np.ndarray) -> RawJSON:
+        figures = np.concatenate((logprobs, probs, residual), dtype=np.float64)
         digits = (orjson.dumps(figures[self.order], option=orjson.OPT_SERIALIZE_NUMPY)[1:-1]
                   .split(b",") if len(self.order) else [])
         return RawJSON(self.text % (orjson.dumps(input_id), *digits))
@@ -332,16 +357,22 @@ def _plain_floors(plain: PlainSet, qs: QuerySet, floors: dict[tuple, DocScores]
     if plain.floors is None or not all(map(operator.is_, plain.floors[0], used)):
         floor_p: list[float | None] = []
         floor_residual: list[float | None] = []
-        for floor, grid, count in zip(used, qs.grids, plain.option_count, strict=True):
+        for floor, grid, count, starts in zip(used, qs.grids, plain.option_count,
+                                              qs.spellings, strict=True):
             if floor is None:
                 floor_p += [None] * count
                 floor_residual += [None] * len(grid)
-            else:   # the floor's tree is this query's combinations alone
+            elif starts is None:   # the floor's tree is this query's combinations alone
                 lists = floor.lists
                 floor_p += lists.probs[:lists.branch_start[len(grid)]]
                 floor_residual += lists.residual[:len(grid)]
+            else:
+                for k in range(len(grid)):
+                    _, probs, residual = _floor_read(floor, k, starts)
+                    floor_p += probs
+                    floor_residual.append(residual)
         plain.floors = (used, floor_p, floor_residual)
-        plain.template = None
+        plain.templates.clear()
     return plain.floors[1], plain.floors[2]
 
 
@@ -414,11 +445,7 @@ def _option_scores(q: Query, combo: Combination, scores: DocScores, b: int,
     (branch floor_b of the floor's DocTree), as a ScoredCombination's data."""
     logprobs, probs, residual = _read(scores, b, starts)
     if floor is not None:
-        # the same floor in every input that asks the query: its spellings summed once
-        key = (floor_b, tuple(starts) if starts is not None else None)
-        if (read := floor.reads.get(key)) is None:
-            read = floor.reads[key] = _read(floor, floor_b, starts)
-        _, floor_probs, floor_residual = read
+        _, floor_probs, floor_residual = _floor_read(floor, floor_b, starts)
     else:
         floor_probs, floor_residual = [None] * len(q.options), None
     return {"values": combo.values,
@@ -427,24 +454,22 @@ def _option_scores(q: Query, combo: Combination, scores: DocScores, b: int,
             "residual": residual, "floor_residual": floor_residual}
 
 
+def _floor_read(floor: DocScores, b: int, starts: list[int] | None
+                ) -> tuple[list[float], list[float], float]:
+    """``_read`` of a floor's branch b: the same floor in every input that asks its query,
+    so its spellings are summed once."""
+    key = (b, tuple(starts) if starts is not None else None)
+    if (read := floor.reads.get(key)) is None:
+        read = floor.reads[key] = _read(floor, b, starts)
+    return read
+
+
 def _read(scores: DocScores, b: int, starts: list[int] | None
           ) -> tuple[list[float], list[float], float]:
     """Branch b's per-option logprobs, probabilities over the options and residual. With
     spellings (``starts``), an option's logprob sums its spellings' probabilities."""
-    lists = scores.lists
-    at, end = lists.branch_start[b], lists.branch_start[b + 1]
     if starts is None:   # the runner's own figures, bit for bit
+        lists = scores.lists
+        at, end = lists.branch_start[b], lists.branch_start[b + 1]
         return lists.logprobs[at:end], lists.probs[at:end], lists.residual[b]
-    spelled = lists.logprobs[at:end]
-    bounds = [*starts, len(spelled)]
-    logprobs = [_logsumexp(spelled[lo:hi]) for lo, hi in zip(bounds, bounds[1:], strict=False)]
-    top = max(logprobs)
-    weights = [math.exp(lp - top) for lp in logprobs]
-    total = sum(weights)
-    return (logprobs, [w / total for w in weights],
-            max(0.0, 1.0 - math.exp(top) * total))
-
-
-def _logsumexp(values: list[float]) -> float:
-    top = max(values)
-    return top + math.log(sum(math.exp(v - top) for v in values))
+    return branch_figures(scores, b, starts)
