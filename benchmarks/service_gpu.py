@@ -2,7 +2,8 @@
 
 The documents: the AG News sample and the news articles of ``../shared/data`` (each cut to
 ``--doc-tokens`` tokens), and windows of the articles' words, ``--docs`` distinct ones in
-all, each asked the 56 questions of ``news_questions.json`` (options as given). Phases:
+all, each asked the 56 questions of ``news_questions.json`` (options as given;
+``--case-insensitive``: with their spellings, the API's default). Phases:
 
 a. **engine**: the in-process engine (``Engine.load``), two warm-up ``score_batch`` calls of
    every document (the first computes the floors, the second packs without them: each pass
@@ -99,8 +100,8 @@ def load_docs(data: Path, tokenizer, n: int, doc_tokens: int) -> list[str]:
     return docs[:n]
 
 
-def requests_for(docs: list[str]) -> list[dict]:
-    scoring = {**json.loads(QUESTIONS.read_text()), "case_insensitive": False}
+def requests_for(docs: list[str], case_insensitive: bool = False) -> list[dict]:
+    scoring = {**json.loads(QUESTIONS.read_text()), "case_insensitive": case_insensitive}
     return [{"messages": [{"role": "user", "content": d}], "scoring": scoring} for d in docs]
 
 
@@ -556,6 +557,8 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=256)
     parser.add_argument("--client-procs", type=int, default=4)
     parser.add_argument("--api-workers", type=int, default=1)
+    parser.add_argument("--case-insensitive", action="store_true",
+                        help="options with their spellings summed (the API's default)")
     parser.add_argument("--trickle-ms", type=float, default=200.0)
     parser.add_argument("--phases", type=lambda s: s.split(","),
                         default=["batch", "concurrent", "interactive"],
@@ -579,12 +582,14 @@ def main() -> None:
     tokenizer = load_checkpoint(args.model, load_format="dummy").tokenizer \
         if args.load_format == "dummy" else load_checkpoint(args.model).tokenizer
     assert isinstance(tokenizer, Tokenizer)
-    requests = requests_for(load_docs(args.data, tokenizer, args.docs, args.doc_tokens))
+    requests = requests_for(load_docs(args.data, tokenizer, args.docs, args.doc_tokens),
+                            args.case_insensitive)
     row = {"date": datetime.date.today().isoformat(), "commit": commit, "name": name,
            "model": args.model, "load_format": args.load_format, "quant": args.quant,
            "docs": len(requests), "api_workers": args.api_workers, "clients": args.clients,
            "client_procs": args.client_procs,
-           "switch_interval_ms": args.switch_interval_ms}
+           "switch_interval_ms": args.switch_interval_ms,
+           "case_insensitive": args.case_insensitive}
     with MemorySampler() as engine_memory:
         engine = run_engine(args, requests)
     reference = engine.pop("bodies")
