@@ -89,8 +89,16 @@ def response_template(questions: dict):
                   "prompt_tokens_details": {}, "inputs": 1, "content": {"tokens": 471},
                   "scoring": {"tokens": 556}, "processed_tokens": 1027},
         "timing": {"score_ms": 40}})
-    # as the engine builds replies (engine/respond.py): plain() need not dump the model
+    # as the engine builds replies (engine/respond.py): plain() need not dump the model; an
+    # input's result is its JSON text where the measured tree writes it so (a bulk job's)
     template._plain = template.model_dump(exclude={"timing"})
+    import spinf_worker
+
+    # (an editable install resolves a module the measured tree lacks to this checkout's)
+    if (Path(spinf_worker.__file__).parent / "jsonio.py").exists():
+        from spinf_worker.jsonio import RawJSON, dumps
+
+        template._plain["results"] = [RawJSON(dumps(r)) for r in template._plain["results"]]
     return template
 
 
