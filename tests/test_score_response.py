@@ -284,7 +284,8 @@ def test_spellings_summed_for_a_whole_input_equal_those_summed_query_by_query(ti
     assert alone.results[0].queries == mixed.results[0].queries[:3]
     # the sum itself: a branch of two options of two spellings each
     spelled = np.log(np.array([0.1, 0.2, 0.05, 0.15], dtype=np.float32))
-    logprobs, probs, residual = spellings.summed(spelled, np.array([0, 2]), np.array([0]))
+    logprobs, probs, residual = spellings.summed(
+        spelled, spellings.segments(np.array([0, 2]), 4), spellings.segments(np.array([0]), 2))
     assert logprobs.tolist() == pytest.approx([math.log(0.3), math.log(0.2)], rel=1e-6)
     assert probs.tolist() == pytest.approx([0.6, 0.4], rel=1e-6)
     assert residual.tolist() == pytest.approx([0.5], rel=1e-6)

@@ -15,23 +15,29 @@ import numpy as np
 
 from .runner import DocScores
 
+Segments = tuple[np.ndarray, np.ndarray]   # per segment its first element and its length
 
-def summed(spelled: np.ndarray, group_start: np.ndarray, branch_start: np.ndarray
+
+def segments(start: np.ndarray, total: int) -> Segments:
+    """Segments from their starts, the last one ending at ``total``."""
+    return start, np.diff(start, append=total)
+
+
+def summed(spelled: np.ndarray, groups: Segments, branches: Segments
            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per option (``group_start``: its first spelling in ``spelled``, the spellings'
-    logprobs) the log of its spellings' summed probabilities and its probability over its
-    branch's options (``branch_start``: each branch's first option); per branch its
-    residual. Groups and branches cover their arrays from 0, in order."""
+    """Per option (``groups``: its spellings in ``spelled``, their logprobs) the log of its
+    spellings' summed probabilities and its probability over its branch's options
+    (``branches``: each branch's options); per branch its residual. The segments cover
+    their arrays from 0, in order."""
     spelled = spelled.astype(np.float64)
+    (group_start, group_size), (branch_start, branch_size) = groups, branches
     top = np.maximum.reduceat(spelled, group_start)
-    sizes = np.diff(group_start, append=len(spelled))
-    logprobs = top + np.log(np.add.reduceat(np.exp(spelled - np.repeat(top, sizes)),
+    logprobs = top + np.log(np.add.reduceat(np.exp(spelled - np.repeat(top, group_size)),
                                             group_start))
     best = np.maximum.reduceat(logprobs, branch_start)
-    options = np.diff(branch_start, append=len(logprobs))
-    weights = np.exp(logprobs - np.repeat(best, options))
+    weights = np.exp(logprobs - np.repeat(best, branch_size))
     total = np.add.reduceat(weights, branch_start)
-    return (logprobs, weights / np.repeat(total, options),
+    return (logprobs, weights / np.repeat(total, branch_size),
             np.maximum(0.0, 1.0 - np.exp(best) * total))
 
 
@@ -40,8 +46,8 @@ class SetSpellings:
     """Where a query set's options' spellings lie among an input's scored strings (the
     runner's options: FlatDoc order), for answering all its inputs in a few array calls."""
 
-    group_start: np.ndarray     # per option: its first spelling among the input's
-    branch_start: np.ndarray    # per branch: its first option
+    groups: Segments            # per option: its spellings among the input's
+    branches: Segments          # per branch: its options
     given: np.ndarray           # the options scored as given (a query without spellings)
     given_branches: np.ndarray  # and their branches: the runner's own figures, bit for bit
 
@@ -63,16 +69,16 @@ class SetSpellings:
                 b += 1
         branches = [n for n, combinations in zip(options, grids, strict=True)
                     for _ in range(combinations)]
-        return cls(np.array(groups, dtype=np.intp),
-                   np.array([0, *accumulate(branches)][:-1], dtype=np.intp),
+        return cls(segments(np.array(groups, dtype=np.intp), option_start[-1]),
+                   segments(np.array([0, *accumulate(branches)][:-1], dtype=np.intp),
+                            len(groups)),
                    np.array(given, dtype=np.intp), np.array(given_branches, dtype=np.intp))
 
     def figures(self, scores: DocScores) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """An input's per-option logprobs and probabilities and per-branch residuals."""
-        logprobs, probs, residual = summed(scores.option_logprobs, self.group_start,
-                                           self.branch_start)
+        logprobs, probs, residual = summed(scores.option_logprobs, self.groups, self.branches)
         if len(self.given):
-            strings = self.group_start[self.given]
+            strings = self.groups[0][self.given]
             logprobs[self.given] = scores.option_logprobs[strings]
             probs[self.given] = scores.option_probs[strings]
             residual[self.given_branches] = scores.residual[self.given_branches]
@@ -83,7 +89,8 @@ def branch_figures(scores: DocScores, b: int, starts: list[int]
                    ) -> tuple[list[float], list[float], float]:
     """``summed`` for branch b alone (``starts``: its options' first spellings)."""
     at, end = scores.branch_start[b], scores.branch_start[b + 1]
-    logprobs, probs, residual = summed(scores.option_logprobs[at:end],
-                                       np.array(starts, dtype=np.intp),
-                                       np.zeros(1, dtype=np.intp))
+    options = len(starts)
+    logprobs, probs, residual = summed(
+        scores.option_logprobs[at:end], segments(np.array(starts, dtype=np.intp), end - at),
+        (np.zeros(1, dtype=np.intp), np.array([options], dtype=np.intp)))
     return logprobs.tolist(), probs.tolist(), residual.item()
