@@ -185,11 +185,13 @@ class ModelRunner:
                 keep.append(torch.arange(at, at + doc.tokens))
                 kept_rows += doc.tokens
         if self.device.type == "cuda":
-            began = torch.cuda.Event(enable_timing=True)
-            began.record()
             # A few fixed pass sizes, so compiled kernels and captured graphs are reused.
             rows = -(-start // PASS_BUCKET) * PASS_BUCKET
             inputs = torch.from_numpy(pass_rows(docs, rows, self.pad_id))
+            # the pass's device time counts from its first queued operation: on an idle
+            # device an event recorded before the rows were built would count their host time
+            began = torch.cuda.Event(enable_timing=True)
+            began.record()
             media = any(doc.media for doc in docs)
             # a pass with media runs eagerly: its towers and their features are not captured
             if self.graphs is not None and not keep and not media:
