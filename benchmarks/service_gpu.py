@@ -505,11 +505,14 @@ async def run_service(args: argparse.Namespace, service: Service, requests: list
             busy, engine, collector = (m1.get(f"spinf_worker_{k}_seconds_total", 0)
                                        - m0.get(f"spinf_worker_{k}_seconds_total", 0)
                                        for k in ("busy", "engine", "gc"))
-            passes = m1.get("spinf_passes_total", 0) - m0.get("spinf_passes_total", 0)
+            passes, rows = (m1.get(k, 0) - m0.get(k, 0)
+                            for k in ("spinf_passes_total", "spinf_pass_rows_total"))
             out = phase(name, seconds, bodies, reference, busy, engine, cpu)
             out[f"{name}_worker_gc_s"] = round(collector, 3)
             out[f"{name}_passes"] = int(passes)
             out[f"{name}_mean_pass_s"] = round(busy / passes, 4) if passes else None
+            # how full the worker's passes are (partial ones go to a starved device)
+            out[f"{name}_rows_per_pass"] = round(rows / passes) if passes else None
             return out
 
         async def batch():
