@@ -9,6 +9,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from . import jsonio
 from .errors import InvalidRequestError
 from .protocol import ScoreRequest, ScoreResponse
 
@@ -54,6 +55,8 @@ def score_to_chat_completion(score: dict) -> dict:
     answer) of the first input's first query's first combination, or the first pack's
     decision when only packs were asked."""
     first = score["results"][0] if score.get("results") else {}
+    if isinstance(first, jsonio.RawJSON):   # an input's result the engine wrote as JSON
+        first = jsonio.loads(first, long_integers=False)
     content = ""
     if first.get("queries"):
         combination = first["queries"][0]["combinations"][0]

@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from api.models import Batch, BatchList, FileObject
+from spinf_worker import jsonio
 from spinf_worker.queue import batches, files
 from spinf_worker.queue.producer import Producer
 from spinf_worker.queue.results import JobResult
@@ -153,6 +154,21 @@ def test_chat_completions_batch_answers_in_the_chat_shape(tiny_engine, settings)
         [error] = lines_of(client, done["error_file_id"])
         assert error["custom_id"] == "chat-2"
         assert error["error"]["code"] == "scoring_required"
+
+
+def test_a_chat_line_of_a_reply_the_engine_wrote_as_json(tiny_engine):
+    """A worker makes a /v1/chat/completions batch line from the engine's reply as it is: an
+    input's result written as JSON text already (a bulk job's) is read for the choice."""
+    messages = [{"role": "user", "content": TEXTS[0]}]
+    reply = tiny_engine.score({"messages": messages, "scoring": QUERY})
+    result = JobResult.ok(reply)
+    line, counter = batches.result_line("/v1/chat/completions", "job", "chat-1", result,
+                                result.body_json())
+    body = json.loads(jsonio.dumps(line))["response"]["body"]
+    top = max(reply.results[0].queries[0].combinations[0].options, key=lambda o: o.p)
+    assert counter == "completed"
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": top.text}
+    assert body["results"] == reply.model_dump(mode="json")["results"]
 
 
 def test_completions_batch_through_the_openai_sdk_matches_the_engine(tiny_engine, settings):
