@@ -2,8 +2,8 @@
 and floor_residual; extraction answers), its packs' categories and decision; usage, timing
 and warnings.
 
-A bulk job's input (its queries all scored on their options as given, no packs) is answered
-as its result's JSON text, written from a template of its query set (``ResultTemplate``):
+A bulk job's input (its queries all scored on their options, as given or summed over their
+spellings; no packs) is answered as its result's JSON text, written from a template of its query set (``ResultTemplate``):
 its figures go in as orjson writes them, the same text as its data's dump, bit for bit."""
 
 from __future__ import annotations
@@ -221,8 +221,8 @@ class PlainSet:
                 query_start,
                 [n * g for n, g in zip(options, grids, strict=True)],
                 [slice(at, end) for at, end in pairwise(option_start)],
-                SetSpellings.of(qs.block.option_start.tolist(), qs.spellings, options, grids)
-                if spelled else None,
+                SetSpellings.of(qs.block.option_start.tolist(), option_start, qs.spellings,
+                                grids) if spelled else None,
                 None if all(g == 1 for g in grids) else
                 [slice(at, end) for at, end in pairwise(query_start)],
             )
@@ -238,13 +238,14 @@ class PlainSet:
 def _plain_results(doc: Prepared, plain: PlainSet, scores: DocScores,
                    floors: dict[tuple, DocScores], warnings: list[dict]) -> list[dict]:
     """``_query_results`` of a plain query set: the same figures, bit for bit, read from
-    the runner's lists in one pass each for options, combinations and queries."""
-    if plain.spellings is None:
+    its flat figures in one pass each for options, combinations and queries."""
+    figures = plain.figures(scores)
+    if plain.spellings is None:   # the runner's lists, converted once
         logprobs, probs, _, residual = scores.lists
     else:
-        logprobs, probs, residual = (a.tolist() for a in plain.figures(scores))
+        logprobs, probs, residual = (a.tolist() for a in figures)
     floor_p, floor_residual = _plain_floors(plain, doc.query_set, floors)
-    _plain_warnings(doc, plain, plain.figures(scores)[2], warnings)
+    _plain_warnings(doc, plain, figures[2], warnings)
     return _plain_queries(doc, plain, logprobs, probs, residual, floor_p, floor_residual)
 
 

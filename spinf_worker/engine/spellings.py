@@ -9,7 +9,6 @@ reductions over the same segments give every figure the same bits either way."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import accumulate
 
 import numpy as np
 
@@ -52,26 +51,24 @@ class SetSpellings:
     given_branches: np.ndarray  # and their branches: the runner's own figures, bit for bit
 
     @classmethod
-    def of(cls, option_start: list[int], spellings: list[list[int] | None],
-           options: list[int], grids: list[int]) -> SetSpellings:
-        """``option_start``: per branch its first scored string (the set's block);
-        per query its spelling starts (None: options as given), options and combinations."""
-        groups, given, given_branches, b = [], [], [], 0
-        for starts, n, combinations in zip(spellings, options, grids, strict=True):
-            for _ in range(combinations):
-                at = option_start[b]
-                if starts is None:
-                    given += range(len(groups), len(groups) + n)
-                    given_branches.append(b)
-                    groups += range(at, at + n)
-                else:
-                    groups += (at + s for s in starts)
-                b += 1
-        branches = [n for n, combinations in zip(options, grids, strict=True)
-                    for _ in range(combinations)]
-        return cls(segments(np.array(groups, dtype=np.intp), option_start[-1]),
-                   segments(np.array([0, *accumulate(branches)][:-1], dtype=np.intp),
-                            len(groups)),
+    def of(cls, string_start: list[int], option_start: list[int],
+           spellings: list[list[int] | None], grids: list[int]) -> SetSpellings:
+        """Per branch (+ 1) its first scored string (the set's block) and its first option;
+        per query its spelling starts (None: options as given) and its combinations."""
+        branch_spellings = [starts for starts, combinations in zip(spellings, grids, strict=True)
+                            for _ in range(combinations)]
+        groups, given, given_branches = [], [], []
+        for b, starts in enumerate(branch_spellings):
+            at = string_start[b]
+            if starts is None:
+                n = option_start[b + 1] - option_start[b]
+                given += range(len(groups), len(groups) + n)
+                given_branches.append(b)
+                groups += range(at, at + n)
+            else:
+                groups += (at + s for s in starts)
+        return cls(segments(np.array(groups, dtype=np.intp), string_start[-1]),
+                   segments(np.array(option_start[:-1], dtype=np.intp), option_start[-1]),
                    np.array(given, dtype=np.intp), np.array(given_branches, dtype=np.intp))
 
     def figures(self, scores: DocScores) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -98,7 +98,7 @@ def score_counts(response: ScoreResponse) -> tuple[int, int, int, int]:
     """What the queue's statistics count of a reply: documents, questions, real rows, rows,
     as the engine counted them (reading ``results`` would validate every option of its
     reply, ScoreResponse.of_engine, only to count them)."""
-    return (len(response.plain()["results"]), response._questions, response._rows,
+    return (response.usage.inputs, response._questions, response._rows,
             response._padded_rows)
 
 
