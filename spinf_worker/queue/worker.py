@@ -345,8 +345,10 @@ class Worker:
         full = rows >= self.budget
         waited_ms = (time.monotonic() - min(e.arrived for e in self._ready)) * 1000 \
             if self._ready else 0.0
-        due = bool(self._ready) and (full or waited_ms >= self.settings.max_wait_ms
-                                     or self._nothing_to_wait_for())
+        # a pass that is not full waits for entries being parsed (read to fill it) even past
+        # max_wait_ms: started without them it would be a short pass of the leftovers
+        timed_out = waited_ms >= self.settings.max_wait_ms and self._admitting is None
+        due = bool(self._ready) and (full or timed_out or self._nothing_to_wait_for())
         if due and self._may_start():
             await self._take_interactive()
             self._dispatch()

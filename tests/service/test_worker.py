@@ -23,6 +23,7 @@ from spinf_worker.queue.keys import GROUP
 from spinf_worker.queue.producer import IdempotencyKeyReused, Producer, Submission
 from spinf_worker.queue.replies import ReplyListener
 from spinf_worker.queue.worker import Worker
+from spinf_worker.tiles import ROW_TILE
 
 from ..conftest import WAIT_S
 
@@ -174,6 +175,51 @@ async def test_a_pass_waits_only_for_entries_still_to_read(redis, keys, settings
         assert worker.passes <= 2
         lone = (await producer.submit(Submission(body(99))))[0]
         assert (await results_of(redis, keys, [lone]))[0]["status_code"] == 200
+
+
+class SlowLayoutEngine:
+    """The engine, laying out each entry ``delay_s`` late: entries are parsed slower than a
+    pass is launched, as a fast device's worker sees it."""
+
+    def __init__(self, engine, delay_s: float):
+        self.engine, self.delay_s = engine, delay_s
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def row_parts(self, request):
+        time.sleep(self.delay_s)
+        return self.engine.row_parts(request)
+
+
+@pytest.mark.asyncio
+async def test_leftovers_of_a_full_pass_wait_for_the_entries_being_read(redis, keys, settings,
+                                                                       tiny_engine):
+    """A backlog of bulk entries read five at a time, a pass fitting three, ``max_wait_ms``
+    of 1 and entries parsed slower than a pass launches: the entries left over when a full
+    pass starts wait past ``max_wait_ms`` for those being parsed, so every pass but the last
+    is full (a pass of leftovers alone would cost the device a pass for a fraction of its
+    rows)."""
+    text = " ".join(f"Line {k}: the market rose and the team won again." for k in range(20))
+
+    def long_body(i: int) -> dict:
+        return {**body(i), "text": f"Note {i}. {text}"}
+
+    per_entry = tiny_engine.rows(long_body(0))
+    assert per_entry > ROW_TILE          # a read sized by ROW_TILE overfills the first pass
+    docs, per_pass = 20, 3
+    settings = settings.model_copy(update={"max_pass_tokens": per_pass * per_entry,
+                                           "max_wait_ms": 1, "read_count": 5})
+    producer = Producer(redis, keys, settings)
+    jobs = [(await producer.submit(Submission(long_body(i), priority="bulk")))[0]
+            for i in range(docs)]
+    assert {tiny_engine.rows(long_body(i)) for i in range(docs)} == {per_entry}
+    worker = Worker(SlowLayoutEngine(tiny_engine, 0.1), redis, keys, settings)
+    async with running(worker):
+        results = await results_of(redis, keys, jobs)
+    assert all(r["status_code"] == 200 for r in results)
+    assert worker.passes == -(-docs // per_pass)
+    assert int(await redis.hget(keys.stats, "docs")) == docs
 
 
 @pytest.mark.asyncio
