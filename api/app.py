@@ -21,6 +21,7 @@ from spinf_worker.queue.producer import Producer
 from spinf_worker.queue.redis_client import connect
 from spinf_worker.queue.replies import ReplyListener
 from spinf_worker.queue.settings import ServiceSettings
+from spinf_worker.queue.switch_interval import switch_interval
 
 from .auth import load_api_keys
 from .errors import install_error_handlers
@@ -46,6 +47,12 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        with switch_interval(settings.api_switch_interval_ms):
+            async with serving(app):
+                yield
+
+    @contextlib.asynccontextmanager
+    async def serving(app: FastAPI) -> AsyncIterator[None]:
         redis = connect(settings.redis_url, client_name="spinf-api")
         # Jobs are queued on a client that never sends a command twice: redis-py repeats a
         # whole MULTI/EXEC after a dropped connection, and one whose reply was lost after

@@ -69,6 +69,12 @@ class ServiceSettings(BaseSettings):
                                 "keeps the lock from another that waits, such as the engine "
                                 "thread with a pass to launch behind the event loop. None: "
                                 "Python's own (5 ms)")
+    api_switch_interval_ms: float | None = Field(
+        0.5, gt=0, description="an API process's interpreter switch interval while it serves: "
+                               "how long the thread validating a batch's lines keeps the lock "
+                               "from the event loop answering requests (each of a request's "
+                               "steps waits up to this long for it). 5 is Python's own; None "
+                               "leaves the process's as it is")
     read_count: int = Field(256, description="stream entries a worker reads per XREADGROUP")
     claim_idle_ms: int = Field(
         120_000, description="an entry a worker has held this long is reclaimed by another "

@@ -19,7 +19,6 @@ import json
 import math
 import os
 import socket
-import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -39,6 +38,7 @@ from .engine_thread import ENGINE_THREAD, LATER, LAUNCH, URGENT
 from .keys import GROUP, Keys
 from .results import JobResult
 from .settings import ServiceSettings
+from .switch_interval import switch_interval
 
 log = structlog.get_logger()
 
@@ -210,15 +210,12 @@ class Worker:
     def _process_tuned(self):
         """While the worker runs: the collector's seconds counted, and the process's switch
         interval the settings' (``switch_interval_ms``); both as they were afterwards."""
-        interval = sys.getswitchinterval()
-        if self.settings.switch_interval_ms is not None:
-            sys.setswitchinterval(self.settings.switch_interval_ms / 1000)
-        self._collector.start()
-        try:
-            yield
-        finally:
-            self._collector.stop()
-            sys.setswitchinterval(interval)
+        with switch_interval(self.settings.switch_interval_ms):
+            self._collector.start()
+            try:
+                yield
+            finally:
+                self._collector.stop()
 
     async def _drain(self) -> None:
         """Finish every pass started: the one being launched, then every read-back. Entries

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import threading
 import time
 
@@ -41,6 +42,23 @@ def register(settings, name: str, **entry) -> None:
             {"model": "org/some-model", "heartbeat_ms": int(time.time() * 1000), **entry}))
     finally:
         client.close()
+
+
+# ---- the process --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("interval_ms", [0.25, None])
+def test_the_api_sets_its_switch_interval_while_it_serves(settings, interval_ms):
+    """``api_switch_interval_ms``: the process's interpreter switch interval while the API
+    serves (a request's steps wait at most that long for the lock a thread validating a
+    batch holds), as it was once it stops; None leaves it alone."""
+    before = sys.getswitchinterval()
+    update = {"api_switch_interval_ms": interval_ms}
+    with LiveServer(settings.model_copy(update=update)) as server:
+        assert httpx.get(f"{server.url}/healthz", timeout=WAIT_S).status_code == 200
+        expected = before if interval_ms is None else interval_ms / 1000
+        assert sys.getswitchinterval() == pytest.approx(expected)
+    assert sys.getswitchinterval() == before
 
 
 # ---- names -----------------------------------------------------------------------------------
