@@ -555,12 +555,19 @@ class Worker:
         return fill
 
     def _dispatch(self) -> None:
-        """Start a pass over the ready entries that fit the budget, interactive first; the
-        misfits wait for the next pass. Interactive entries fill the whole budget; bulk ones
-        join them only up to ``interactive_budget``, so the pass a request waits for is short
-        (a pass without interactive entries is filled to the budget)."""
+        """Start a pass over the ready entries that fit the budget (``_select``); the misfits
+        wait for the next pass."""
+        batch, self._ready, fill = self._select(self._ready)
+        self._entry_rows = max(1, math.ceil(fill.rows / len(batch)))
+        self._starting = asyncio.create_task(self._start_pass(batch))
+
+    def _select(self, entries: list[Entry]) -> tuple[list[Entry], list[Entry], PassRows]:
+        """The entries of a pass, those left out and the pass's rows: interactive first, in
+        order. Interactive entries fill the whole budget; bulk ones join them only up to
+        ``interactive_budget``, so the pass a request waits for is short (a pass without
+        interactive entries is filled to the budget)."""
         interactive = self.keys.interactive
-        ordered = sorted(self._ready, key=lambda e: e.stream != interactive)
+        ordered = sorted(entries, key=lambda e: e.stream != interactive)
         bulk_budget = self.interactive_budget if ordered[0].stream == interactive \
             else self.budget
         batch, rest, fill = [], [], PassRows()
@@ -572,15 +579,35 @@ class Worker:
                 fill = trial
             else:
                 rest.append(entry)
-        self._ready = rest
-        self._entry_rows = max(1, math.ceil(fill.rows / len(batch)))
-        self._starting = asyncio.create_task(self._start_pass(batch))
+        return batch, rest, fill
+
+    async def _with_requests(self, batch: list[Entry]) -> list[Entry]:
+        """``batch`` with the interactive entries that came while it waited to launch, ahead
+        of its bulk ones (``_select``; bulk ones left out go back first in line): a request
+        then waits for the passes on the device when it came, not for one more."""
+        try:
+            await self._take_interactive()
+        except RedisError as err:   # the pass goes as it is; they join the next one
+            self.log.warning("could not read requests for a pass", error=str(err))
+        interactive = self.keys.interactive
+        waiting = [e for e in self._ready if e.stream == interactive]
+        if not waiting:
+            return batch
+        self._ready = [e for e in self._ready if e.stream != interactive]
+        batch, rest, _ = self._select(batch + waiting)
+        self._ready[:0] = rest
+        return batch
 
     async def _start_pass(self, batch: list[Entry]) -> None:
         """Lay out and launch a pass once one other pass at most is on the device; the pass
         before it is read back once it has run, while the device runs this one."""
         live = batch
         try:
+            if self._ran_before is not None and not self._ran_before.done():
+                # one other pass at most on the device when this one reaches it: a third
+                # would only wait there, and so would a request put in it
+                await asyncio.wait({self._ran_before})
+                live = batch = await self._with_requests(batch)
             at = now_ms()
             live = [e for e in batch if not e.expired(at)]
             if expired := [e for e in batch if e.expired(at)]:
@@ -593,10 +620,6 @@ class Worker:
             marking = asyncio.create_task(self._mark_running(live))
             pass_ = Launched(live, marking, now_ms(), 0.0)
             self.passes += 1
-            if self._ran_before is not None:
-                # one other pass at most on the device when this one reaches it: a third
-                # would only wait there, and so would a request put in it
-                await asyncio.wait({self._ran_before})
             flight = ENGINE_THREAD.run(timed, self.engine.start_batch,
                                        [e.request for e in live], priority=LAUNCH)
             self._read_back()          # read back once it has run, while this one runs

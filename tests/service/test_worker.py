@@ -668,7 +668,7 @@ class DeviceEngine:
     read-back waits for the device."""
 
     def __init__(self, engine):
-        self.engine, self.ran, self.launched = engine, [], []
+        self.engine, self.ran, self.launched, self.passes = engine, [], [], []
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
@@ -677,6 +677,7 @@ class DeviceEngine:
         flight, ran = self.engine.start_batch(requests), threading.Event()
         self.ran.append(ran)
         self.launched.append(len(requests))
+        self.passes.append(list(requests))
 
         def finish():
             assert ran.wait(WAIT_S), "read back before it ran"
@@ -715,6 +716,44 @@ async def test_a_launch_never_waits_behind_a_read_back_waiting_for_the_device(
         ran.set()
     await asyncio.wait_for(worker._drain(), WAIT_S)
     assert [r["status_code"] for r in await results_of(redis, keys, jobs)] == [200] * 3
+
+
+@pytest.mark.asyncio
+async def test_a_request_joins_a_bulk_pass_waiting_to_launch(redis, keys, settings,
+                                                             tiny_engine):
+    """Two passes on the device and a third, full of bulk entries, waiting for the first to
+    have run: a request that comes meanwhile is put in that third pass, ahead of its bulk
+    entries, which keep only the interactive budget (the others go back first in line). The
+    request waits for the passes on the device when it came, not for one more."""
+    rows = tiny_engine.rows(ScoreRequest.parse(body(0)))
+    settings = settings.model_copy(update={"max_pass_tokens": 4 * rows,
+                                           "interactive_pass_tokens": 2 * rows})
+    producer = Producer(redis, keys, settings)
+    engine = DeviceEngine(tiny_engine)
+    worker = Worker(engine, redis, keys, settings)
+    bulk = [(await producer.submit(Submission(body(i), priority="bulk")))[0] for i in range(6)]
+    await worker._create_groups()
+    await _read_until(worker, 6 * rows)
+    first, second, *third = worker._ready
+    worker._ready = []
+    await asyncio.wait_for(worker._start_pass([first]), WAIT_S)
+    await asyncio.wait_for(worker._start_pass([second]), WAIT_S)
+    launching = asyncio.create_task(worker._start_pass(third))
+    for _ in range(20):                  # the loop turns; the third pass waits for the first
+        await asyncio.sleep(0)
+    assert not launching.done()
+    request, _ = await producer.submit(Submission(body(99)))
+    engine.ran[0].set()
+    await asyncio.wait_for(launching, WAIT_S)
+    texts = [r.documents()[0].messages[0].content for r in engine.passes[2]]
+    assert texts == [body(99)["text"], body(2)["text"]]   # two rows: the request's budget
+    assert [e.job for e in worker._ready] == bulk[3:]     # back, first in line
+    for ran in engine.ran:
+        ran.set()
+    await asyncio.wait_for(worker._drain(), WAIT_S)
+    (result,) = await results_of(redis, keys, [request])
+    assert result["status_code"] == 200
+    assert [r["status_code"] for r in await results_of(redis, keys, bulk[:3])] == [200] * 3
 
 
 async def _read_until(worker: Worker, rows: int) -> None:
