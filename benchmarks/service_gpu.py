@@ -453,9 +453,12 @@ def run_engine(args: argparse.Namespace, requests: list[dict]) -> dict:
     bodies = [r.model_dump(mode="json") for r in responses]
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
     tokenizer = engine.checkpoint.tokenizer
-    del engine, responses
+    del engine, responses, batch
     import gc
 
+    # the frozen heap holds the engine (its weights on the device) past its last reference:
+    # the service phases' memory is the worker's alone only once it is collected
+    gc.unfreeze()
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
