@@ -3,7 +3,7 @@ time (response ids ``scr_...``, request ids)."""
 
 from __future__ import annotations
 
-import os
+import random
 import time
 
 _CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
@@ -12,6 +12,9 @@ _PAIRS = [a + b for a in _CROCKFORD for b in _CROCKFORD]
 
 
 def new_ulid() -> str:
-    n = (time.time_ns() // 1_000_000) << 80 | int.from_bytes(os.urandom(10), "big")
+    # ids, not secrets: the process's own generator (seeded from the OS, again in a forked
+    # child), not a system call, which would hand the interpreter lock to another thread
+    # mid-reply (the worker's engine thread makes one per reply)
+    n = (time.time_ns() // 1_000_000) << 80 | random.getrandbits(80)
     # 26 digits: 130 bits, the first two zero
     return "".join([_PAIRS[(n >> shift) & 1023] for shift in range(120, -1, -10)])

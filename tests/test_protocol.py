@@ -738,3 +738,32 @@ def test_responses_round_trip_through_json():
 def test_error_response_matches_the_hosted_shape():
     error = InvalidRequestError("bad", param="scoring.queries.0.options", code="duplicate_option")
     assert ErrorResponse.from_error(error).model_dump() == error.to_openai()
+
+
+def test_ulids_sort_by_time_and_differ_in_a_forked_child():
+    """Response and request ids: 26 Crockford digits, later ones sorting after earlier ones
+    (by the millisecond), and a forked process (uvicorn's workers) making its own, not its
+    parent's next ones."""
+    import os
+    import time
+
+    from spinf_worker.ids import new_ulid
+
+    first = new_ulid()
+    time.sleep(0.002)
+    made = [new_ulid() for _ in range(1000)]
+    assert len(set(made)) == 1000 and all(len(u) == 26 for u in made)
+    assert first < min(made)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.write(write, "".join(new_ulid() for _ in range(4)).encode())
+        os._exit(0)
+    os.waitpid(pid, 0)
+    os.close(write)
+    child = os.read(read, 26 * 4).decode()
+    os.close(read)
+    parent = "".join(new_ulid() for _ in range(4))
+    # the random 80 bits: the last 16 digits (the time's may differ by a millisecond alone)
+    assert {child[k + 10:k + 26] for k in range(0, 104, 26)}.isdisjoint(
+        {parent[k + 10:k + 26] for k in range(0, 104, 26)})
