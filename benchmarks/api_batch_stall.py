@@ -19,7 +19,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,6 +28,7 @@ from pathlib import Path
 
 import httpx
 import redis
+from soak import free_port  # benchmarks/: the soak's own
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTICLES = ROOT.parent / "shared" / "data" / "news_articles.jsonl"
@@ -45,12 +45,6 @@ def batch_file(lines: int) -> bytes:
         "custom_id": f"doc-{i}", "method": "POST", "url": "/v1/score",
         "body": {"text": f"{i}. {texts[i % len(texts)]}", "scoring": scoring}}) + "\n"
         for i in range(lines)).encode()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

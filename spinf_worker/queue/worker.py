@@ -607,7 +607,7 @@ class Worker:
                 # one other pass at most on the device when this one reaches it: a third
                 # would only wait there, and so would a request put in it
                 await asyncio.wait({self._ran_before})
-                live = batch = await self._with_requests(batch)
+                batch = await self._with_requests(batch)
             at = now_ms()
             live = [e for e in batch if not e.expired(at)]
             if expired := [e for e in batch if e.expired(at)]:
