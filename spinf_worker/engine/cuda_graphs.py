@@ -4,8 +4,8 @@ A small model's pass is a few hundred short kernels: launching them one by one f
 costs more host time than the device spends running them, and the host is also the one
 laying out the next requests. Each pass-size bucket's whole forward (block masks from the
 tree tensors, every layer, the final norm) is captured once and then replayed: the host
-copies the pass's input rows (engine/runner.pass_rows) into the graph's buffer and
-launches one graph.
+copies the pass's input rows (engine/pass_plan.pass_rows) into the graph's buffer, through
+a pinned buffer of its ring (engine/host_staging.py), and launches one graph.
 
 A replay computes every row of the bucket, padding too; the kernels are row-wise or
 batch-invariant, so a row's bits are those of the eager forward over the real rows only.
@@ -15,8 +15,10 @@ one memory pool and each bucket's output buffer is read before the next replay r
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from .host_staging import HostStaging
 from .pass_plan import cuda_pass_plan, pass_rows
 
 
@@ -46,8 +48,9 @@ class PassGraph:
 class PassGraphs:
     """The captured graph of each pass bucket, captured the first time the bucket runs."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, staging: HostStaging):
         self.model = model
+        self.staging = staging
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[int, PassGraph] = {}
 
@@ -59,12 +62,12 @@ class PassGraphs:
         return graph
 
     @torch.inference_mode()
-    def run(self, inputs: torch.Tensor) -> torch.Tensor:
+    def run(self, inputs: np.ndarray) -> torch.Tensor:
         """``inputs``: a pass's [PASS_ROWS, rows] int32 rows on the host. Returns the final-norm hidden
         states of every row (a buffer the next replay of this bucket overwrites)."""
         graph = self.graph(inputs.shape[1])
-        # From pinned memory the copy is queued behind the work already on the stream (the
-        # previous replay may still be reading this buffer) without the host waiting.
-        graph.inputs.copy_(inputs.pin_memory(), non_blocking=True)
+        # The copy is queued behind the work already on the stream (the previous replay may
+        # still be reading this buffer) without the host waiting.
+        self.staging.upload(inputs, out=graph.inputs)
         graph.graph.replay()
         return graph.hidden

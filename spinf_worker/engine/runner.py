@@ -17,6 +17,7 @@ from ..kernels.attention import (
     prompt_block_mask,
 )
 from ..tiles import PROMPT_BLOCK
+from .host_staging import HostStaging
 from .layout import FlatDoc
 from .pass_plan import cuda_pass_plan, pass_rows
 
@@ -119,12 +120,14 @@ class ModelRunner:
         extraction slots)."""
         self.model, self.device, self.dtype, self.pad_id = model, device, dtype, pad_id
         model.use_fused = fuse and device.type == "cuda" and model.fusable
+        # a pass's rows and readout indices go up through buffers pinned once
+        self.staging = HostStaging(device) if device.type == "cuda" else None
         self.graphs = None
         if (cuda_graphs and device.type == "cuda" and getattr(model, "capturable", False)
                 and _body_params(model) <= GRAPH_MAX_BODY_PARAMS):
             from .cuda_graphs import PassGraphs
 
-            self.graphs = PassGraphs(model)
+            self.graphs = PassGraphs(model, self.staging)
 
     @torch.inference_mode()
     def warm_up(self, max_rows: int) -> list[int]:
@@ -141,15 +144,22 @@ class ModelRunner:
             if self.graphs is not None:
                 self.graphs.graph(rows)
                 continue
-            inputs = self._upload(torch.from_numpy(pass_rows([], rows, self.pad_id)))
+            inputs = self._stage(pass_rows([], rows, self.pad_id))
             self.model(inputs[0].long(), inputs[1].long(), cuda_pass_plan(self.model, inputs))
         torch.cuda.synchronize(self.device)
         return sizes
 
     def flex_plan(self, docs: list[FlatDoc], rows: int):
         """CUDA: the pass's tree tensors on the device -> block masks."""
-        inputs = self._upload(torch.from_numpy(pass_rows(docs, rows, self.pad_id)))
+        inputs = self._stage(pass_rows(docs, rows, self.pad_id))
         return cuda_pass_plan(self.model, inputs).flex
+
+    def _stage(self, array: np.ndarray) -> torch.Tensor:
+        """A pass's rows or readout indices on the device (through the pinned ring: the
+        next pass is laid out while this one runs); as they are on the CPU."""
+        if self.staging is None:
+            return torch.from_numpy(array)
+        return self.staging.upload(array)
 
     def _upload(self, t: torch.Tensor) -> torch.Tensor:
         """Host -> device without waiting for the work already queued on the device (a copy
@@ -187,7 +197,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             # A few fixed pass sizes, so compiled kernels and captured graphs are reused.
             rows = -(-start // PASS_BUCKET) * PASS_BUCKET
-            inputs = torch.from_numpy(pass_rows(docs, rows, self.pad_id))
+            rows_array = pass_rows(docs, rows, self.pad_id)
             # the pass's device time counts from its first queued operation: on an idle
             # device an event recorded before the rows were built would count their host time
             began = torch.cuda.Event(enable_timing=True)
@@ -195,9 +205,9 @@ class ModelRunner:
             media = any(doc.media for doc in docs)
             # a pass with media runs eagerly: its towers and their features are not captured
             if self.graphs is not None and not keep and not media:
-                hidden = self.graphs.run(inputs)
+                hidden = self.graphs.run(rows_array)
                 return self._readouts(docs, starts, hidden, began)
-            inputs = self._upload(inputs)
+            inputs = self._stage(rows_array)
             ids, pos = inputs[0].long(), inputs[1].long()
             plan = cuda_pass_plan(self.model, inputs, real_rows=start)
             if media:
@@ -253,7 +263,7 @@ class ModelRunner:
                                  np.arange(0, base + READOUT_CHUNK, READOUT_CHUNK)).tolist()
         n_terms = len(readout)
         tokens = np.concatenate([doc.block.term_token for doc in docs])[order]
-        index_d = self._upload(torch.from_numpy(np.concatenate([rows, readout_sorted, tokens])))
+        index_d = self._stage(np.concatenate([rows, readout_sorted, tokens]))
         rows_d, readout_d, token_d = index_d.split([base, n_terms, n_terms])
         values = torch.empty(n_terms, dtype=torch.float32, device=self.device)
         first = {}
