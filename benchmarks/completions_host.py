@@ -233,7 +233,7 @@ async def service(engine, bodies: list[bytes], path: str, concurrency: int) -> d
 
 
 class TimedEngine:
-    """The engine as the worker drives it, its host seconds counted (start_batch + finish)."""
+    """The engine as the worker drives it, its host seconds counted (start_batch, read_back, respond)."""
 
     def __init__(self, engine):
         self._engine, self.busy_s = engine, 0.0
@@ -245,16 +245,18 @@ class TimedEngine:
         started = time.perf_counter()
         batch = self._engine.start_batch(requests)
         self.busy_s += time.perf_counter() - started
-        finish = batch.finish
+        # the worker's two halves of finish: the read-back and the replies
+        for name in ("read_back", "respond"):
+            setattr(batch, name, self._timed(getattr(batch, name)))
+        return batch
 
-        def timed_finish():
+    def _timed(self, fn):
+        def timed(*args):
             at = time.perf_counter()
-            out = finish()
+            out = fn(*args)
             self.busy_s += time.perf_counter() - at
             return out
-
-        batch.finish = timed_finish
-        return batch
+        return timed
 
 
 def main() -> None:

@@ -95,13 +95,13 @@ class SimulatedEngine(AnsweringEngine):
         def wait_device():
             time.sleep(max(0.0, done_at - time.perf_counter()))
 
-        def finish():
+        def read_back():
             wait_device()
-            spin(self.host_s * len(requests))             # readouts and replies
-            return self.score_batch(requests)
+            spin(self.host_s * len(requests))             # readouts (replies: respond)
 
         # as Engine.start_batch's batch on a GPU (engine/batch.py)
-        return SimpleNamespace(finish=finish, wait_device=wait_device, on_device=True)
+        return SimpleNamespace(read_back=read_back, respond=lambda: self.score_batch(requests),
+                               wait_device=wait_device, on_device=True)
 
 
 def private_queue(name: str, rows: int, n: int):

@@ -5,6 +5,7 @@ logprobs."""
 from __future__ import annotations
 
 import random
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -167,6 +168,22 @@ def test_batches_started_before_the_last_one_finished_keep_their_bits(tiny_engin
         tiny_engine.floors = cache
     # float equality is bit equality: logprobs, p, floor_p, residuals
     assert [r.results for r in together] == alone + alone[:1]
+
+
+def test_a_batch_read_back_then_answered_elsewhere_keeps_its_bits(tiny_engine):
+    """finish split as the worker splits it: read_back takes the scores in and answers
+    nothing; respond, on another thread, answers every request as finish would."""
+    rng = random.Random(8)
+    requests = [other_request(rng) for _ in range(5)]
+    want = [r.results for r in tiny_engine.score_batch(requests)]
+    batch = tiny_engine.start_batch(requests)
+    batch.read_back()
+    unanswered = {i for i, _, _ in batch.answerable}      # its last pass's requests at least
+    assert unanswered and all(batch.results[i] is None for i in unanswered)
+    with ThreadPoolExecutor(1) as responder:
+        answers = responder.submit(batch.respond).result()
+    assert [r.results for r in answers] == want
+    assert not batch.answerable
 
 
 def completion_figures(response) -> list:

@@ -4,7 +4,9 @@
 ``finish`` reads back that last pass and answers every request. A caller with a stream of
 batches (the queue worker) starts batch N+1 before finishing batch N: the host lays out one
 while the device runs the other, as passes inside one batch already overlap
-(engine/scheduler.py).
+(engine/scheduler.py). Such a caller may split ``finish`` too: ``read_back`` on the thread
+that runs the passes, ``respond`` (the replies, no torch) on a thread of its own, so the
+next pass is laid out while this one's replies are written.
 """
 
 from __future__ import annotations
@@ -52,6 +54,10 @@ class ScoringBatch:
         # the JSON of each scoring block, by object (the requests are held while the batch
         # runs): a bulk job's one block written once a batch, not once a chunk
         self.scoring_texts: dict[int, str | None] = {}
+        # requests whose scores and floors are in, not answered yet: (index, request, its
+        # documents' scores); answered as they come until read_back, then by respond
+        self.answerable: list[tuple[int, PreparedRequest, list[DocScores]]] = []
+        self.answer_at_once = True
 
     def _prepared(self):
         """Each request laid out, in order: scoring requests a chunk at a time (their
@@ -132,12 +138,30 @@ class ScoringBatch:
         return self.scheduler.device_s
 
     def finish(self) -> list[ScoreResponse | CompletionResponse | SpinfError]:
-        """Wait for the last pass and answer every request. Completions decoding more than
-        one token add a document per step: their passes run here until every one is done."""
+        """Wait for the last pass and answer every request."""
+        self.read_back()
+        return self.respond()
+
+    def read_back(self) -> None:
+        """``finish`` up to the replies: wait for the last pass and take in its scores.
+        Completions decoding more than one token add a document per step: their passes run
+        here until every one is done."""
+        self.answer_at_once = False
         self._settle(self.scheduler.collect())
         while self.scheduler.waiting:
             for done in self.scheduler.flush():
                 self._settle(done)
+
+    def respond(self) -> list[ScoreResponse | CompletionResponse | SpinfError]:
+        """Answer the requests whose scores are in (all of them, after ``read_back``). No
+        torch and no device: any one thread may run it, beside the one running passes."""
+        answerable, self.answerable = self.answerable, []
+        engine = self.engine
+        for i, prepared, scores in answerable:
+            self.results[i] = build_response(prepared, scores, self.floors,
+                                             model=engine.model_name,
+                                             fingerprint=engine.fingerprint,
+                                             started=self.started)
         return self.results
 
     def _prompt_done(self, i: int, k: int, doc_scores: DocScores) -> None:
@@ -165,7 +189,8 @@ class ScoringBatch:
         return True
 
     def _settle(self, done: list[tuple[Hashable, DocScores]]) -> None:
-        """Store what finished; answer each request whose scores and floors are in."""
+        """Store what finished; answer each request whose scores and floors are in (at once,
+        or in ``respond`` once ``read_back`` began)."""
         engine = self.engine
         for (kind, key), doc_scores in done:
             if kind == "prompt":
@@ -177,6 +202,6 @@ class ScoringBatch:
                 self.scored.setdefault(key[0], {})[key[1]] = doc_scores
         for i in [i for i in self.scored if self._ready(i)]:
             docs = self.scored.pop(i)
-            self.results[i] = build_response(self.waiting.pop(i), [docs[k] for k in sorted(docs)],
-                                             self.floors, model=engine.model_name,
-                                             fingerprint=engine.fingerprint, started=self.started)
+            self.answerable.append((i, self.waiting.pop(i), [docs[k] for k in sorted(docs)]))
+        if self.answer_at_once:
+            self.respond()

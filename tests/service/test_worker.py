@@ -145,6 +145,43 @@ async def test_a_worker_sets_its_switch_interval_while_it_runs(redis, keys, sett
     assert sys.getswitchinterval() == before       # given back on the way out
 
 
+class ThreadNoting:
+    """The engine, its batches noting which thread read each back and which answered it."""
+
+    def __init__(self, engine):
+        self.engine, self.threads = engine, []
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def start_batch(self, requests):
+        flight = self.engine.start_batch(requests)
+
+        def noted(name, fn):
+            def call():
+                self.threads.append((name, threading.current_thread().name))
+                return fn()
+            return call
+
+        return SimpleNamespace(read_back=noted("read_back", flight.read_back),
+                               respond=noted("respond", flight.respond))
+
+
+@pytest.mark.asyncio
+async def test_replies_are_written_beside_the_engine_thread(redis, keys, settings, tiny_engine):
+    """A pass is read back on the engine thread and its replies written on the responder:
+    the engine thread lays out the next pass meanwhile."""
+    producer = Producer(redis, keys, settings)
+    jobs = [(await producer.submit(Submission(body(i))))[0] for i in range(6)]
+    engine = ThreadNoting(tiny_engine)
+    async with running(Worker(engine, redis, keys, settings)):
+        results = await results_of(redis, keys, jobs)
+    assert [r["status_code"] for r in results] == [200] * 6
+    assert {name for name, _ in engine.threads} == {"read_back", "respond"}
+    for name, thread in engine.threads:
+        assert thread.startswith("spinf-engine" if name == "read_back" else "spinf-respond")
+
+
 @pytest.mark.asyncio
 async def test_waiting_jobs_are_packed_into_full_passes(redis, keys, settings, tiny_engine):
     producer = Producer(redis, keys, settings)
@@ -679,11 +716,11 @@ class DeviceEngine:
         self.launched.append(len(requests))
         self.passes.append(list(requests))
 
-        def finish():
+        def read_back():
             assert ran.wait(WAIT_S), "read back before it ran"
-            return flight.finish()
+            flight.read_back()
 
-        return SimpleNamespace(finish=finish, on_device=True,
+        return SimpleNamespace(read_back=read_back, respond=flight.respond, on_device=True,
                                wait_device=lambda: ran.wait(WAIT_S))
 
 
