@@ -51,6 +51,9 @@ class AnsweringEngine:
     def row_parts(self, request):
         return self.engine.row_parts(request)
 
+    def row_parts_many(self, requests):
+        return self.engine.row_parts_many(requests)
+
     def score_batch(self, requests):
         from spinf_worker.protocol import ScoreResponse
 

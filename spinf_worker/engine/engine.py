@@ -225,6 +225,27 @@ class Engine:
             return PreparedCompletion.row_parts(self, request)
         return self.preparer.row_parts(request)
 
+    def row_parts_many(self, requests: Sequence[dict | ScoreRequest | CompletionRequest]
+                       ) -> list[list[RowPart] | Exception]:
+        """``row_parts`` of each request (an error in place of a request's parts), the
+        contents of scoring requests tokenised together, the prompts of completions too
+        (lm-eval sends one request per option): the queue reads a pass's entries at once."""
+        completions = [r for r in requests if isinstance(r, CompletionRequest)]
+        if len(completions) > 1:
+            self.encode_completions(completions)
+        scoring = iter(self.preparer.row_parts_many(
+            [r for r in requests if not isinstance(r, CompletionRequest)]))
+        out: list[list[RowPart] | Exception] = []
+        for request in requests:
+            if not isinstance(request, CompletionRequest):
+                out.append(next(scoring))
+                continue
+            try:
+                out.append(PreparedCompletion.row_parts(self, request))
+            except Exception as err:   # noqa: BLE001 - the request's own, handed back
+                out.append(err)
+        return out
+
     def encode_completions(self, requests: list[CompletionRequest]) -> None:
         """Tokenise the prompts of many completions requests together (in parallel), ahead
         of their ``row_parts``."""

@@ -148,17 +148,34 @@ class Preparer:
         """Each input's rows and what it shares with other inputs of the same content (a
         pass reads a root once: engine/merge.py), so the queue fills a pass as the packer
         will. The contents' ids are kept for the layout that follows."""
-        p = self.parse(raw)
-        roots = self.presenter.root_ids_batch([d.text for d in p.docs])
-        for doc, root in zip(p.docs, roots, strict=True):
-            self._roots[doc.text] = root
+        [parts] = self.row_parts_many([raw])
+        if isinstance(parts, Exception):
+            raise parts
+        return parts
+
+    def row_parts_many(self, raws: Sequence[dict | ScoreRequest]
+                       ) -> list[list[RowPart] | Exception]:
+        """``row_parts`` of each request, their contents tokenised together (in parallel:
+        the queue reads a pass's entries at once); a request that cannot be parsed gets its
+        error in place."""
+        parsed: list[PreparedRequest | Exception] = []
+        for raw in raws:
+            try:
+                parsed.append(self.parse(raw))
+            except Exception as err:   # noqa: BLE001 - the request's own, handed back
+                parsed.append(err)
+        texts = list(dict.fromkeys(d.text for p in parsed if not isinstance(p, Exception)
+                                   for d in p.docs))
+        roots = dict(zip(texts, self.presenter.root_ids_batch(texts), strict=True))
+        self._roots.update(roots)
         while len(self._roots) > ROOT_CACHE:
             self._roots.popitem(last=False)
         # media: equal text may hold other pixels; counted alone (merge.root_key tells)
-        return [RowPart(None if d.images or d.text_only is not None else ("text", d.text),
-                        len(root),
-                        len(root) + len(d.query_set.block.ids))
-                for d, root in zip(p.docs, roots, strict=True)]
+        return [p if isinstance(p, Exception) else
+                [RowPart(None if d.images or d.text_only is not None else ("text", d.text),
+                         len(roots[d.text]), len(roots[d.text]) + len(d.query_set.block.ids))
+                 for d in p.docs]
+                for p in parsed]
 
     def prepare_batch(self, raws: Sequence[dict | ScoreRequest],
                       scoring_texts: dict[int, str | None] | None = None

@@ -440,23 +440,34 @@ class Worker:
     # ---- admitting entries -------------------------------------------------------------
 
     def _parse(self, stream: str, entry_id: str, fields: dict) -> Entry:
-        entry = self._read_entry(stream, entry_id, fields)
-        self._lay_out(entry)
-        return entry
+        return self._parse_many([(stream, entry_id, fields)])[0]
 
     def _parse_many(self, raw: list[tuple[str, str, dict]]) -> list[Entry]:
-        """``_parse`` of each entry, the prompts of completions requests tokenised together
-        first (lm-eval sends one request per option)."""
+        """Each entry read and laid out (Engine.row_parts_many): the contents of a read
+        tokenised together, in parallel, not one entry after another."""
         entries = [self._read_entry(*r) for r in raw]
-        completions = [e.request for e in entries if isinstance(e.request, CompletionRequest)]
-        if len(completions) > 1 and hasattr(self.engine, "encode_completions"):
-            try:
-                self.engine.encode_completions(completions)
-            except Exception:   # each one is tokenised again as it is laid out, alone
-                self.log.exception("tokenising completions together failed")
-        for entry in entries:
-            self._lay_out(entry)
+        laid = [e for e in entries if e.request is not None]
+        try:
+            parts = self.engine.row_parts_many([e.request for e in laid])
+        except Exception:   # each one alone: a damaged entry then fails by itself
+            self.log.exception("laying out entries together failed")
+            parts = [self._row_parts(e.request) for e in laid]
+        for entry, rows in zip(laid, parts, strict=True):
+            if isinstance(rows, SpinfError):
+                entry.error = rows
+            elif isinstance(rows, Exception):   # a damaged entry; retried, then dead
+                entry.failure = f"{type(rows).__name__}: {rows}"
+            else:
+                # the engine's own layout (prefix tree included); it keeps the content's
+                # token ids for the pass that scores the entry
+                entry.parts = rows
         return entries
+
+    def _row_parts(self, request) -> list[RowPart] | Exception:
+        try:
+            return self.engine.row_parts(request)
+        except Exception as err:   # noqa: BLE001 - the entry's own, sorted by the caller
+            return err
 
     @staticmethod
     def _read_entry(stream: str, entry_id: str, fields: dict) -> Entry:
@@ -471,19 +482,6 @@ class Worker:
         except Exception as err:   # a damaged entry; retried like any failure, then dead
             entry.failure = f"{type(err).__name__}: {err}"
         return entry
-
-    def _lay_out(self, entry: Entry) -> None:
-        if entry.request is None:
-            return
-        try:
-            try:
-                # the engine's own layout (prefix tree included); it keeps the content's
-                # token ids for the pass that scores the entry
-                entry.parts = self.engine.row_parts(entry.request)
-            except SpinfError as err:
-                entry.error = err
-        except Exception as err:   # a damaged entry; retried like any failure, then dead
-            entry.failure = f"{type(err).__name__}: {err}"
 
     async def _admit(self, raw: list[tuple[str, str, dict]], redelivered: bool) -> None:
         """Parse entries (on a thread) and sort them: ready for a pass, answered at once

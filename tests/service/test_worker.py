@@ -224,9 +224,9 @@ class SlowLayoutEngine:
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
-    def row_parts(self, request):
-        time.sleep(self.delay_s)
-        return self.engine.row_parts(request)
+    def row_parts_many(self, requests):
+        time.sleep(self.delay_s * len(requests))
+        return self.engine.row_parts_many(requests)
 
 
 @pytest.mark.asyncio
@@ -588,6 +588,32 @@ def test_entry_rows_are_the_engines_own_count(tiny_engine, keys, settings):
                           {"job": "job_2", "payload": json.dumps(body(2, model="not-this-one"))})
     assert wrong.error is not None and wrong.error.code == "model_not_served"
     assert wrong.failure is None and wrong.rows == 0
+
+
+def test_a_read_is_laid_out_with_its_contents_tokenised_together(tiny_engine, keys, settings,
+                                                                   monkeypatch):
+    """The entries of one read: their contents go to the tokenizer in one call (it encodes
+    them in parallel), each entry gets the rows it has alone, and a bad entry its own error
+    (or, damaged, its own failure) without touching its neighbours."""
+    presenter = tiny_engine.preparer.presenter
+    calls: list[int] = []
+    encode = presenter.root_ids_batch
+    monkeypatch.setattr(presenter, "root_ids_batch",
+                        lambda texts: calls.append(len(texts)) or encode(texts))
+    raw = [(keys.bulk, f"{i}-0", {"job": f"job_{i}", "payload": json.dumps(body(i))})
+           for i in range(5)]
+    raw.insert(2, (keys.bulk, "9-0", {"job": "job_9",
+                                      "payload": json.dumps(body(9, model="not-this-one"))}))
+    raw.insert(4, (keys.bulk, "8-0", {"job": "job_8", "payload": "{not json"}))
+    entries = Worker(tiny_engine, None, keys, settings)._parse_many(raw)
+    assert calls == [5]
+    good = [e for e in entries if e.job not in ("job_8", "job_9")]
+    assert [e.rows for e in good] == [tiny_engine.rows(body(i)) for i in range(5)]
+    assert all(e.error is None and e.failure is None for e in good)
+    [wrong] = [e for e in entries if e.job == "job_9"]
+    assert wrong.error.code == "model_not_served" and wrong.rows == 0
+    [damaged] = [e for e in entries if e.job == "job_8"]
+    assert damaged.failure is not None and damaged.rows == 0
 
 
 @pytest.mark.asyncio
