@@ -227,9 +227,11 @@ class Engine:
 
     def row_parts_many(self, requests: Sequence[dict | ScoreRequest | CompletionRequest]
                        ) -> list[list[RowPart] | Exception]:
-        """``row_parts`` of each request (an error in place of a request's parts), the
-        contents of scoring requests tokenised together, the prompts of completions too
-        (lm-eval sends one request per option): the queue reads a pass's entries at once."""
+        """``row_parts`` of each request (an error in place of a request's parts): the
+        queue reads a pass's entries at once. Scoring requests are prepared whole, their
+        contents tokenised together, and kept for the pass that scores them
+        (Preparer.row_parts_many); the prompts of completions are tokenised together too
+        (lm-eval sends one request per option)."""
         completions = [r for r in requests if isinstance(r, CompletionRequest)]
         if len(completions) > 1:
             self.encode_completions(completions)

@@ -59,7 +59,7 @@ __all__ = ["PackRun", "Prepared", "PreparedRequest", "Preparer", "QuerySet", "ca
 
 QUERY_SET_CACHE = 256   # laid-out query lists kept (bulk jobs repeat one list per document)
 CHECKED_BLOCKS = 64     # scoring blocks whose shared queries passed this engine's checks
-ROOT_CACHE = 4096       # contents tokenised by rows(), kept for the layout that follows
+KEPT_PREPARED = 1024    # requests prepared by row_parts_many, kept for the pass that scores them
 
 
 @dataclass
@@ -131,7 +131,9 @@ class Preparer:
         self.capabilities = capabilities
         self.model, self.context, self.max_combinations = model, context, max_combinations
         self.max_content_tokens = max_content_tokens
-        self._roots: OrderedDict[str, list[int]] = OrderedDict()   # tokenised by rows()
+        # requests prepared by row_parts_many, by object (kept with it: an id is not reused
+        # while it is here), until prepare_batch takes them for their pass
+        self._kept: OrderedDict[int, tuple[object, PreparedRequest]] = OrderedDict()
         self._query_sets: OrderedDict[tuple[str, ...], QuerySet] = OrderedDict()
         self._pack_queries: dict[str, list[Query]] = {}           # by pack group
         # per validated scoring block (by id; the block kept, so the id is not reused): its
@@ -154,36 +156,52 @@ class Preparer:
         return parts
 
     def row_parts_many(self, raws: Sequence[dict | ScoreRequest]
-                       ) -> list[list[RowPart] | Exception]:
-        """``row_parts`` of each request, their contents tokenised together (in parallel:
-        the queue reads a pass's entries at once); a request that cannot be parsed gets its
-        error in place."""
-        parsed: list[PreparedRequest | Exception] = []
-        for raw in raws:
-            try:
-                parsed.append(self.parse(raw))
-            except Exception as err:   # noqa: BLE001 - the request's own, handed back
-                parsed.append(err)
-        texts = list(dict.fromkeys(d.text for p in parsed if not isinstance(p, Exception)
-                                   for d in p.docs))
-        roots = dict(zip(texts, self.presenter.root_ids_batch(texts), strict=True))
-        self._roots.update(roots)
-        while len(self._roots) > ROOT_CACHE:
-            self._roots.popitem(last=False)
+                       ) -> list[list[RowPart] | SpinfError]:
+        """``row_parts`` of each request, a request's own error in place of its parts. Each is
+        prepared whole (``prepare_batch``: parsed, its contents tokenised with the others' in
+        parallel, laid out and checked) and kept for the pass that scores it, which then
+        takes it as it is (the queue parses entries on a thread of their own: the thread
+        running passes does not do it again). Media are decoded by that pass, not here."""
+        prepared = self._prepare(raws, media=False)
+        for raw, p in zip(raws, prepared, strict=True):
+            if not isinstance(p, SpinfError) and not any(d.images for d in p.docs):
+                self._kept[id(raw)] = (raw, p)
+        while len(self._kept) > KEPT_PREPARED:
+            # pop(): prepare_batch may take an entry on another thread at any moment
+            self._kept.pop(next(iter(self._kept), None), None)
         # media: equal text may hold other pixels; counted alone (merge.root_key tells)
-        return [p if isinstance(p, Exception) else
+        return [p if isinstance(p, SpinfError) else
                 [RowPart(None if d.images or d.text_only is not None else ("text", d.text),
-                         len(roots[d.text]), len(roots[d.text]) + len(d.query_set.block.ids))
-                 for d in p.docs]
-                for p in parsed]
+                         d.flat.root, d.flat.tokens) for d in p.docs]
+                for p in prepared]
 
     def prepare_batch(self, raws: Sequence[dict | ScoreRequest],
                       scoring_texts: dict[int, str | None] | None = None
                       ) -> list[PreparedRequest | SpinfError]:
         """Parse and lay out requests, their contents tokenised together (in parallel); a bad
-        request yields its error in place (a bad input fails its whole request).
+        request yields its error in place (a bad input fails its whole request). A request
+        ``row_parts_many`` prepared (the same object) is taken as it was prepared then.
         ``scoring_texts``: as ``parse`` takes it, kept by a caller preparing more requests
         of one batch a few at a time (the blocks written once a batch)."""
+        out: list[PreparedRequest | SpinfError | None] = [None] * len(raws)
+        fresh = []
+        for i, raw in enumerate(raws):
+            kept = self._kept.pop(id(raw), None)
+            if kept is not None and kept[0] is raw:
+                out[i] = kept[1]
+            else:
+                fresh.append(i)
+        if fresh:
+            for i, p in zip(fresh, self._prepare([raws[i] for i in fresh], scoring_texts),
+                            strict=True):
+                out[i] = p
+        return out
+
+    def _prepare(self, raws: Sequence[dict | ScoreRequest],
+                 scoring_texts: dict[int, str | None] | None = None, *, media: bool = True
+                 ) -> list[PreparedRequest | SpinfError]:
+        """``prepare_batch`` of requests not prepared before; ``media``: decode and place
+        their images too."""
         out: list[PreparedRequest | SpinfError] = []
         # per scoring block (a bulk job sends one): its JSON
         texts: dict[int, str | None] = {} if scoring_texts is None else scoring_texts
@@ -195,7 +213,10 @@ class Preparer:
         docs = [(i, d) for i, p in enumerate(out) if not isinstance(p, SpinfError)
                 for d in p.docs]
         processed: dict[int, int] = {}
-        for (i, doc), root in zip(docs, self._root_ids([d.text for _, d in docs]), strict=True):
+        texts_in = list(dict.fromkeys(d.text for _, d in docs))
+        roots = dict(zip(texts_in, self.presenter.root_ids_batch(texts_in), strict=True))
+        for i, doc in docs:
+            root = roots[doc.text]
             doc.flat = doc.query_set.block.place(root, self.pad_id)
             if isinstance(out[i], SpinfError):
                 continue
@@ -214,7 +235,7 @@ class Preparer:
             elif doc.flat.max_position >= self.context:
                 out[i] = past_context(doc.input_id, doc.flat.max_position, self.context,
                                       doc.param)
-            elif doc.images:      # decoded last: nothing is decoded for a refused request
+            elif doc.images and media:   # decoded last: nothing is decoded for a refused one
                 try:
                     self.media.place(doc.flat, doc.images,
                                      self.media.pixels(doc.images, doc.max_pixels),
@@ -332,15 +353,6 @@ class Preparer:
                        ) -> tuple[list[str], list[int] | None]:
         """request_limits.scored_strings with this model's tokenizer."""
         return scored_strings(q, case_insensitive, self.presenter.encode)
-
-    def _root_ids(self, texts: list[str]) -> list[list[int]]:
-        """BOS + ids of each text: those rows() tokenised already, the rest in parallel."""
-        # pop(t, None): rows() may run on another thread (the queue parses entries while a
-        # pass runs) and evict an entry at any moment
-        known = {t: ids for t in texts if (ids := self._roots.pop(t, None)) is not None}
-        missing = list(dict.fromkeys(t for t in texts if t not in known))
-        known.update(zip(missing, self.presenter.root_ids_batch(missing), strict=True))
-        return [known[t] for t in texts]
 
     def _query_set(self, queries: list[Query], key: tuple[str, ...], case_insensitive: bool,
                    empty_floor: bool, limits: Limits = DEFAULT_LIMITS,

@@ -617,6 +617,29 @@ def test_a_read_is_laid_out_with_its_contents_tokenised_together(tiny_engine, ke
 
 
 @pytest.mark.asyncio
+async def test_an_entry_is_prepared_once_for_its_pass(redis, keys, settings, tiny_engine,
+                                                      monkeypatch):
+    """The parse thread prepares each entry whole (parsed, tokenised, laid out, checked);
+    its pass takes that preparation instead of parsing the request again, and scores it as
+    the engine alone does."""
+    preparer = tiny_engine.preparer
+    preparer._kept.clear()     # what other tests' rows() left there (the engine is shared)
+    parsed: list[int] = []
+    parse = preparer.parse
+    monkeypatch.setattr(preparer, "parse",
+                        lambda raw, texts=None: parsed.append(id(raw)) or parse(raw, texts))
+    producer = Producer(redis, keys, settings)
+    jobs = [(await producer.submit(Submission(body(i))))[0] for i in range(6)]
+    async with running(Worker(tiny_engine, redis, keys, settings)):
+        results = await results_of(redis, keys, jobs)
+    assert len(parsed) == 6 and len(set(parsed)) == 6
+    assert not preparer._kept          # every preparation was taken by its pass
+    monkeypatch.undo()
+    assert [without_ids(r["body"]) for r in results] == [
+        without_ids(tiny_engine.score(body(i)).model_dump(mode="json")) for i in range(6)]
+
+
+@pytest.mark.asyncio
 async def test_an_interactive_request_joins_the_next_pass_ahead_of_bulk(redis, keys, settings,
                                                                        tiny_engine):
     """A request that arrives while a pass runs and the next pass is already full of bulk
