@@ -64,15 +64,22 @@ class AnsweringEngine:
             response = ScoreResponse.of_engine(self.template.plain(), {"score_ms": 40})
             response._rows, response._padded_rows, response._questions = 1027, 1152, 56
             out.append(response)
-            # score_batch takes the request's preparation from the engine's keeping
-            self.engine.preparer._kept.pop(id(request), None)
+            # what score_batch takes from the engine's caches for this request: its
+            # preparation (since f7932fd), else its content's tokens (--code: before)
+            preparer = self.engine.preparer
+            if hasattr(preparer, "_kept"):
+                preparer._kept.pop(id(request), None)
+            else:
+                for doc in request.documents():
+                    preparer._roots.pop(doc.messages[0].content, None)
         self.stub_s += time.perf_counter() - started
         self.stub_cpu_s += time.thread_time() - cpu
         return out
 
     def start_batch(self, requests):
         out = self.score_batch(requests)
-        return SimpleNamespace(read_back=lambda: None, respond=lambda: out)
+        # finish: as a worker before the responder thread read a pass back (--code)
+        return SimpleNamespace(read_back=lambda: None, respond=lambda: out, finish=lambda: out)
 
 
 def response_template(questions: dict):

@@ -99,9 +99,13 @@ class SimulatedEngine(AnsweringEngine):
             wait_device()
             spin(self.host_s * len(requests))             # readouts (replies: respond)
 
+        def finish():   # as a worker before the responder thread read a pass back (--code)
+            read_back()
+            return self.score_batch(requests)
+
         # as Engine.start_batch's batch on a GPU (engine/batch.py)
         return SimpleNamespace(read_back=read_back, respond=lambda: self.score_batch(requests),
-                               wait_device=wait_device, on_device=True)
+                               finish=finish, wait_device=wait_device, on_device=True)
 
 
 def private_queue(name: str, rows: int, n: int):
