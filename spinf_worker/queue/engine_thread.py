@@ -5,7 +5,8 @@ for the cores: passes hopping between executor threads ran 1.7x slower on 2 core
 slowdown stayed after the hopping stopped. So the model is loaded and every pass runs on this
 one thread, in order of priority (``URGENT``, ``LAUNCH``, ``LATER``), then of arrival. It is a
 daemon thread: a process asked to stop does not wait for a model load that can take minutes
-the first time.
+the first time. A second one, ``RESPONDER``, writes the replies of passes read back (no torch
+there): a request's ahead of a bulk pass's, while the engine thread lays out the next pass.
 """
 
 from __future__ import annotations
@@ -76,3 +77,5 @@ def _settle(future: asyncio.Future, value, error) -> None:
 
 # The process's one engine thread: every Worker and the model load go through it.
 ENGINE_THREAD = EngineThread()
+# The process's thread for replies (engine/batch.py: ScoringBatch.respond).
+RESPONDER = EngineThread("spinf-respond")

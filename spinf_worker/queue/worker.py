@@ -23,7 +23,6 @@ import os
 import socket
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import structlog
@@ -37,7 +36,7 @@ from ..protocol import ScoreRequest, ScoreResponse
 from ..tiles import ROW_TILE, PassRows, RowPart
 from . import batches, outcomes
 from .collector_clock import CollectorClock
-from .engine_thread import ENGINE_THREAD, LATER, LAUNCH, URGENT
+from .engine_thread import ENGINE_THREAD, LATER, LAUNCH, RESPONDER, URGENT
 from .keys import GROUP, Keys
 from .results import JobResult
 from .settings import ServiceSettings
@@ -182,9 +181,6 @@ class Worker:
         self._need_groups = True
         self._interactive_seen = -math.inf    # when an interactive entry was last admitted
         self._collector = CollectorClock()    # the cyclic collector's seconds, told per pass
-        # every pass's replies, one at a time (engine/batch.py: ScoringBatch.respond); its
-        # thread starts with the first
-        self._responder = ThreadPoolExecutor(1, thread_name_prefix="spinf-respond")
 
     @property
     def budget(self) -> int:
@@ -210,7 +206,6 @@ class Worker:
                     chore.cancel()
                 await asyncio.gather(*chores, return_exceptions=True)
                 await self._leave()
-                self._responder.shutdown(wait=False)
                 self.log.info("worker stopped", passes=self.passes)
 
     @contextlib.contextmanager
@@ -736,13 +731,12 @@ class Worker:
             self._release_held(live)
 
     async def _answers(self, flight, priority: int) -> tuple[list, float]:
-        """A launched pass's answers: its read-back on the engine thread (at ``priority``),
-        then its replies on the responder, while the engine thread lays out the next pass.
-        Returns (answers, the engine thread's seconds)."""
+        """A launched pass's answers: its read-back on the engine thread, then its replies
+        on the responder, while the engine thread lays out the next pass; on both at
+        ``priority`` (a caller's pass ahead of bulk ones). Returns (answers, the engine
+        thread's seconds)."""
         _, seconds = await ENGINE_THREAD.run(timed, flight.read_back, priority=priority)
-        answers = await asyncio.get_running_loop().run_in_executor(self._responder,
-                                                                   flight.respond)
-        return answers, seconds
+        return await RESPONDER.run(flight.respond, priority=priority), seconds
 
     def _release_held(self, entries: list[Entry]) -> None:
         for entry in entries:
