@@ -230,8 +230,9 @@ class Service:
             api += ["--workers", str(self.args.api_workers)]
         time.sleep(0.5)
         self._start("api", api)
+        # DEBUG: each read's parse time too (worker_steps)
         self._start("worker", [*cli, "worker", "--model", self.args.model, "--device",
-                               self.args.device, "--log-format", "json"])
+                               self.args.device, "--log-format", "json", "--log-level", "DEBUG"])
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -266,6 +267,12 @@ class Service:
         path = self.tmp / f"{name}.log"
         return "\n".join(path.read_text(errors="replace").splitlines()[-n:]) if path.exists() else ""
 
+    def log_lines(self, name: str) -> list[dict]:
+        """A tier's JSON log lines."""
+        path = self.tmp / f"{name}.log"
+        lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+        return [json.loads(x) for x in lines if x.startswith("{")]
+
     def pids(self) -> dict[str, int]:
         return {name: p.pid for name, p in self.procs.items()}
 
@@ -279,6 +286,30 @@ class Service:
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
+
+
+def utc_now() -> str:
+    """Now as the worker's log lines stamp it (ISO, UTC)."""
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+def worker_steps(lines: list[dict], since: str, until: str) -> dict:
+    """Where the worker's passes of a phase (log lines timed in [since, until], ISO UTC)
+    spent their time, step by step (the worker's "pass done" lines: milliseconds, median and
+    90th percentile), and its reads' parse times ("entries read")."""
+    def spread(values: list[float]) -> list[float]:
+        values = sorted(values)
+        return [round(statistics.median(values), 1),
+                round(values[min(len(values) - 1, int(0.9 * len(values)))], 1)] if values else []
+
+    within = [x for x in lines if since <= x.get("timestamp", "") <= until]
+    passes = [x for x in within if x.get("event") == "pass done"]
+    reads = [x for x in within if x.get("event") == "entries read"]
+    steps = dict.fromkeys(k for x in passes for k in x if k.endswith("_ms"))
+    return {"passes": len(passes),
+            **{k: spread([x[k] for x in passes if k in x]) for k in steps},
+            "reads": len(reads), "entries_per_read": spread([x["entries"] for x in reads]),
+            "parse_ms": spread([x["parse_ms"] for x in reads])}
 
 
 async def metrics(client: httpx.AsyncClient) -> dict[str, float]:
@@ -500,8 +531,10 @@ async def run_service(args: argparse.Namespace, service: Service, requests: list
         async def measured(name: str, run) -> dict:
             m0, c0 = await metrics(client), tier_cpu_s(service.pids())
             own0 = time.process_time()
+            since = utc_now()
             with profiled(args.profile, name, service.pids()["worker"]):
                 seconds, bodies, client_cpu = await run()
+            until = utc_now()
             m1, c1 = await metrics(client), tier_cpu_s(service.pids())
             cpu = {k: c1[k] - c0[k] for k in c0}
             cpu["client"] = client_cpu + time.process_time() - own0
@@ -516,6 +549,7 @@ async def run_service(args: argparse.Namespace, service: Service, requests: list
             out[f"{name}_mean_pass_s"] = round(busy / passes, 4) if passes else None
             # how full the worker's passes are (partial ones go to a starved device)
             out[f"{name}_rows_per_pass"] = round(rows / passes) if passes else None
+            out[f"{name}_worker_steps"] = worker_steps(service.log_lines("worker"), since, until)
             return out
 
         async def batch():

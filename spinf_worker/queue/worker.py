@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -130,6 +131,20 @@ class Launched:
     outcomes: list | None = None
     ran: asyncio.Task | None = None   # done once the pass has run on the device
     urgent: bool = False            # read back ahead of launches (Worker._answer_first)
+    # when it reached each step (time.monotonic), in order: formed (its entries chosen),
+    # launching (queued on the engine thread), launched, ran (on the device), read (back),
+    # answered (its replies written), stored
+    times: dict[str, float] = field(default_factory=dict)
+
+    def mark(self, step: str) -> None:
+        self.times[step] = time.monotonic()
+
+    def steps_ms(self) -> dict[str, float]:
+        """How long each step took, as the pass's log line tells it: ``launching_ms`` is
+        the wait for the device (two passes deep) and for the requests that then join."""
+        marks = list(self.times.items())
+        return {f"{step}_ms": round((at - before) * 1000, 1)
+                for (_, before), (step, at) in itertools.pairwise(marks)}
 
 
 def timed(fn, *args):
@@ -492,7 +507,10 @@ class Worker:
             raise
 
     async def _sort_in(self, raw: list[tuple[str, str, dict]], redelivered: bool) -> None:
+        started = time.monotonic()
         entries = await asyncio.to_thread(self._parse_many, raw)
+        self.log.debug("entries read", entries=len(entries),
+                       parse_ms=round((time.monotonic() - started) * 1000, 1))
         done_before: dict[str, str] = {}
         if redelivered:
             await self._load_deliveries(entries)
@@ -601,7 +619,7 @@ class Worker:
     async def _start_pass(self, batch: list[Entry]) -> None:
         """Lay out and launch a pass once one other pass at most is on the device; the pass
         before it is read back once it has run, while the device runs this one."""
-        live = batch
+        live, formed = batch, time.monotonic()
         try:
             if self._ran_before is not None and not self._ran_before.done():
                 # one other pass at most on the device when this one reaches it: a third
@@ -618,13 +636,15 @@ class Worker:
                 return
             # the records say "running" while the pass runs; written before the results
             marking = asyncio.create_task(self._mark_running(live))
-            pass_ = Launched(live, marking, now_ms(), 0.0)
+            pass_ = Launched(live, marking, now_ms(), 0.0, times={"formed": formed})
+            pass_.mark("launching")
             self.passes += 1
             flight = ENGINE_THREAD.run(timed, self.engine.start_batch,
                                        [e.request for e in live], priority=LAUNCH)
             self._read_back()          # read back once it has run, while this one runs
             try:
                 pass_.flight, pass_.engine_s = await flight
+                pass_.mark("launched")
                 pass_.ran = asyncio.create_task(self._device_ran(pass_.flight,
                                                                  self._last_ran))
                 self._ran_before, self._last_ran = self._last_ran, pass_.ran
@@ -687,9 +707,10 @@ class Worker:
             if pass_.outcomes is None:
                 if pass_.ran is not None:
                     await asyncio.wait({pass_.ran})
+                    pass_.mark("ran")
                 try:
                     pass_.outcomes, seconds = await self._answers(
-                        pass_.flight, URGENT if pass_.urgent else LATER)
+                        pass_.flight, URGENT if pass_.urgent else LATER, pass_)
                     pass_.engine_s += seconds
                     pass_.device_s = getattr(pass_.flight, "device_seconds", None)
                 except Exception as err:
@@ -724,19 +745,28 @@ class Worker:
             busy_s = pass_.engine_s if pass_.device_s is None else pass_.device_s
             await self._finish(answered, pass_counts(outcomes, busy_s, pass_.engine_s,
                                                      self._collector.take()))
-            self.log.info("pass done", docs=len(live), seconds=round(busy_s, 3))
+            pass_.mark("stored")
+            requests = sum(e.stream == self.keys.interactive for e in live)
+            self.log.info("pass done", docs=len(live), requests=requests,
+                          seconds=round(busy_s, 3), **pass_.steps_ms())
         except Exception:   # entries not answered stay pending and are reclaimed later
             self.log.exception("pass failed", jobs=[e.job for e in live])
         finally:
             self._release_held(live)
 
-    async def _answers(self, flight, priority: int) -> tuple[list, float]:
+    async def _answers(self, flight, priority: int, pass_: Launched | None = None
+                       ) -> tuple[list, float]:
         """A launched pass's answers: its read-back on the engine thread, then its replies
         on the responder, while the engine thread lays out the next pass; on both at
         ``priority`` (a caller's pass ahead of bulk ones). Returns (answers, the engine
-        thread's seconds)."""
+        thread's seconds); ``pass_`` is marked read, then answered."""
         _, seconds = await ENGINE_THREAD.run(timed, flight.read_back, priority=priority)
-        return await RESPONDER.run(flight.respond, priority=priority), seconds
+        if pass_ is not None:
+            pass_.mark("read")
+        answers = await RESPONDER.run(flight.respond, priority=priority)
+        if pass_ is not None:
+            pass_.mark("answered")
+        return answers, seconds
 
     def _release_held(self, entries: list[Entry]) -> None:
         for entry in entries:

@@ -183,6 +183,29 @@ async def test_replies_are_written_beside_the_engine_thread(redis, keys, setting
 
 
 @pytest.mark.asyncio
+async def test_a_pass_tells_how_long_each_of_its_steps_took(redis, keys, settings, tiny_engine):
+    """Each pass's log line says where its time went, step by step (the wait to launch, the
+    launch, the device, the read-back, the replies, the store); each read says how long its
+    entries took to parse."""
+    from structlog.testing import capture_logs
+
+    producer = Producer(redis, keys, settings)
+    jobs = [(await producer.submit(Submission(body(i))))[0] for i in range(4)]
+    with capture_logs() as logs:
+        async with running(Worker(tiny_engine, redis, keys, settings)):
+            await results_of(redis, keys, jobs)
+    passes = [e for e in logs if e["event"] == "pass done"]
+    steps = ["launching_ms", "launched_ms", "ran_ms", "read_ms", "answered_ms", "stored_ms"]
+    assert passes and sum(e["docs"] for e in passes) == 4
+    for line in passes:
+        assert [k for k in line if k.endswith("_ms")] == steps
+        assert all(line[k] >= 0 for k in steps)
+        assert line["requests"] == line["docs"]      # submitted as requests (interactive)
+    reads = [e for e in logs if e["event"] == "entries read"]
+    assert sum(e["entries"] for e in reads) == 4 and all(e["parse_ms"] >= 0 for e in reads)
+
+
+@pytest.mark.asyncio
 async def test_waiting_jobs_are_packed_into_full_passes(redis, keys, settings, tiny_engine):
     producer = Producer(redis, keys, settings)
     jobs = [(await producer.submit(Submission(body(i))))[0] for i in range(20)]
