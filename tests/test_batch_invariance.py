@@ -186,6 +186,26 @@ def test_a_batch_read_back_then_answered_elsewhere_keeps_its_bits(tiny_engine):
     assert not batch.answerable
 
 
+def test_requests_prepared_ahead_score_as_fresh_ones(tiny_engine, monkeypatch):
+    """row_parts_many prepares requests ahead and keeps the latest (KEPT_PREPARED); a pass
+    takes a kept one as it is, prepares an evicted one again, and both score as requests
+    prepared by the pass itself."""
+    from spinf_worker.engine import prepare
+    from spinf_worker.protocol import ScoreRequest
+
+    monkeypatch.setattr(prepare, "KEPT_PREPARED", 2)
+    preparer = tiny_engine.preparer
+    preparer._kept.clear()
+    rng = random.Random(9)
+    raws = [other_request(rng) for _ in range(4)]
+    want = [r.results for r in tiny_engine.score_batch(raws)]
+    requests = [ScoreRequest.parse(r) for r in raws]
+    tiny_engine.row_parts_many(requests)
+    assert [entry[0] for entry in preparer._kept.values()] == requests[2:]
+    assert [r.results for r in tiny_engine.score_batch(requests)] == want
+    assert not preparer._kept
+
+
 def completion_figures(response) -> list:
     """Every float of a completions response: token logprobs and top-N, per choice."""
     return [(c.text, c.logprobs.tokens, c.logprobs.token_logprobs, c.logprobs.top_logprobs)

@@ -167,8 +167,9 @@ class Preparer:
             if not isinstance(p, SpinfError) and not any(d.images for d in p.docs):
                 self._kept[id(raw)] = (raw, p)
         while len(self._kept) > KEPT_PREPARED:
-            # pop(): prepare_batch may take an entry on another thread at any moment
-            self._kept.pop(next(iter(self._kept), None), None)
+            # one call each (no iterator): prepare_batch takes entries on another thread
+            with contextlib.suppress(KeyError):
+                self._kept.popitem(last=False)
         # media: equal text may hold other pixels; counted alone (merge.root_key tells)
         return [p if isinstance(p, SpinfError) else
                 [RowPart(None if d.images or d.text_only is not None else ("text", d.text),
