@@ -149,7 +149,7 @@ class Preparer:
     def row_parts(self, raw: dict | ScoreRequest) -> list[RowPart]:
         """Each input's rows and what it shares with other inputs of the same content (a
         pass reads a root once: engine/merge.py), so the queue fills a pass as the packer
-        will. The contents' ids are kept for the layout that follows."""
+        will. The request's preparation is kept for the pass that scores it."""
         [parts] = self.row_parts_many([raw])
         if isinstance(parts, Exception):
             raise parts

@@ -468,8 +468,8 @@ class Worker:
             elif isinstance(rows, Exception):   # a damaged entry; retried, then dead
                 entry.failure = f"{type(rows).__name__}: {rows}"
             else:
-                # the engine's own layout (prefix tree included); it keeps the content's
-                # token ids for the pass that scores the entry
+                # the engine's own layout (prefix tree included); it keeps the request's
+                # preparation for the pass that scores the entry
                 entry.parts = rows
         return entries
 
