@@ -33,6 +33,9 @@ them (``spinf_worker_engine_seconds_total``), the seconds the worker's cyclic co
 clients), and peak device memory (``nvidia-smi``, sampled, the worker's process and the
 in-process engine's ``torch.cuda.max_memory_allocated``).
 
+``{phase}_worker_steps``: the worker's own account of the phase (its log lines): each step
+of its passes in milliseconds (median, 90th percentile), its reads' entries and parse times.
+
 ``--profile DIR`` records py-spy profiles of the worker process during each phase (py-spy on
 the PATH): every thread's samples and, apart, those of whichever thread holds the
 interpreter lock, as collapsed stacks.
