@@ -296,17 +296,20 @@ def utc_now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
 
 
-def worker_steps(lines: list[dict], since: str, until: str) -> dict:
+def worker_steps(lines: list[dict], since: str, until: str, requests_only: bool = False
+                 ) -> dict:
     """Where the worker's passes of a phase (log lines timed in [since, until], ISO UTC)
     spent their time, step by step (the worker's "pass done" lines: milliseconds, median and
-    90th percentile), and its reads' parse times ("entries read")."""
+    90th percentile), and its reads' parse times ("entries read"). ``requests_only``: the
+    passes that carried interactive requests alone."""
     def spread(values: list[float]) -> list[float]:
         values = sorted(values)
         return [round(statistics.median(values), 1),
                 round(values[min(len(values) - 1, int(0.9 * len(values)))], 1)] if values else []
 
     within = [x for x in lines if since <= x.get("timestamp", "") <= until]
-    passes = [x for x in within if x.get("event") == "pass done"]
+    passes = [x for x in within if x.get("event") == "pass done"
+              and (not requests_only or x.get("requests"))]
     reads = [x for x in within if x.get("event") == "entries read"]
     steps = dict.fromkeys(k for x in passes for k in x if k.endswith("_ms"))
     return {"passes": len(passes),
@@ -569,9 +572,12 @@ async def run_service(args: argparse.Namespace, service: Service, requests: list
             row.update(await measured("concurrent", concurrent))
         if "interactive" not in args.phases:
             return row
-        m0 = await metrics(client)
+        m0, since = await metrics(client), utc_now()
         inter = await run_interactive(client, requests, args.trickle_ms / 1000)
-        m1 = await metrics(client)
+        m1, until = await metrics(client), utc_now()
+        # the passes that carried the single requests, step by step
+        row["interactive_worker_steps"] = worker_steps(service.log_lines("worker"), since,
+                                                       until, requests_only=True)
         passes = m1.get("spinf_passes_total", 0) - m0.get("spinf_passes_total", 0)
         busy = m1.get("spinf_worker_busy_seconds_total", 0) - \
             m0.get("spinf_worker_busy_seconds_total", 0)
