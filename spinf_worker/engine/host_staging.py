@@ -22,8 +22,7 @@ class HostStaging:
     def __init__(self, device: torch.device, slots: int = SLOTS):
         self.device = device
         self._buffers: list[torch.Tensor | None] = [None] * slots   # pinned uint8
-        self._copied = [torch.cuda.Event() for _ in range(slots)]
-        self._used = [False] * slots
+        self._copied = [torch.cuda.Event() for _ in range(slots)]   # each slot's last copy
         self._next = 0
 
     def upload(self, array: np.ndarray, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -31,9 +30,9 @@ class HostStaging:
         buffer), queued on the current stream without the host waiting for the device."""
         slot = self._next
         self._next = (slot + 1) % len(self._buffers)
-        if self._used[slot]:
-            self._copied[slot].synchronize()    # its last copy has run (long ago, as a rule)
         buffer = self._buffers[slot]
+        if buffer is not None:     # used before: its last copy has run (long ago, as a rule)
+            self._copied[slot].synchronize()
         if buffer is None or buffer.numel() < array.nbytes:
             size = max(MIN_SLOT_BYTES, 1 << (array.nbytes - 1).bit_length())
             buffer = self._buffers[slot] = torch.empty(size, dtype=torch.uint8,
@@ -45,5 +44,4 @@ class HostStaging:
             out = torch.empty(array.shape, dtype=source.dtype, device=self.device)
         out.copy_(source, non_blocking=True)
         self._copied[slot].record()
-        self._used[slot] = True
         return out
