@@ -32,7 +32,7 @@ class HostStaging:
         self._next = (slot + 1) % len(self._buffers)
         buffer = self._buffers[slot]
         if buffer is not None:     # used before: its last copy has run (long ago, as a rule)
-            self._copied[slot].synchronize()
+            settled(self._copied[slot])
         if buffer is None or buffer.numel() < array.nbytes:
             size = max(MIN_SLOT_BYTES, 1 << (array.nbytes - 1).bit_length())
             buffer = self._buffers[slot] = torch.empty(size, dtype=torch.uint8,
@@ -45,3 +45,11 @@ class HostStaging:
         out.copy_(source, non_blocking=True)
         self._copied[slot].record()
         return out
+
+
+def settled(event: torch.cuda.Event) -> None:
+    """Wait for ``event``, asking first: ``synchronize`` lets go of the interpreter lock
+    even when the event is done, and the thread then waits to take it back from whichever
+    thread runs Python meanwhile (up to the switch interval); ``query`` keeps it."""
+    if not event.query():
+        event.synchronize()

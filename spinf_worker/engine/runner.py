@@ -17,7 +17,7 @@ from ..kernels.attention import (
     prompt_block_mask,
 )
 from ..tiles import PROMPT_BLOCK
-from .host_staging import HostStaging
+from .host_staging import HostStaging, settled
 from .layout import FlatDoc
 from .pass_plan import cuda_pass_plan, pass_rows
 
@@ -101,7 +101,7 @@ class PendingPass:
         meanwhile, so another thread may wait here while the engine thread lays out the
         next pass); at once on the CPU, where launching a pass runs it."""
         if self.events is not None:
-            self.events[1].synchronize()
+            settled(self.events[1])
 
     def device_seconds(self) -> float | None:
         """The device's time on the pass, from the stream reaching it to its last kernel
