@@ -174,7 +174,9 @@ def tier_cpu_s(tiers: dict[str, int]) -> dict[str, float]:
 def profiled(out: Path | None, name: str, pid: int):
     """py-spy profiles of the worker process while a phase runs (``--profile``): every
     thread's samples, and those of whichever thread holds the interpreter lock (``--gil``),
-    as collapsed stacks (``{name}-worker.txt``, ``{name}-worker-gil.txt``)."""
+    and every thread's with the waiting ones too (``--idle``: a thread waiting for the lock
+    or for its queue), as collapsed stacks (``{name}-worker.txt``, ``{name}-worker-gil.txt``,
+    ``{name}-worker-idle.txt``)."""
     if out is None:
         yield
         return
@@ -183,7 +185,7 @@ def profiled(out: Path | None, name: str, pid: int):
                                "--nonblocking", "--rate", "200", "--format", "raw",
                                "--output", str(out / f"{name}-worker{tag}.txt"), *flags],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-             for tag, flags in (("", []), ("-gil", ["--gil"]))]
+             for tag, flags in (("", []), ("-gil", ["--gil"]), ("-idle", ["--idle"]))]
     time.sleep(1.0)      # attached before the phase starts
     try:
         yield

@@ -224,7 +224,10 @@ def main() -> None:
         sys.path.insert(0, str(args.code.resolve()))
     import spinf_worker
 
+    from spinf_worker.engine.engine import freeze_heap
+
     engine, docs, questions, rows = news_job()
+    freeze_heap()     # as the worker does once its engine is warm
     answering = AnsweringEngine(engine, response_template(questions))
     parse = parse_per_entry(answering, docs, questions, 200)
     runs = [asyncio.run(one_run(answering, docs, questions, args.docs, rows))

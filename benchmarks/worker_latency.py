@@ -5,7 +5,10 @@ The real worker (spinf_worker/queue/worker.py) on a real Redis, serving the defa
 engine whose passes run on a simulated device, so that what is measured is how the worker
 orders and overlaps its work, not how fast this machine is:
 - ``start_batch`` does ``--host-ms`` of layout work per document (Python holding the
-  interpreter lock, as the engine's own host work does), queues the pass on the device's
+  interpreter lock, as the engine's own host work does) and ``--launch-ops`` small torch
+  operations spread through it (each lets go of the interpreter lock and takes it back, as
+  every torch call of a CUDA launch does: a thread that must take the lock back from one
+  running Python waits for it up to the interpreter's switch interval), queues the pass on the device's
   timeline (it runs once the pass before it is done, for ``--pass-ms`` times its share of a
   full pass's documents) and returns;
 - ``finish`` waits for its pass to be done, then does ``--host-ms`` of reply work per
@@ -18,7 +21,7 @@ and p99, with its ``queue_ms`` (in the stream) and the rest; and the batch's doc
 against the simulated device's at full passes.
 
     python benchmarks/worker_latency.py [--pass-ms 60] [--host-ms 0.4] [--docs 840]
-        [--trickle-ms 150 | --callers N] [--code DIR] [--out FILE]
+        [--launch-ops 0] [--trickle-ms 150 | --callers N] [--code DIR] [--out FILE]
 
 ``--callers N`` instead: N concurrent callers, each sending one interactive request once its
 last is answered, ``--docs`` in all (the service benchmark's callers, less HTTP and the API
@@ -41,6 +44,8 @@ from itertools import pairwise
 from pathlib import Path
 from types import SimpleNamespace
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from worker_host import (  # noqa: E402
     PER_PASS,
@@ -59,6 +64,15 @@ def spin(seconds: float) -> None:
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         pass
+
+
+def host_work(seconds: float, ops: int, scratch: torch.Tensor) -> None:
+    """``seconds`` of Python work with ``ops`` torch operations spread through it."""
+    for _ in range(ops):
+        spin(seconds / ops)
+        scratch.add_(1)
+    if not ops:
+        spin(seconds)
 
 
 class SimulatedDevice:
@@ -84,12 +98,14 @@ class SimulatedDevice:
 class SimulatedEngine(AnsweringEngine):
     """The real engine's rows() and settings; its passes on a SimulatedDevice."""
 
-    def __init__(self, engine, template, device: SimulatedDevice, host_s: float):
+    def __init__(self, engine, template, device: SimulatedDevice, host_s: float,
+                 launch_ops: int = 0):
         super().__init__(engine, template)
-        self.device, self.host_s = device, host_s
+        self.device, self.host_s, self.launch_ops = device, host_s, launch_ops
+        self.scratch = torch.zeros(16)
 
     def start_batch(self, requests):
-        spin(self.host_s * len(requests))                 # layout
+        host_work(self.host_s * len(requests), self.launch_ops, self.scratch)   # layout
         done_at = self.device.queue(len(requests))
 
         def wait_device():
@@ -277,6 +293,8 @@ def main() -> None:
                         help="the simulated device's time for a full pass (14 documents)")
     parser.add_argument("--host-ms", type=float, default=0.4,
                         help="the engine's host work per document, at layout and at reply each")
+    parser.add_argument("--launch-ops", type=int, default=0,
+                        help="torch operations in a pass's layout (a CUDA launch: ~35)")
     parser.add_argument("--docs", type=int, default=840)
     parser.add_argument("--trickle-ms", type=float, default=150.0)
     parser.add_argument("--callers", type=int, default=0,
@@ -289,11 +307,13 @@ def main() -> None:
     if args.code is not None:
         sys.path.insert(0, str(args.code.resolve()))
     import spinf_worker
+    from spinf_worker.engine.engine import freeze_heap
 
     engine, docs, questions, rows = news_job()
+    freeze_heap()     # as the worker does once its engine is warm
     device = SimulatedDevice(args.pass_ms / 1000)
     simulated = SimulatedEngine(engine, response_template(questions), device,
-                                args.host_ms / 1000)
+                                args.host_ms / 1000, args.launch_ops)
     if args.callers:
         runs = [asyncio.run(callers_run(simulated, docs, questions, args.docs, rows,
                                         args.callers)) for _ in range(args.repeat)]
