@@ -223,7 +223,6 @@ def main() -> None:
     if args.code is not None:
         sys.path.insert(0, str(args.code.resolve()))
     import spinf_worker
-
     from spinf_worker.engine.engine import freeze_heap
 
     engine, docs, questions, rows = news_job()
