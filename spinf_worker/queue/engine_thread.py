@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import queue
 import threading
+import time
 from collections.abc import Callable
 from itertools import count
 
@@ -33,6 +34,9 @@ class EngineThread:
         self._order = count()     # arrival order among calls of one priority
         self._thread: threading.Thread | None = None
         self._starting = threading.Lock()
+        # when the thread last finished a call (time.monotonic): a call that begins finds
+        # it idle since then if nothing else was queued before it
+        self.idle_since = time.monotonic()
 
     @property
     def started(self) -> bool:
@@ -63,6 +67,7 @@ class EngineThread:
                 value, error = fn(*args), None
             except BaseException as err:   # noqa: BLE001 - handed to the awaiting coroutine
                 value, error = None, err
+            self.idle_since = time.monotonic()
             with contextlib.suppress(RuntimeError):     # the loop is gone: nobody waits
                 loop.call_soon_threadsafe(_settle, future, value, error)
 

@@ -132,9 +132,10 @@ class Launched:
     ran: asyncio.Task | None = None   # done once the pass has run on the device
     urgent: bool = False            # read back ahead of launches (Worker._answer_first)
     # when it reached each step (time.monotonic), in order: formed (its entries chosen),
-    # launching (queued on the engine thread), launched, ran (on the device), read (back),
-    # answered (its replies written), stored
+    # launching (queued on the engine thread), begun (the engine thread took it up),
+    # launched, ran (on the device), read (back), answered (its replies written), stored
     times: dict[str, float] = field(default_factory=dict)
+    engine_idle_s: float = 0.0      # how long the engine thread sat idle before its launch
 
     def mark(self, step: str) -> None:
         self.times[step] = time.monotonic()
@@ -143,8 +144,11 @@ class Launched:
         """How long each step took, as the pass's log line tells it: ``launching_ms`` is
         the wait for the device (two passes deep) and for the requests that then join."""
         marks = list(self.times.items())
-        return {f"{step}_ms": round((at - before) * 1000, 1)
-                for (_, before), (step, at) in itertools.pairwise(marks)}
+        steps = {f"{step}_ms": round((at - before) * 1000, 1)
+                 for (_, before), (step, at) in itertools.pairwise(marks)}
+        if "begun" in self.times:
+            steps["engine_idle_ms"] = round(self.engine_idle_s * 1000, 1)
+        return steps
 
 
 def timed(fn, *args):
@@ -152,6 +156,15 @@ def timed(fn, *args):
     started = time.perf_counter()
     value = fn(*args)
     return value, time.perf_counter() - started
+
+
+def launched(fn, *args):
+    """``timed(fn, *args)`` on the engine thread, and when it began there and how long the
+    thread had sat idle before it (time.monotonic): a launch that finds the thread idle
+    waited for the event loop to hand it over, not for other work."""
+    begun = time.monotonic()
+    idle_s = max(0.0, begun - ENGINE_THREAD.idle_since)
+    return (*timed(fn, *args), begun, idle_s)
 
 
 def queue_wait_ms(entry_id: str, started_ms: int) -> int:
@@ -639,11 +652,12 @@ class Worker:
             pass_ = Launched(live, marking, now_ms(), 0.0, times={"formed": formed})
             pass_.mark("launching")
             self.passes += 1
-            flight = ENGINE_THREAD.run(timed, self.engine.start_batch,
+            flight = ENGINE_THREAD.run(launched, self.engine.start_batch,
                                        [e.request for e in live], priority=LAUNCH)
             self._read_back()          # read back once it has run, while this one runs
             try:
-                pass_.flight, pass_.engine_s = await flight
+                pass_.flight, pass_.engine_s, begun, pass_.engine_idle_s = await flight
+                pass_.times["begun"] = begun
                 pass_.mark("launched")
                 pass_.ran = asyncio.create_task(self._device_ran(pass_.flight,
                                                                  self._last_ran))

@@ -185,8 +185,9 @@ async def test_replies_are_written_beside_the_engine_thread(redis, keys, setting
 @pytest.mark.asyncio
 async def test_a_pass_tells_how_long_each_of_its_steps_took(redis, keys, settings, tiny_engine):
     """Each pass's log line says where its time went, step by step (the wait to launch, the
-    launch, the device, the read-back, the replies, the store); each read says how long its
-    entries took to parse."""
+    wait on the engine thread, the launch, the device, the read-back, the replies, the
+    store), and how long the engine thread had sat idle when the launch reached it; each
+    read says how long its entries took to parse."""
     from structlog.testing import capture_logs
 
     producer = Producer(redis, keys, settings)
@@ -195,7 +196,8 @@ async def test_a_pass_tells_how_long_each_of_its_steps_took(redis, keys, setting
         async with running(Worker(tiny_engine, redis, keys, settings)):
             await results_of(redis, keys, jobs)
     passes = [e for e in logs if e["event"] == "pass done"]
-    steps = ["launching_ms", "launched_ms", "ran_ms", "read_ms", "answered_ms", "stored_ms"]
+    steps = ["launching_ms", "begun_ms", "launched_ms", "ran_ms", "read_ms", "answered_ms",
+             "stored_ms", "engine_idle_ms"]
     assert passes and sum(e["docs"] for e in passes) == 4
     for line in passes:
         assert [k for k in line if k.endswith("_ms")] == steps
@@ -203,6 +205,25 @@ async def test_a_pass_tells_how_long_each_of_its_steps_took(redis, keys, setting
         assert line["requests"] == line["docs"]      # submitted as requests (interactive)
     reads = [e for e in logs if e["event"] == "entries read"]
     assert sum(e["entries"] for e in reads) == 4 and all(e["parse_ms"] >= 0 for e in reads)
+
+
+@pytest.mark.asyncio
+async def test_a_launch_tells_how_long_the_engine_thread_sat_idle_before_it():
+    """A launch reaching an idle engine thread counts the thread's idle time since its last
+    call; one queued behind another call finds it busy (idle ~0), however long it waited."""
+    from spinf_worker.queue.engine_thread import ENGINE_THREAD, LAUNCH
+    from spinf_worker.queue.worker import launched
+
+    await ENGINE_THREAD.run(lambda: None, priority=LAUNCH)
+    await asyncio.sleep(0.2)
+    _, _, _, idle_s = await ENGINE_THREAD.run(launched, lambda: None, priority=LAUNCH)
+    assert idle_s >= 0.2
+    busy = ENGINE_THREAD.run(time.sleep, 0.2, priority=LAUNCH)
+    behind = ENGINE_THREAD.run(launched, lambda: None, priority=LAUNCH)
+    await busy
+    value, seconds, begun, idle_s = await behind
+    assert value is None and seconds >= 0 and begun > 0
+    assert idle_s < 0.2      # it began when the call ahead of it ended
 
 
 @pytest.mark.asyncio
