@@ -200,7 +200,8 @@ def profiled(out: Path | None, name: str, pid: int):
 
 
 class Service:
-    """A private redis-server, ``spinf-serve api`` and one ``spinf-serve worker``."""
+    """A private redis-server, ``spinf-serve api`` and ``spinf-serve worker`` processes on
+    the one device (``--device-workers``, one by default)."""
 
     def __init__(self, args: argparse.Namespace, tmp: Path, root: Path = ROOT):
         from service_http import free_port
@@ -209,6 +210,7 @@ class Service:
         self.port, self.redis_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.procs: dict[str, subprocess.Popen] = {}
+        self.workers = ["worker"] + [f"worker{k}" for k in range(2, args.device_workers + 1)]
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("SPINF_")}
         self.env.update(PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
                         SPINF_REDIS_URL=f"redis://127.0.0.1:{self.redis_port}/0",
@@ -236,7 +238,8 @@ class Service:
         time.sleep(0.5)
         self._start("api", api)
         # DEBUG: each read's parse time too (worker_steps)
-        self._start("worker", [*cli, "worker", "--model", self.args.model, "--device",
+        for name in self.workers:
+            self._start(name, [*cli, "worker", "--model", self.args.model, "--device",
                                self.args.device, "--log-format", "json", "--log-level", "DEBUG"])
 
     def wait_ready(self) -> None:
@@ -247,7 +250,10 @@ class Service:
                     if proc.poll() is not None:
                         raise RuntimeError(f"{name} exited {proc.returncode}: {self.tail(name)}")
                 try:
-                    if client.get("/readyz").status_code == 200:
+                    # every worker serving (warmed up), not only the first
+                    if client.get("/readyz").status_code == 200 and all(
+                            any(x.get("event") == "worker started" for x in self.log_lines(name))
+                            for name in self.workers):
                         return
                 except httpx.TransportError:
                     pass
@@ -272,6 +278,10 @@ class Service:
         path = self.tmp / f"{name}.log"
         return "\n".join(path.read_text(errors="replace").splitlines()[-n:]) if path.exists() else ""
 
+    def worker_log_lines(self) -> list[dict]:
+        """Every worker's JSON log lines."""
+        return [x for name in self.workers for x in self.log_lines(name)]
+
     def log_lines(self, name: str) -> list[dict]:
         """A tier's JSON log lines."""
         path = self.tmp / f"{name}.log"
@@ -282,7 +292,7 @@ class Service:
         return {name: p.pid for name, p in self.procs.items()}
 
     def stop(self) -> None:
-        for name in ("worker", "api", "redis"):
+        for name in (*self.workers, "api", "redis"):
             proc = self.procs.get(name)
             if proc is not None and proc.poll() is None:
                 proc.send_signal(signal.SIGINT if name != "redis" else signal.SIGTERM)
@@ -557,7 +567,7 @@ async def run_service(args: argparse.Namespace, service: Service, requests: list
             out[f"{name}_mean_pass_s"] = round(busy / passes, 4) if passes else None
             # how full the worker's passes are (partial ones go to a starved device)
             out[f"{name}_rows_per_pass"] = round(rows / passes) if passes else None
-            out[f"{name}_worker_steps"] = worker_steps(service.log_lines("worker"), since, until)
+            out[f"{name}_worker_steps"] = worker_steps(service.worker_log_lines(), since, until)
             return out
 
         async def batch():
@@ -578,7 +588,7 @@ async def run_service(args: argparse.Namespace, service: Service, requests: list
         inter = await run_interactive(client, requests, args.trickle_ms / 1000)
         m1, until = await metrics(client), utc_now()
         # the passes that carried the single requests, step by step
-        row["interactive_worker_steps"] = worker_steps(service.log_lines("worker"), since,
+        row["interactive_worker_steps"] = worker_steps(service.worker_log_lines(), since,
                                                        until, requests_only=True)
         passes = m1.get("spinf_passes_total", 0) - m0.get("spinf_passes_total", 0)
         busy = m1.get("spinf_worker_busy_seconds_total", 0) - \
@@ -608,6 +618,9 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=256)
     parser.add_argument("--client-procs", type=int, default=4)
     parser.add_argument("--api-workers", type=int, default=1)
+    parser.add_argument("--device-workers", type=int, default=1,
+                        help="worker processes sharing the device (each with an interpreter "
+                             "lock of its own); their busy times and steps are summed")
     parser.add_argument("--case-insensitive", action="store_true",
                         help="options with their spellings summed (the API's default)")
     parser.add_argument("--trickle-ms", type=float, default=200.0)
@@ -640,6 +653,7 @@ def main() -> None:
            "docs": len(requests), "api_workers": args.api_workers, "clients": args.clients,
            "client_procs": args.client_procs,
            "switch_interval_ms": args.switch_interval_ms,
+           "device_workers": args.device_workers,
            "case_insensitive": args.case_insensitive}
     with MemorySampler() as engine_memory:
         engine = run_engine(args, requests)
