@@ -158,7 +158,7 @@ def timed(fn, *args):
     return value, time.perf_counter() - started
 
 
-def launched(fn, *args):
+def timed_launch(fn, *args):
     """``timed(fn, *args)`` on the engine thread, and when it began there and how long the
     thread had sat idle before it (time.monotonic): a launch that finds the thread idle
     waited for the event loop to hand it over, not for other work."""
@@ -652,7 +652,7 @@ class Worker:
             pass_ = Launched(live, marking, now_ms(), 0.0, times={"formed": formed})
             pass_.mark("launching")
             self.passes += 1
-            flight = ENGINE_THREAD.run(launched, self.engine.start_batch,
+            flight = ENGINE_THREAD.run(timed_launch, self.engine.start_batch,
                                        [e.request for e in live], priority=LAUNCH)
             self._read_back()          # read back once it has run, while this one runs
             try:

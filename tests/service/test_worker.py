@@ -212,14 +212,14 @@ async def test_a_launch_tells_how_long_the_engine_thread_sat_idle_before_it():
     """A launch reaching an idle engine thread counts the thread's idle time since its last
     call; one queued behind another call finds it busy (idle ~0), however long it waited."""
     from spinf_worker.queue.engine_thread import ENGINE_THREAD, LAUNCH
-    from spinf_worker.queue.worker import launched
+    from spinf_worker.queue.worker import timed_launch
 
     await ENGINE_THREAD.run(lambda: None, priority=LAUNCH)
     await asyncio.sleep(0.2)
-    _, _, _, idle_s = await ENGINE_THREAD.run(launched, lambda: None, priority=LAUNCH)
+    _, _, _, idle_s = await ENGINE_THREAD.run(timed_launch, lambda: None, priority=LAUNCH)
     assert idle_s >= 0.2
     busy = ENGINE_THREAD.run(time.sleep, 0.2, priority=LAUNCH)
-    behind = ENGINE_THREAD.run(launched, lambda: None, priority=LAUNCH)
+    behind = ENGINE_THREAD.run(timed_launch, lambda: None, priority=LAUNCH)
     await busy
     value, seconds, begun, idle_s = await behind
     assert value is None and seconds >= 0 and begun > 0
