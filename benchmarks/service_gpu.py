@@ -252,8 +252,7 @@ class Service:
                 try:
                     # every worker serving (warmed up), not only the first
                     if client.get("/readyz").status_code == 200 and all(
-                            any(x.get("event") == "worker started" for x in self.log_lines(name))
-                            for name in self.workers):
+                            self.logged(name, '"worker started"') for name in self.workers):
                         return
                 except httpx.TransportError:
                     pass
@@ -277,6 +276,11 @@ class Service:
     def tail(self, name: str, n: int = 20) -> str:
         path = self.tmp / f"{name}.log"
         return "\n".join(path.read_text(errors="replace").splitlines()[-n:]) if path.exists() else ""
+
+    def logged(self, name: str, text: str) -> bool:
+        """Whether a tier's log holds ``text`` so far."""
+        path = self.tmp / f"{name}.log"
+        return path.exists() and text in path.read_text(errors="replace")
 
     def worker_log_lines(self) -> list[dict]:
         """Every worker's JSON log lines."""
@@ -620,7 +624,8 @@ def main() -> None:
     parser.add_argument("--api-workers", type=int, default=1)
     parser.add_argument("--device-workers", type=int, default=1,
                         help="worker processes sharing the device (each with an interpreter "
-                             "lock of its own); their busy times and steps are summed")
+                             "lock of its own); their busy times and steps are summed, their "
+                             "CPU told per process")
     parser.add_argument("--case-insensitive", action="store_true",
                         help="options with their spellings summed (the API's default)")
     parser.add_argument("--trickle-ms", type=float, default=200.0)
