@@ -622,7 +622,9 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--devices", default=None, metavar="all|0,1,...",
                         help="one worker process per device, supervised (a crashed one is "
                              "started again): all (every visible GPU), GPU indexes, or names "
-                             "(cuda:1, cpu; cpu may repeat); --name is their names' base")
+                             "(cuda:1, cpu); a device named twice gets two (0,0: two processes "
+                             "on GPU 0, for a small model on a fast GPU); --name is their "
+                             "names' base")
     worker.set_defaults(func=cmd_worker)
 
     dispatcher = sub.add_parser("dispatcher", parents=[_service_options(external)],

@@ -62,7 +62,9 @@ def visible_gpus() -> int:
 
 def parse_devices(spec: str, gpus: int | None = None) -> list[str]:
     """``all`` (every visible GPU), GPU indexes (``0,1``) or device names (``cuda:1``,
-    ``cpu``; ``cpu`` may repeat: several CPU workers) -> one device per worker."""
+    ``cpu``) -> one device per worker. A device may repeat: several worker processes on it
+    (``0,0``), each with an interpreter of its own, where one process's host work per pass
+    outlasts a small model's pass on a fast GPU."""
     gpus = visible_gpus() if gpus is None else gpus
     if spec.strip() == "all":
         if not gpus:
@@ -76,8 +78,6 @@ def parse_devices(spec: str, gpus: int | None = None) -> list[str]:
             part = "cuda:0"
         if part != "cpu" and not (part.startswith("cuda:") and part[5:].isdigit()):
             raise DevicesError(f"--devices: {part!r} is not a GPU index, cuda:K or cpu")
-        if part != "cpu" and part in devices:
-            raise DevicesError(f"--devices: {part} is named twice (one worker per GPU)")
         if part != "cpu" and gpus and int(part[5:]) >= gpus:
             raise DevicesError(f"--devices: {part}, but {gpus} GPU(s) are visible")
         devices.append(part)
@@ -112,9 +112,13 @@ class WorkerPool:
         self.children = [Child(d, f"{base}-{self._label(i, d)}")
                          for i, d in enumerate(self.devices)]
 
-    @staticmethod
-    def _label(i: int, device: str) -> str:
-        return f"gpu{device[5:]}" if device.startswith("cuda:") else f"cpu{i}"
+    def _label(self, i: int, device: str) -> str:
+        """``gpu<K>`` for a GPU's first worker, ``gpu<K>-<n>`` for its n-th; ``cpu<i>``:
+        stable across restarts, each its own consumer."""
+        if not device.startswith("cuda:"):
+            return f"cpu{i}"
+        nth = self.devices[:i + 1].count(device)
+        return f"gpu{device[5:]}" + (f"-{nth}" if nth > 1 else "")
 
     def _command(self, child: Child) -> tuple[list[str], dict[str, str]]:
         settings = self.settings

@@ -18,7 +18,8 @@ import pytest
 import redis as redis_sync
 
 from spinf_worker.queue.keys import GROUP, Keys
-from spinf_worker.worker_pool import DevicesError, parse_devices
+from spinf_worker.queue.settings import ServiceSettings
+from spinf_worker.worker_pool import DevicesError, WorkerPool, parse_devices
 
 from ..conftest import WAIT_S
 from .live import ROOT, api_process, wait_for
@@ -34,7 +35,8 @@ def test_devices_are_parsed_into_one_worker_each():
     assert parse_devices("0,1", gpus=4) == ["cuda:0", "cuda:1"]
     assert parse_devices("cuda:1, 3", gpus=4) == ["cuda:1", "cuda:3"]
     assert parse_devices("cpu,cpu", gpus=0) == ["cpu", "cpu"]
-    for spec, gpus, says in [("all", 0, "no GPU is visible"), ("0,0", 2, "named twice"),
+    assert parse_devices("0,1,0", gpus=2) == ["cuda:0", "cuda:1", "cuda:0"]
+    for spec, gpus, says in [("all", 0, "no GPU is visible"),
                              ("2", 2, r"2 GPU\(s\) are visible"), ("gpu1", 2, "not a GPU index"),
                              ("", 1, "not a GPU index")]:
         with pytest.raises(DevicesError, match=says):
@@ -44,12 +46,19 @@ def test_devices_are_parsed_into_one_worker_each():
 def test_a_bad_devices_value_is_one_line():
     environ = {k: v for k, v in os.environ.items() if not k.startswith("SPINF_")}
     done = subprocess.run([sys.executable, "-m", "spinf_worker.cli", "worker", "--redis",
-                           "redis://127.0.0.1:1/0", "--devices", "0,0"], cwd=ROOT,
+                           "redis://127.0.0.1:1/0", "--devices", "0,gpu1"], cwd=ROOT,
                           env={**environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
                           text=True, timeout=WAIT_S)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
-        "spinf-serve: --devices: cuda:0 is named twice (one worker per GPU)"]
+        "spinf-serve: --devices: 'gpu1' is not a GPU index, cuda:K or cpu"]
+
+
+def test_workers_sharing_a_gpu_get_names_of_their_own():
+    pool = WorkerPool(ServiceSettings(), ["cuda:0", "cuda:1", "cuda:0", "cpu"], base_name="h")
+    assert [c.name for c in pool.children] == ["h-gpu0", "h-gpu1", "h-gpu0-2", "h-cpu3"]
+    assert [pool._command(c)[1]["CUDA_VISIBLE_DEVICES"] for c in pool.children[:3]] == [
+        "0", "1", "0"]
 
 
 def registrations(client: redis_sync.Redis, keys: Keys) -> dict[str, dict]:
