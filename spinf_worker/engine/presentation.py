@@ -61,8 +61,9 @@ class Presenter:
         return self.root_ids_batch([self.present(messages)])[0]
 
     def root_ids_batch(self, texts: list[str]) -> list[list[int]]:
-        """BOS + each presented text's ids; the texts are tokenised in parallel."""
-        encodings = self.tokenizer.encode_batch(texts, add_special_tokens=False)
+        """BOS + each presented text's ids; the texts are tokenised in parallel, without
+        character offsets (nothing reads a root's; a quarter of the tokenizer's time)."""
+        encodings = self.tokenizer.encode_batch_fast(texts, add_special_tokens=False)
         return [[self.bos_id, *e.ids] for e in encodings]
 
     def floor_root_ids(self) -> list[int]:
