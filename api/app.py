@@ -71,10 +71,12 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
         keeper = QueueKeeper(redis, keys, services.producer,
                              checks=lambda: limits_check(services))
         keeper.start()
+        preload = asyncio.create_task(services.preload_tokens(), name="preload-tokens")
         log.info("api started", prefix=settings.prefix, instance=listener.instance_id)
         try:
             yield
         finally:
+            preload.cancel()
             await keeper.stop()
             if services.background:
                 _done, still_running = await asyncio.wait(services.background,

@@ -16,6 +16,7 @@ import structlog
 from fastapi import Depends, Request
 from fastapi.responses import JSONResponse
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from spinf_worker.errors import InvalidRequestError
 from spinf_worker.manifest import Manifest
@@ -28,6 +29,8 @@ from spinf_worker.request_limits import ServedTokens
 from .errors import UNAVAILABLE_RETRY_S, ServiceUnavailableError, WarmingUpError
 from .metrics import ApiMetrics
 from .tokens import TokenizerCache
+
+PRELOAD_POLL_S = 1.0   # how often a starting API looks for the served model's workers
 
 log = structlog.get_logger("spinf.api")
 
@@ -171,6 +174,22 @@ class Services:
         # loaded already: no thread (a hop per request costs more than the lookup)
         return self.tokenizers.loaded(model) or await asyncio.to_thread(self.tokenizers.get,
                                                                         model)
+
+    async def preload_tokens(self, every_s: float = PRELOAD_POLL_S) -> None:
+        """Load the served model's tokenizer before any request needs it: the first request
+        to an API process would otherwise wait for it (a second or more for a 262k-token
+        vocabulary), once per process. Polls the worker registrations until one model is
+        served and its tokenizer is loaded (or found missing here); runs until then."""
+        while True:
+            try:
+                models = await self.served_models()
+            except RedisError:
+                models = set()
+            if len(models) == 1:
+                model = next(iter(models))
+                await asyncio.to_thread(self.tokenizers.get, model)
+                return
+            await asyncio.sleep(every_s)
 
     async def check_serving(self, workers: Workers | None = None) -> None:
         """503 when the live workers cannot score yet: ``warming_up`` (Retry-After) while

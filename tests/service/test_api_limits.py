@@ -180,6 +180,19 @@ def test_with_the_tokenizer_but_no_worker_reading_nothing_is_queued(tiny_dir, se
         assert stream_length(settings) == 1
 
 
+def test_the_served_models_tokenizer_is_loaded_before_any_request(tiny_dir, settings):
+    """A starting API loads the tokenizer of the model its workers serve on its own, so the
+    first request to each API process does not wait for it; one that starts before any
+    worker has registered loads it once one has."""
+    with LiveServer(settings) as server:
+        tokenizers = server.app.state.services.tokenizers
+        assert tokenizers.loaded(str(tiny_dir)) is None
+        _register(settings, str(tiny_dir))
+        served = wait_for(lambda: tokenizers.loaded(str(tiny_dir)),
+                          what="the tokenizer to be loaded")
+        assert len(served.encode(" 1234")) == 5
+
+
 def test_without_the_tokenizer_the_token_limits_are_the_workers(tiny_engine, settings):
     """A model whose tokenizer is not on the API's machine: what needs no tokenizer is still
     refused at the API; token limits are left to the worker, which refuses the job (its
