@@ -16,7 +16,9 @@ c. **concurrent**: the documents as ``--clients`` concurrent ``POST /v1/score`` 
    spread over ``--client-procs`` client processes (so the client is not the bottleneck);
 d. **interactive**: a trickle of single ``POST /v1/score`` requests (one every
    ``--trickle-ms``) while a second bulk batch of the documents runs: their p50 / p99 latency
-   against the duration of one full pass (phase b's mean); each single's timeline entry
+   against the duration of one full pass (phase b's mean; and, as
+   ``interactive_p99_over_engine_pass``, against the in-process engine's: the device's time
+   on phase a's passes over their count); each single's timeline entry
    holds its send time, latency, and the ``queue_ms`` and ``score_ms`` of its reply (waiting
    in the stream; from its pass's start to its answer), the rest being the API's and the
    reply path's.
@@ -503,6 +505,7 @@ def run_engine(args: argparse.Namespace, requests: list[dict]) -> dict:
     responses = batch.finish()                   # answers are on the host: the device is done
     seconds = time.perf_counter() - t0
     device_s = batch.device_seconds
+    passes = batch.scheduler.passes
     bodies = [r.model_dump(mode="json") for r in responses]
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
     tokenizer = engine.checkpoint.tokenizer
@@ -516,7 +519,8 @@ def run_engine(args: argparse.Namespace, requests: list[dict]) -> dict:
     if cuda:
         torch.cuda.empty_cache()
     return dict(seconds=seconds, bodies=bodies, peak_allocated_gib=round(peak, 2),
-                tokenizer=tokenizer,
+                tokenizer=tokenizer, passes=passes,
+                mean_pass_s=None if device_s is None else round(device_s / passes, 4),
                 gpu_busy=None if device_s is None else round(device_s / seconds, 3))
 
 
@@ -668,6 +672,7 @@ def main() -> None:
                engine_docs_per_s=round(len(reference) / engine["seconds"], 1),
                engine_questions_per_s=round(questions_in(reference) / engine["seconds"], 1),
                engine_gpu_busy=engine["gpu_busy"],
+               engine_passes=engine["passes"], engine_mean_pass_s=engine["mean_pass_s"],
                engine_peak_allocated_gib=engine["peak_allocated_gib"],
                engine_nvidia_smi_peak_gib=round(engine_memory.peak_mib / 1024, 2))
     print(json.dumps(row), flush=True)
@@ -678,6 +683,11 @@ def main() -> None:
     for key in set(args.phases) & {"batch", "concurrent"}:
         row[f"{key}_vs_engine"] = round(row[f"{key}_questions_per_s"]
                                         / row["engine_questions_per_s"], 3)
+    # the p99 against the in-process engine's pass too: with several worker processes on
+    # the device, a worker's pass lasts longer than the device's work on it
+    if row.get("engine_mean_pass_s") and row.get("interactive_p99_s"):
+        row["interactive_p99_over_engine_pass"] = round(
+            row["interactive_p99_s"] / row["engine_mean_pass_s"], 2)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{row['date']}-service-gpu-{name}-{commit}.json"
     path.write_text(json.dumps(row, indent=1))

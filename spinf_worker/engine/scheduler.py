@@ -31,6 +31,7 @@ class PassScheduler:
         self.waiting_rows = 0
         self.in_flight: tuple[Members, PendingPass] | None = None
         self.device_s: float | None = None   # the device's time on the passes read back (CUDA)
+        self.passes = 0                      # passes launched
 
     def add(self, tag: Hashable, doc: FlatDoc) -> list[tuple[Hashable, DocScores]]:
         """Queue a document; returns the (tag, scores) of the documents finished meanwhile."""
@@ -78,6 +79,7 @@ class PassScheduler:
                            self.runner.pad_id)
             members = [[(docs[i][0], part) for i, part in parts] for _, parts in merged]
             job = (members, self.runner.launch([flat for flat, _ in merged]))
+            self.passes += 1
             previous, self.in_flight = self.in_flight, job
             if previous is not None:
                 yield self._collect(previous)
