@@ -135,9 +135,23 @@ class Services:
 
     async def workers(self) -> Workers:
         """(live, all registered) workers; live = heartbeat within worker_ttl_s."""
+        return self._workers_of(await self.redis.hgetall(self.keys.workers))
+
+    async def admission(self) -> tuple[Workers, int]:
+        """The workers and the backlog (Producer.backlog) in one round trip: what a request
+        is checked against before it is queued."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hgetall(self.keys.workers)
+            self.producer.ask_backlog(pipe)
+            replies = await pipe.execute(raise_on_error=False)
+        if isinstance(replies[0], Exception):
+            raise replies[0]
+        return self._workers_of(replies[0]), await self.producer.backlog_of(replies[1:])
+
+    def _workers_of(self, registrations: dict) -> Workers:
         registered = []
         read = {}
-        for name, raw in (await self.redis.hgetall(self.keys.workers)).items():
+        for name, raw in registrations.items():
             # a registration read as before is the same worker (they are frozen): parsed
             # once per heartbeat, not on every request
             known = self._registrations.get(name)

@@ -56,7 +56,7 @@ async def create_batch(request: Request, services: ServicesDep, caller: CallerDe
         raise InvalidRequestError(f"file {body.input_file_id!r} has purpose "
                                   f"{meta.get('purpose')!r}; upload it with purpose 'batch'",
                                   param="input_file_id")
-    await check_backlog(services)
+    check_backlog(services, await services.producer.backlog())
     batch = await batches.create_batch(
         services.redis, services.keys, input_file_id=body.input_file_id,
         endpoint=body.endpoint, completion_window=body.completion_window,

@@ -60,11 +60,11 @@ async def completions(request: Request, services: ServicesDep, caller: CallerDep
     completion = CompletionRequest.parse(await read_json(request))
     respond_async = prefers_async(prefer)
     timeout = 0.0 if respond_async else sync_timeout(services, x_sync_timeout)
-    workers = await services.workers()     # read once for the checks below
+    workers, backlog = await services.admission()     # read once for the checks below
     await services.check_serving(workers)
     await check_model(services, completion.model, completion, workers)
     await check_context(services, completion, workers)
-    await check_backlog(services)
+    check_backlog(services, backlog)
     payload = {"model": completion.model, "completion": completion.model_dump(mode="json")}
     job_id, result = await submit_and_wait_for(services, caller, Submission(
         request=payload, priority="interactive", idempotency_key=idempotency_key), timeout)

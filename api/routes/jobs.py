@@ -39,11 +39,11 @@ async def _visible(services: Services, caller: Caller, job: dict) -> bool:
 async def create_job(request: Request, services: ServicesDep, caller: CallerDep,
                      idempotency_key: IdempotencyKey = None) -> JSONResponse:
     job_request = JobRequest.parse(await read_json(request))
-    workers = await services.workers()     # read once for the checks below
+    workers, backlog = await services.admission()     # read once for the checks below
     await check_model(services, job_request.model, job_request, workers)
     await check_media(services, job_request, workers)
     await check_limits(services, job_request, workers)
-    await check_backlog(services)
+    check_backlog(services, backlog)
     job_id, _created = await submit(services, caller, Submission(
         request=job_request.score_request(), priority="interactive",
         callback=job_request.callback, idempotency_key=idempotency_key,

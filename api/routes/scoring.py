@@ -118,8 +118,8 @@ async def check_limits(services: Services, request: ScoreRequest,
     await asyncio.to_thread(await limits_check(services, workers), request)
 
 
-async def check_backlog(services: Services) -> None:
-    backlog = await services.producer.backlog()
+def check_backlog(services: Services, backlog: int) -> None:
+    """429 when more than ``max_backlog`` entries wait (``backlog``: Services.admission's)."""
     if backlog > services.settings.max_backlog:
         raise RateLimitError(
             f"the queue is full ({backlog} requests waiting); retry later",
@@ -177,12 +177,12 @@ async def submit_and_wait(services: Services, caller: Caller, request: ScoreRequ
                           idempotency_key: str | None, timeout: float
                           ) -> tuple[str, JobResult | None]:
     """(job id, its result or None when not finished within ``timeout``)."""
-    workers = await services.workers()
+    workers, backlog = await services.admission()
     await services.check_serving(workers)
     await check_model(services, request.model, request, workers)
     await check_media(services, request, workers)
     await check_limits(services, request, workers)
-    await check_backlog(services)
+    check_backlog(services, backlog)
     payload = request.model_dump(mode="json", exclude_none=True)
     return await submit_and_wait_for(services, caller, Submission(
         request=payload, priority="interactive", idempotency_key=idempotency_key), timeout)

@@ -127,9 +127,18 @@ class Producer:
         """Entries waiting or in flight across both work streams."""
         # every stream's groups in one round trip (each request asks before it is queued)
         async with self.redis.pipeline(transaction=False) as pipe:
-            for stream in self.keys.streams:
-                pipe.xinfo_groups(stream)
+            self.ask_backlog(pipe)
             replies = await pipe.execute(raise_on_error=False)
+        return await self.backlog_of(replies)
+
+    def ask_backlog(self, pipe) -> None:
+        """Queue on ``pipe`` what ``backlog_of`` reads (``execute(raise_on_error=False)``):
+        a caller's other reads go in the same round trip."""
+        for stream in self.keys.streams:
+            pipe.xinfo_groups(stream)
+
+    async def backlog_of(self, replies: list) -> int:
+        """The backlog from the replies to ``ask_backlog``'s commands."""
         total = 0
         for stream, groups in zip(self.keys.streams, replies, strict=True):
             if isinstance(groups, ResponseError):   # no stream yet
