@@ -33,8 +33,9 @@ class ChatScoreResponse(ScoreResponse):
     choices: list[ChatChoice]
 
 
-def score_request_from_chat(body: Any) -> ScoreRequest:
-    """A chat completion request carrying a ``scoring`` block, as a ScoreRequest.
+def score_request_from_chat(body: Any, read_by_orjson: bool = False) -> ScoreRequest:
+    """A chat completion request carrying a ``scoring`` block, as a ScoreRequest
+    (``read_by_orjson``: as ScoreRequest.parse).
 
     Raises InvalidRequestError for anything that would need text generation."""
     if not isinstance(body, dict):
@@ -47,7 +48,7 @@ def score_request_from_chat(body: Any) -> ScoreRequest:
     if body.get("stream"):
         raise InvalidRequestError("scoring answers in one response; 'stream' must be false",
                                   param="stream", code="invalid_field")
-    return ScoreRequest.parse(body)
+    return ScoreRequest.parse(body, read_by_orjson=read_by_orjson)
 
 
 def score_to_chat_completion(score: dict) -> dict:

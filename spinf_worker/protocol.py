@@ -756,17 +756,19 @@ class ScoreRequest(BaseModel):
                            code="too_many_prompts")
 
     @classmethod
-    def parse(cls, data: dict | ScoreRequest, *,
-              scoring_json: str | bytes | None = None) -> ScoreRequest:
+    def parse(cls, data: dict | ScoreRequest, *, scoring_json: str | bytes | None = None,
+              read_by_orjson: bool = False) -> ScoreRequest:
         """Validate untrusted input; any failure is an ``InvalidRequestError``.
 
         Bulk jobs send the same ``scoring`` block with every document: a block already
         validated is reused (by its JSON text) instead of checked again. ``scoring_json``:
         that text, when the caller has it (exactly ``data["scoring"]`` as JSON), so that it
-        is not written again."""
+        is not written again. ``read_by_orjson``: ``data`` is what orjson read from a body
+        (nothing in it orjson cannot write back as the same value), so its block's text is
+        orjson's, not the json module's (several times slower, once a request)."""
         if isinstance(data, ScoreRequest):
             return data
-        key = scoring_json if scoring_json is not None else scoring_key(data)
+        key = scoring_json if scoring_json is not None else scoring_key(data, read_by_orjson)
         if key is not None:
             # a bad block fails here uncached; validating the whole request names its field
             with contextlib.suppress(ValidationError):
@@ -783,11 +785,15 @@ def _scoring_from_json(text: str | bytes) -> Scoring:
     return Scoring.model_validate_json(text)
 
 
-def scoring_key(data: Any) -> str | None:
-    """The JSON text of a request's scoring block (None when there is none to key)."""
+def scoring_key(data: Any, read_by_orjson: bool = False) -> str | bytes | None:
+    """The JSON text of a request's scoring block (None when there is none to key).
+    ``read_by_orjson``: ``data`` came from orjson, so orjson writes it back exactly (it would
+    write a NaN the json module refuses as null: only data it read can go its way)."""
     scoring = data.get("scoring") if isinstance(data, dict) else None
     if not isinstance(scoring, dict):
         return None
+    if read_by_orjson:
+        return jsonio.dumps(scoring)
     try:
         return json.dumps(scoring, allow_nan=False)
     except (TypeError, ValueError, RecursionError):   # not JSON, or absurdly nested:

@@ -767,3 +767,20 @@ def test_ulids_sort_by_time_and_differ_in_a_forked_child():
     # the random 80 bits: the last 16 digits (the time's may differ by a millisecond alone)
     assert {child[k + 10:k + 26] for k in range(0, 104, 26)}.isdisjoint(
         {parent[k + 10:k + 26] for k in range(0, 104, 26)})
+
+
+def test_a_block_read_by_orjson_is_keyed_by_orjson_text_with_the_same_request():
+    """A body the API read with orjson keys its scoring block by orjson's text (faster than
+    the json module's); the request is the one a plain parse gives, and a bad block fails
+    the same way."""
+    import orjson
+
+    body = orjson.loads(orjson.dumps(extraction("{*}", generate={"temperature": 0.7})))
+    body["scoring"]["queries"][0]["template"] = "Q: ¿Qué? 日本 {?}"
+    assert ScoreRequest.parse(body, read_by_orjson=True) == ScoreRequest.parse(
+        copy.deepcopy(body))
+    bad = orjson.loads(orjson.dumps(extraction("{*}", generate={"temperature": 2.5})))
+    for flag in (True, False):
+        with pytest.raises(InvalidRequestError) as caught:
+            ScoreRequest.parse(copy.deepcopy(bad), read_by_orjson=flag)
+        assert caught.value.param == "scoring.queries.1.generate.temperature"

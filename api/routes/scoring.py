@@ -244,7 +244,7 @@ Prefer = Annotated[str | None, Header(alias="Prefer")]
 async def score(request: Request, services: ServicesDep, caller: CallerDep,
                 idempotency_key: IdempotencyKey = None,
                 x_sync_timeout: SyncTimeout = None, prefer: Prefer = None) -> JSONResponse:
-    score_request = ScoreRequest.parse(await read_json(request))
+    score_request = ScoreRequest.parse(await read_json(request), read_by_orjson=True)
     return await answer(services, caller, score_request, idempotency_key, x_sync_timeout,
                         prefer, shape=lambda body: body, request_id=request_id_of(request))
 
@@ -257,7 +257,7 @@ async def chat_completions(request: Request, services: ServicesDep, caller: Call
                            idempotency_key: IdempotencyKey = None,
                            x_sync_timeout: SyncTimeout = None,
                            prefer: Prefer = None) -> JSONResponse:
-    score_request = score_request_from_chat(await read_json(request))
+    score_request = score_request_from_chat(await read_json(request), read_by_orjson=True)
     return await answer(services, caller, score_request, idempotency_key, x_sync_timeout,
                         prefer, shape=score_to_chat_completion,
                         request_id=request_id_of(request))

@@ -639,12 +639,13 @@ def _line_body(line: dict, endpoint: str, check: RequestCheck | None) -> dict:
                         f"'url' must be the batch's endpoint {endpoint!r}, got {line.get('url')!r}")
     body = line.get("body")
     try:
+        # the line was read by orjson (parse_line)
         if endpoint == "/v1/chat/completions":
-            request = score_request_from_chat(body)
+            request = score_request_from_chat(body, read_by_orjson=True)
         elif endpoint == "/v1/completions":
             request = CompletionRequest.parse(body)
         else:
-            request = ScoreRequest.parse(body)
+            request = ScoreRequest.parse(body, read_by_orjson=True)
         if check is not None:
             check(request)
     except SpinfError as err:
