@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from typing import Annotated, Any, ClassVar, Literal
 
+import orjson
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -792,11 +793,12 @@ def scoring_key(data: Any, read_by_orjson: bool = False) -> str | bytes | None:
     scoring = data.get("scoring") if isinstance(data, dict) else None
     if not isinstance(scoring, dict):
         return None
-    if read_by_orjson:
-        return jsonio.dumps(scoring)
     try:
+        if read_by_orjson:
+            return orjson.dumps(scoring)
         return json.dumps(scoring, allow_nan=False)
-    except (TypeError, ValueError, RecursionError):   # not JSON, or absurdly nested:
+    except (TypeError, ValueError, RecursionError):   # not JSON, or absurdly nested (orjson
+        #                                                 writes 255 levels at most):
         #                                                 validation will say
         return None
 

@@ -784,3 +784,8 @@ def test_a_block_read_by_orjson_is_keyed_by_orjson_text_with_the_same_request():
         with pytest.raises(InvalidRequestError) as caught:
             ScoreRequest.parse(copy.deepcopy(bad), read_by_orjson=flag)
         assert caught.value.param == "scoring.queries.1.generate.temperature"
+    # deeper than orjson writes (255 levels) or json can (its recursion limit): validation
+    # names the field, as without the flag
+    deep = orjson.loads('{"text": "x", "scoring": {"queries": ' + "[" * 1000 + "]" * 1000 + "}}")
+    with pytest.raises(InvalidRequestError):
+        ScoreRequest.parse(deep, read_by_orjson=True)
