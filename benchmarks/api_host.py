@@ -23,7 +23,6 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,22 +33,10 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from service_http import free_port, process_cpu_s  # noqa: E402
 from worker_host import REDIS_URL, AnsweringEngine, news_job, response_template  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_s(pid: int) -> float:
-    """A process's user + system CPU seconds so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def client_process(url: str, bodies: list[dict], concurrency: int, start, done) -> None:
@@ -147,10 +134,10 @@ def main() -> None:
             await asyncio.to_thread(drive, url, bodies[:args.concurrency], args.concurrency,
                                     args.client_procs)
             for _ in range(args.repeat):
-                before = cpu_s(api.pid)
+                before = process_cpu_s(api.pid)
                 seconds = await asyncio.to_thread(drive, url, bodies, args.concurrency,
                                                   args.client_procs)
-                api_cpu = cpu_s(api.pid) - before
+                api_cpu = process_cpu_s(api.pid) - before
                 runs.append({"seconds": round(seconds, 3),
                              "requests_per_s": round(len(bodies) / seconds, 1),
                              "api_cpu_ms_per_request": round(1000 * api_cpu / len(bodies), 3)})

@@ -72,9 +72,10 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
 
-    from spinf_worker.engine import Engine
+    from spinf_worker.models.loader import load_checkpoint
 
-    tokenizer = Engine.load(args.model, device="cpu", load_format="dummy").checkpoint.tokenizer
+    # the documents' tokenizer only: a dummy checkpoint reads no weights, builds no model
+    tokenizer = load_checkpoint(args.model, load_format="dummy").tokenizer
     requests = requests_for(load_docs(args.data, tokenizer, args.docs, args.doc_tokens))
     rows = [run(args, requests, int(n)) for n in args.processes.split(",")]
     for row in rows:
