@@ -103,6 +103,54 @@ def test_scheduler_returns_each_document_once_pass_by_pass(tiny_engine):
                    for a, b in zip(alone.logprobs, scores.logprobs, strict=True))
 
 
+
+class _IdleWhenAllRead:
+    """The tiny engine's runner, telling its device idle once every pass launched has been
+    read back, as a CUDA runner does (on the CPU launching a pass runs it: never idle)."""
+
+    def __init__(self, runner):
+        self.runner, self.launched = runner, []
+
+    def __getattr__(self, name):
+        return getattr(self.runner, name)
+
+    def idle(self) -> bool:
+        return self.runner.unread == 0
+
+    def launch(self, docs):
+        self.launched.append(sum(d.length for d in docs))
+        return self.runner.launch(docs)
+
+
+def test_an_idle_device_gets_a_pass_once_half_of_one_waits(tiny_engine):
+    """The first pass goes once half a pass of rows waits (the device idle), the next ones
+    once a pass and a quarter wait; every document scores as alone either way."""
+    from spinf_worker.engine.scheduler import FILL_SLACK, IDLE_FILL, PassScheduler
+
+    rng = random.Random(5)
+    vocab = list(tiny_engine.presenter.encode(NEWS))
+    docs = [DocTree([2] + [rng.choice(vocab) for _ in range(rng.randint(20, 120))],
+                    [Branch([rng.choice(vocab)], [[rng.choice(vocab)], [rng.choice(vocab)]])
+                     for _ in range(3)]).flatten(0) for _ in range(16)]
+    runner = _IdleWhenAllRead(tiny_engine.runner)
+    scheduler = PassScheduler(runner, max_pass_tokens=512)
+    added, first_at = 0, None
+    returned = []
+    for i, doc in enumerate(docs):
+        returned += scheduler.add(i, doc)
+        added += doc.length
+        if runner.launched and first_at is None:
+            first_at = added
+    returned += [done for batch in scheduler.flush() for done in batch]
+    assert first_at is not None and 512 * IDLE_FILL <= first_at < 512 * FILL_SLACK
+    assert runner.launched[0] == first_at       # everything waiting, as one pass
+    assert runner.unread == 0 and len(runner.launched) >= 3
+    assert sorted(tag for tag, _ in returned) == list(range(len(docs)))
+    for tag, scores in returned:
+        alone = tiny_engine.runner.run([docs[tag]])[0]
+        assert all(torch.equal(a, b)
+                   for a, b in zip(alone.logprobs, scores.logprobs, strict=True))
+
 OWN = {"id": "own", "template": "\n\nIs this about money?\nAnswer:{?}", "options": [" yes", " no"]}
 
 

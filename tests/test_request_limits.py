@@ -185,6 +185,9 @@ class _Runner:
     def finish(self, pending):
         return [None] * len(pending.docs)
 
+    def idle(self):
+        return False
+
 
 def test_a_document_over_the_pass_budget_gets_a_pass_of_its_own():
     runner = _Runner()

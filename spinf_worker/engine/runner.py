@@ -119,6 +119,7 @@ class ModelRunner:
         (models whose forward is capturable, up to GRAPH_MAX_BODY_PARAMS; passes without
         extraction slots)."""
         self.model, self.device, self.dtype, self.pad_id = model, device, dtype, pad_id
+        self.unread = 0     # passes launched and not read back yet
         model.use_fused = fuse and device.type == "cuda" and model.fusable
         # a pass's rows and readout indices go up through buffers pinned once
         self.staging = HostStaging(device) if device.type == "cuda" else None
@@ -148,6 +149,11 @@ class ModelRunner:
             self.model(inputs[0].long(), inputs[1].long(), cuda_pass_plan(self.model, inputs))
         torch.cuda.synchronize(self.device)
         return sizes
+
+    def idle(self) -> bool:
+        """Whether the device waits for work: on CUDA, every pass launched has been read
+        back. Never on the CPU, where launching a pass runs it."""
+        return self.device.type == "cuda" and self.unread == 0
 
     def flex_plan(self, docs: list[FlatDoc], rows: int):
         """CUDA: the pass's tree tensors on the device -> block masks."""
@@ -309,12 +315,14 @@ class ModelRunner:
             ended = torch.cuda.Event(enable_timing=True)
             ended.record()
             events = (began, ended)
+        self.unread += 1
         return PendingPass(docs, values, torch.from_numpy(order), first, echo=echo_parts,
                            events=events)
 
     def finish(self, pending: PendingPass) -> list[DocScores]:
         """Wait for the pass and turn its summands into per-option logprobs."""
         pending.wait()     # its figures' copies to the host are done
+        self.unread -= 1
         values = np.empty(pending.values.shape[0], dtype=np.float32)
         values[pending.order.numpy()] = pending.values.numpy()
         blocks = [doc.block for doc in pending.docs]
