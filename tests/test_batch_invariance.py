@@ -105,8 +105,8 @@ def test_scheduler_returns_each_document_once_pass_by_pass(tiny_engine):
 
 
 class _IdleWhenAllRead:
-    """The tiny engine's runner, telling its device idle once every pass launched has been
-    read back, as a CUDA runner does (on the CPU launching a pass runs it: never idle)."""
+    """The tiny engine's runner, telling a pass would start at once once every pass launched
+    has been read back, as a CUDA runner replaying graphs does (never on the CPU)."""
 
     def __init__(self, runner):
         self.runner, self.launched = runner, []
@@ -114,7 +114,7 @@ class _IdleWhenAllRead:
     def __getattr__(self, name):
         return getattr(self.runner, name)
 
-    def idle(self) -> bool:
+    def starts_at_once(self) -> bool:
         return self.runner.unread == 0
 
     def launch(self, docs):

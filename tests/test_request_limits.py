@@ -185,7 +185,7 @@ class _Runner:
     def finish(self, pending):
         return [None] * len(pending.docs)
 
-    def idle(self):
+    def starts_at_once(self):
         return False
 
 

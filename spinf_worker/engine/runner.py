@@ -150,10 +150,12 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         return sizes
 
-    def idle(self) -> bool:
-        """Whether the device waits for work: on CUDA, every pass launched has been read
-        back. Never on the CPU, where launching a pass runs it."""
-        return self.device.type == "cuda" and self.unread == 0
+    def starts_at_once(self) -> bool:
+        """Whether a pass launched now starts on an idle device for the host's cost of one
+        graph launch: passes replayed as graphs, every pass launched read back. Not on the
+        CPU (launching a pass runs it), nor eagerly: an eager pass's launch is host work of
+        its own, and a small model's job launched early that way measured slower."""
+        return self.graphs is not None and self.unread == 0
 
     def flex_plan(self, docs: list[FlatDoc], rows: int):
         """CUDA: the pass's tree tensors on the device -> block masks."""

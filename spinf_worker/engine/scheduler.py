@@ -1,8 +1,9 @@
 """Documents in, scores out, with the device kept busy.
 
 A pass is launched as soon as enough documents wait to fill it (first-fit over the waiting
-ones), or half of it while the device is idle (a batch's first pass, so the device starts
-while the host lays out the rest), not when the whole batch has been laid out, and pass N+1 is queued before pass N is
+ones), or half of it while the device is idle (a batch's first pass, on CUDA with graphs:
+the device starts while the host lays out the rest), not when the whole batch has been laid
+out, and pass N+1 is queued before pass N is
 read back: laying out later documents and answering earlier ones overlap the device. Which
 documents share a pass never changes a score (batch invariance), so packing as they come is
 free to do. Documents of a pass that share a root run as one (engine/merge.py).
@@ -20,8 +21,9 @@ from .runner import DocScores, ModelRunner, PendingPass
 # per document a pass runs: the (tag, part) of each document merged into it (engine/merge.py)
 Members = list[list[tuple[Hashable, Part | PromptPart | None]]]
 FILL_SLACK = 1.25   # wait for this many passes' worth of rows, so first-fit has a choice
-# ... unless the device is idle: then a pass goes as soon as this share of one waits, so the
-# device starts on the first documents while the host lays out the rest of the batch
+# ... unless the device is idle (and replays graphs: runner.starts_at_once): then a pass goes
+# as soon as this share of one waits, so the device starts on the first documents while the
+# host lays out the rest of the batch
 IDLE_FILL = 0.5
 
 
@@ -40,7 +42,8 @@ class PassScheduler:
     def add(self, tag: Hashable, doc: FlatDoc) -> list[tuple[Hashable, DocScores]]:
         """Queue a document; returns the (tag, scores) of the documents finished meanwhile."""
         self.hold(tag, doc)
-        if self.waiting_rows >= self.max_pass_tokens * IDLE_FILL and self.runner.idle():
+        if (self.waiting_rows >= self.max_pass_tokens * IDLE_FILL
+                and self.runner.starts_at_once()):
             return [done for batch in self._launch(keep_last=False) for done in batch]
         if self.waiting_rows < self.max_pass_tokens * FILL_SLACK:
             return []
