@@ -4,9 +4,9 @@ A pass is launched as soon as enough documents wait to fill it (first-fit over t
 ones), or half of it while the device is idle (a batch's first pass, on CUDA with graphs:
 the device starts while the host lays out the rest), not when the whole batch has been laid
 out, and pass N+1 is queued before pass N is read back: laying out later documents and
-answering earlier ones overlap the device. Which
-documents share a pass never changes a score (batch invariance), so packing as they come is
-free to do. Documents of a pass that share a root run as one (engine/merge.py).
+answering earlier ones overlap the device. Which documents share a pass never changes a
+score (batch invariance), so packing as they come is free to do. Documents of a pass that
+share a root run as one (engine/merge.py).
 """
 
 from __future__ import annotations
