@@ -3,10 +3,12 @@ or with ``--host``: wall time of consecutive calls, the host's share (laying out
 one replay or launch per pass), and a cProfile of one call.
 
     python benchmarks/gpu_profile.py --tokenizer DIR --data DIR [--model 12b|270m] \
-        [--scheme bf16|fp8] [--host] [--no-graphs] [--case-insensitive]
+        [--scheme bf16|fp8] [--host] [--no-graphs] [--case-insensitive] [--slots]
 
 Options are scored exactly as given (``"case_insensitive": false``) unless
 ``--case-insensitive`` (the hosted default: each option also as its case spellings).
+``--slots``: four extraction slots per document too (gpu_jobs.py's slots job), each decoding
+step's forward and search marked (``slots.step``, ``slots.next``) in the tables.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cpu_slots import SLOTS  # noqa: E402
 from gpu_bench import (  # noqa: E402
     GEMMA_12B,
     GEMMA_270M,
@@ -47,11 +50,15 @@ def main() -> None:
     parser.add_argument("--host", action="store_true")
     parser.add_argument("--no-graphs", action="store_true")
     parser.add_argument("--case-insensitive", action="store_true")
+    parser.add_argument("--slots", action="store_true")
     args = parser.parse_args()
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(args.tokenizer / "tokenizer.json"))
     questions = json.loads((ROOT / "benchmarks" / "news_questions.json").read_text())
+    if args.slots:
+        questions = {**questions, "queries": questions["queries"] + SLOTS}
+        mark_decoding()
     requests = build_requests(load_docs(args.data, tokenizer, 24, 470), questions,
                               args.case_insensitive)
     cfg = GEMMA_12B if args.model == "12b" else GEMMA_270M
@@ -69,6 +76,23 @@ def main() -> None:
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows))
     print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=args.rows))
+
+
+def mark_decoding() -> None:
+    """Each decoding step's forward and its search over the beams as ranges of their own in
+    the profiler's tables."""
+    from torch.profiler import record_function
+
+    from spinf_worker.engine.decode import SlotDecoder
+
+    def marked(original, label: str):
+        def method(self, *args, **kwargs):
+            with record_function(label):
+                return original(self, *args, **kwargs)
+        return method
+
+    SlotDecoder._step = marked(SlotDecoder._step, "slots.step")
+    SlotDecoder._next = marked(SlotDecoder._next, "slots.next")
 
 
 def host_profile(engine: Engine, requests: list[dict], rows: int) -> None:
