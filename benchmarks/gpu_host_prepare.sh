@@ -27,7 +27,7 @@ rm -rf "$OUT" && mkdir -p "$OUT/wheels" "$OUT/redis" "$OUT/tokenizer" "$OUT/data
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform any -d "$OUT/wheels" \
     fastapi starlette pydantic pydantic-settings python-dotenv annotated-types \
-    typing-inspection annotated-doc uvicorn httptools redis hiredis structlog python-multipart \
+    typing-inspection annotated-doc uvicorn httptools uvloop redis hiredis structlog python-multipart \
     platformdirs orjson gguf spinf-client prometheus-client httpx httpcore h11 anyio sniffio idna \
     certifi pyyaml pytest pluggy iniconfig packaging pillow tenacity pytest-asyncio \
     standardwebhooks python-dateutil six typing-extensions opentelemetry-api \

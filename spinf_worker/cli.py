@@ -71,8 +71,8 @@ def _read_lines(path: str) -> Iterator[str]:
 # ---- extras: each command's third-party imports are lazy; a missing one names its extra -------
 
 EXTRA_MODULES = {   # the extra that installs each module a command imports (pyproject.toml)
-    "api": ("fastapi", "orjson", "uvicorn", "redis", "httpx", "pydantic_settings", "prometheus_client",
-            "structlog", "platformdirs", "av"),
+    "api": ("fastapi", "orjson", "uvicorn", "httptools", "redis", "httpx", "pydantic_settings",
+            "prometheus_client", "structlog", "platformdirs", "av"),
     "server": ("torch", "numpy", "tokenizers", "safetensors", "gguf", "huggingface_hub",
                "jinja2", "tqdm", "yaml", "feedparser", "trafilatura", "soxr"),
     "calibrate": ("sklearn", "matplotlib"),
@@ -339,7 +339,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_api(args: argparse.Namespace) -> int:
-    from .serve import Tiers, run_api_processes, run_tiers
+    from .serve import Tiers, run_api_loop, run_api_processes, run_tiers
 
     _start_logging(args)
     settings = _with_token(_service_settings(args), args)
@@ -348,7 +348,7 @@ def cmd_api(args: argparse.Namespace) -> int:
         run_api_processes(settings, args.host, args.port, log_json=_log_json(args),
                           log_level=args.log_level)
     else:   # the API in this process, as `serve` runs it
-        asyncio.run(run_tiers(settings, Tiers(api=(args.host, args.port))))
+        run_api_loop(run_tiers(settings, Tiers(api=(args.host, args.port))))
     return 0
 
 

@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -356,12 +356,12 @@ def _api_config(app, host: str, port: int, **more):
     """The uvicorn settings of the API, one process or several."""
     import uvicorn
 
-    from api.http_protocol import EnvelopeH11Protocol
+    from api.http_protocol import EnvelopeHttpToolsProtocol
 
-    # EnvelopeH11Protocol: a request the HTTP parser refuses gets the error envelope too
+    # a request the HTTP parser refuses gets the error envelope too
     return uvicorn.Config(app, host=host, port=port, log_config=None,
                           timeout_graceful_shutdown=API_GRACE_S, server_header=False,
-                          http=EnvelopeH11Protocol, **more)
+                          http=EnvelopeHttpToolsProtocol, **more)
 
 
 def _create_api_app(settings: ServiceSettings):
@@ -449,6 +449,17 @@ def run_api_processes(settings: ServiceSettings, host: str, port: int, *,
     if any(process.exitcode == STARTUP_FAILURE for process in supervisor.processes):
         raise ServiceError("an API process could not start (see the log above); stopped "
                            "the others")
+
+
+def run_api_loop(main: Coroutine) -> None:
+    """``asyncio.run(main)`` on uvloop's event loop where uvloop imports, as uvicorn runs each
+    process of ``api --workers N``: the API's own work per request costs less CPU on it."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main)
+        return
+    uvloop.run(main)
 
 
 async def _run_api(server) -> None:

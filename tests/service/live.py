@@ -35,7 +35,7 @@ import redis as redis_sync
 import uvicorn
 
 from api.app import create_app
-from api.http_protocol import EnvelopeH11Protocol
+from api.http_protocol import EnvelopeHttpToolsProtocol
 from spinf_worker.queue.keys import Keys
 from spinf_worker.queue.settings import ServiceSettings
 
@@ -70,7 +70,7 @@ class LiveServer:
         # http: the protocol serve.py runs, so a request h11 refuses gets the envelope here too
         config = uvicorn.Config(self.app, log_config=None, log_level="warning",
                                 lifespan="on", timeout_graceful_shutdown=5,
-                                http=EnvelopeH11Protocol)
+                                http=EnvelopeHttpToolsProtocol)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run,
                                         kwargs={"sockets": [self._socket]},
@@ -194,9 +194,14 @@ def raw_http(port: int, request: bytes) -> tuple[int, dict[bytes, bytes], bytes]
     characters) and read to the close; (status, headers by lowercased name, body)."""
     with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as conn:
         conn.sendall(request)
-        reply = b""
-        while chunk := conn.recv(65536):
-            reply += chunk
+        return read_reply(conn)
+
+
+def read_reply(conn: socket.socket) -> tuple[int, dict[bytes, bytes], bytes]:
+    """Read a reply to the close: (status, headers by lowercased name, body)."""
+    reply = b""
+    while chunk := conn.recv(65536):
+        reply += chunk
     head, _, body = reply.partition(b"\r\n\r\n")
     status_line, *lines = head.split(b"\r\n")
     headers = dict(line.split(b": ", 1) for line in lines)
