@@ -4,7 +4,6 @@ and the tools (parity, bench, models, quantize)."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 import os
@@ -339,7 +338,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_api(args: argparse.Namespace) -> int:
-    from .serve import Tiers, run_api_loop, run_api_processes, run_tiers
+    from .serve import Tiers, run_api_processes, run_loop, run_tiers
 
     _start_logging(args)
     settings = _with_token(_service_settings(args), args)
@@ -348,12 +347,12 @@ def cmd_api(args: argparse.Namespace) -> int:
         run_api_processes(settings, args.host, args.port, log_json=_log_json(args),
                           log_level=args.log_level)
     else:   # the API in this process, as `serve` runs it
-        run_api_loop(run_tiers(settings, Tiers(api=(args.host, args.port))))
+        run_loop(run_tiers(settings, Tiers(api=(args.host, args.port))))
     return 0
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from .serve import Tiers, WorkerSpec, run_tiers
+    from .serve import Tiers, WorkerSpec, run_loop, run_tiers
 
     _start_logging(args)
     settings = _service_settings(args)
@@ -364,11 +363,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return 2
         pool = _worker_pool(args, settings, args.devices, base_name=args.name)
-        asyncio.run(run_tiers(settings, Tiers(dispatcher=args.callbacks,
-                                              jobs={"workers": pool.run})))
+        run_loop(run_tiers(settings, Tiers(dispatcher=args.callbacks,
+                                           jobs={"workers": pool.run})))
         return 0
     worker = WorkerSpec(model=args.model, device=args.device, name=args.name)
-    asyncio.run(run_tiers(settings, Tiers(worker=worker, dispatcher=args.callbacks)))
+    run_loop(run_tiers(settings, Tiers(worker=worker, dispatcher=args.callbacks)))
     return 0
 
 
@@ -386,12 +385,12 @@ def _worker_pool(args: argparse.Namespace, settings, devices: str, base_name: st
 
 
 def cmd_dispatcher(args: argparse.Namespace) -> int:
-    from .serve import Tiers, run_tiers
+    from .serve import Tiers, run_loop, run_tiers
 
     _start_logging(args)
     settings = _service_settings(args)
     _needs(settings, secret=True)
-    asyncio.run(run_tiers(settings, Tiers(dispatcher=True)))
+    run_loop(run_tiers(settings, Tiers(dispatcher=True)))
     return 0
 
 

@@ -451,9 +451,10 @@ def run_api_processes(settings: ServiceSettings, host: str, port: int, *,
                            "the others")
 
 
-def run_api_loop(main: Coroutine) -> None:
+def run_loop(main: Coroutine) -> None:
     """``asyncio.run(main)`` on uvloop's event loop where uvloop imports, as uvicorn runs each
-    process of ``api --workers N``: the API's own work per request costs less CPU on it."""
+    process of ``api --workers N``: the API's work per request and a worker's event loop
+    cost less CPU on it (benchmarks/RESULTS.md)."""
     try:
         import uvloop
     except ImportError:
@@ -578,4 +579,4 @@ def serve(settings: ServiceSettings, *, host: str, port: int, model: str | None,
             pool = WorkerPool(settings, pool_devices, model=model, base_name=worker.name,
                               log_args=log_args or [])
             tiers = Tiers(api=(host, port), dispatcher=True, jobs={"workers": pool.run})
-        asyncio.run(run_tiers(settings, tiers))
+        run_loop(run_tiers(settings, tiers))

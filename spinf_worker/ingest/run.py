@@ -4,7 +4,6 @@ private redis-server on a state dir and one worker in this process."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from ..serve import (
     WorkerSpec,
     default_state_dir,
     load_or_create_secret,
+    run_loop,
     run_tiers,
     state_lock,
 )
@@ -54,4 +54,4 @@ def ingest(service: ServiceSettings, config: Settings, *, once: bool = False,
             stack.callback(server.shutdown)
             log.info("metrics served", url=f"http://{metrics_host}:{metrics_port}/metrics")
         consumer = Consumer(config, service, once=once, metrics=metrics)
-        asyncio.run(run_tiers(service, Tiers(worker=worker, jobs={"ingest": consumer.run})))
+        run_loop(run_tiers(service, Tiers(worker=worker, jobs={"ingest": consumer.run})))
