@@ -27,7 +27,7 @@ SERVER = '''
 import asyncio, json, socket, sys
 
 from api.app import create_app
-from api.http_protocol import EnvelopeH11Protocol
+from api.http_protocol import EnvelopeHttpToolsProtocol
 from spinf_worker.queue.settings import ServiceSettings
 import uvicorn
 
@@ -37,7 +37,7 @@ sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 sock.bind(("127.0.0.1", 0))
 server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
-                                      http=EnvelopeH11Protocol))
+                                      http=EnvelopeHttpToolsProtocol))
 
 
 async def main():

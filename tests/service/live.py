@@ -67,7 +67,7 @@ class LiveServer:
         self._socket.bind(("127.0.0.1", 0))
         self.port = self._socket.getsockname()[1]
         # log_config=None: leave the test process's logging alone
-        # http: the protocol serve.py runs, so a request h11 refuses gets the envelope here too
+        # http: the protocol serve.py runs, so a request the parser refuses gets the envelope here too
         config = uvicorn.Config(self.app, log_config=None, log_level="warning",
                                 lifespan="on", timeout_graceful_shutdown=5,
                                 http=EnvelopeHttpToolsProtocol)
