@@ -22,9 +22,9 @@ from spinf_worker.ids import new_ulid
 from .errors import envelope
 
 MALFORMED_CODE = "malformed_request"
-MAX_INCOMPLETE_HEAD = 16 * 1024    # bytes: h11's default limit
 MALFORMED_MESSAGE = ("the request is not valid HTTP/1.1: a malformed request line or header, "
                      "or a header holding NUL, CR, LF or another control character")
+MAX_INCOMPLETE_HEAD = 16 * 1024    # bytes: h11's default limit
 
 
 def malformed_reply(default_headers: list[tuple[bytes, bytes]]) -> bytes:

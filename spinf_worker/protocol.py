@@ -793,13 +793,12 @@ def scoring_key(data: Any, read_by_orjson: bool = False) -> str | bytes | None:
     scoring = data.get("scoring") if isinstance(data, dict) else None
     if not isinstance(scoring, dict):
         return None
+    # not JSON, or absurdly nested (orjson writes 255 levels at most): validation will say
     try:
         if read_by_orjson:
             return orjson.dumps(scoring)
         return json.dumps(scoring, allow_nan=False)
-    except (TypeError, ValueError, RecursionError):   # not JSON, or absurdly nested (orjson
-        #                                                 writes 255 levels at most):
-        #                                                 validation will say
+    except (TypeError, ValueError, RecursionError):
         return None
 
 
