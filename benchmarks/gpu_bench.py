@@ -27,6 +27,7 @@ import argparse
 import json
 import statistics
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -34,6 +35,7 @@ import torch
 
 from spinf_worker.engine import Engine, EngineSettings
 from spinf_worker.models.loader import Checkpoint, load_checkpoint
+from spinf_worker.quant.fp8_static import SCALES_FILE
 from spinf_worker.tools.news_job import (  # the job's work, shared with `spinf-serve bench`
     bits,
     build_requests,
@@ -172,13 +174,14 @@ def nvidia_smi_used_gib() -> float | None:
 
 
 def run_engine(name: str, ckpt: Checkpoint, scheme: str, requests: list[dict],
-               max_pass_tokens: int | None = None, cuda_graphs: bool = True, fuse: bool = True
-               ) -> tuple[dict, list]:
+               max_pass_tokens: int | None = None, cuda_graphs: bool = True, fuse: bool = True,
+               fp8_scales: Path | None = None) -> tuple[dict, list]:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     engine = Engine(ckpt, device="cuda",
                     settings=EngineSettings(scheme=scheme, max_pass_tokens=max_pass_tokens,
-                                            cuda_graphs=cuda_graphs, fuse=fuse))
+                                            cuda_graphs=cuda_graphs, fuse=fuse,
+                                            fp8_scales=str(fp8_scales) if fp8_scales else None))
     load_peak = torch.cuda.max_memory_allocated()
     t0 = time.perf_counter()
     first = checked(engine.score_batch(requests))  # compiles masks/kernels, fills the floor cache
@@ -221,6 +224,23 @@ def run_engine(name: str, ckpt: Checkpoint, scheme: str, requests: list[dict],
         f"{name}_{scheme}_cuda_graphs": engine.runner.graphs is not None,
     }
     return row, responses
+
+
+def static_scales(ckpt: Checkpoint, requests: list[dict], device: str = "cuda") -> Path:
+    """fp8-static input scales for ``ckpt`` calibrated on the job's own requests (as
+    ``spinf-serve quantize fp8-static`` does: bf16, module by module) -> the scales file."""
+    from spinf_worker.quant.fp8_static import save_scales, scale_of
+    from spinf_worker.tools.fp8_calibrate import record_amax
+
+    engine = Engine(ckpt, device=device, settings=EngineSettings(
+        scheme="bf16" if device == "cuda" else "fp32", fuse=False, cuda_graphs=False))
+    amax, _ = record_amax(engine, requests)
+    del engine
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    path = Path(tempfile.mkdtemp()) / SCALES_FILE
+    save_scales(path, {name: scale_of(a) for name, a in amax.items()}, {"model": ckpt.name})
+    return path
 
 
 def baseline_model(ckpt: Checkpoint, device: str = "cuda", dtype=torch.bfloat16):
@@ -340,6 +360,10 @@ def main() -> None:
     parser.add_argument("--pass-tokens-270m", type=int, nargs="*", default=[8192],
                         help="also run the 270M in fp8 with these pass budgets")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--schemes-12b", type=lambda s: s.split(","), default=["bf16", "fp8"])
+    parser.add_argument("--static", action="store_true",
+                        help="also fp8-static (270m: the committed scales of the real model, "
+                             "else scales calibrated on the job's own documents)")
     parser.add_argument("--commit", default=None, help="when the checkout has no .git")
     parser.add_argument("--case-insensitive", action="store_true",
                         help="the hosted default: options over their case spellings")
@@ -383,9 +407,18 @@ def main() -> None:
         ckpt = load_checkpoint(args.model270) if args.model270 else random_checkpoint(GEMMA_270M, tokenizer)
         name = "270m" if args.model270 else "270m_random"
         results = {}
-        for scheme in ("bf16", "fp8"):
+        for scheme in ("bf16", "fp8"):    # both always: the fp8 vs bf16 agreement below
             figures, results[scheme] = run_engine(name, ckpt, scheme, requests)
             row.update(figures)
+            save()
+            print(json.dumps(figures), flush=True)
+        if args.static:
+            committed = ROOT / "quantizations" / "google--gemma-3-270m" / SCALES_FILE
+            scales = committed if args.model270 else static_scales(ckpt, requests)
+            figures, static = run_engine(name, ckpt, "fp8-static", requests, fp8_scales=scales)
+            row.update(figures)
+            row[f"{name}_fp8_static_vs_bf16_max_abs_dp"] = round(
+                delta_p(results["bf16"], static)[1], 5)
             save()
             print(json.dumps(figures), flush=True)
         # the same engine without CUDA graphs: what launching kernel by kernel costs
@@ -404,8 +437,14 @@ def main() -> None:
         print(json.dumps(row), flush=True)
     if "12b" in only:
         ckpt = random_checkpoint(GEMMA_12B, tokenizer)
-        for scheme in ("bf16", "fp8"):
+        for scheme in args.schemes_12b:
             figures, _ = run_engine("12b", ckpt, scheme, requests)
+            row.update(figures)
+            save()
+            print(json.dumps(figures), flush=True)
+        if args.static:
+            scales = static_scales(ckpt, requests)
+            figures, _ = run_engine("12b", ckpt, "fp8-static", requests, fp8_scales=scales)
             row.update(figures)
             save()
             print(json.dumps(figures), flush=True)
@@ -414,7 +453,8 @@ def main() -> None:
             row.update(figures)
             save()
             print(json.dumps(figures), flush=True)
-        row.update(run_baseline("12b", ckpt, docs, questions, args.baseline_docs_12b))
+        if args.baseline_docs_12b:
+            row.update(run_baseline("12b", ckpt, docs, questions, args.baseline_docs_12b))
     if "qwen3" in only:   # the Llama/Qwen3 stack: fused forward against module by module
         ckpt = random_checkpoint(QWEN3_8B, tokenizer)
         for name, scheme, fuse in (("qwen3_8b", "bf16", True), ("qwen3_8b", "fp8", True),
