@@ -6,6 +6,7 @@ on one H200), on random weights of the models' shapes (as ``--load-format dummy`
     python benchmarks/gpu_jobs.py 27b    --data DIR --tokenizer DIR --out benchmarks/results
     python benchmarks/gpu_jobs.py sweeps --data DIR --tokenizer DIR --out benchmarks/results
     python benchmarks/gpu_jobs.py hybrid --data DIR --tokenizer DIR --out benchmarks/results
+    python benchmarks/gpu_jobs.py hybrid-long --data DIR --tokenizer DIR --out benchmarks/results
 
 - ``slots``: the news job (24 articles x 470 tokens x 56 questions) with and without four
   extraction slots per document (cpu_slots.SLOTS: two ``{*}``, one ``{n}``, one ``{$}``, beams
@@ -24,6 +25,10 @@ on one H200), on random weights of the models' shapes (as ``--load-format dummy`
 - ``hybrid``: the news job on the Qwen3.5-27B shape (48 Gated DeltaNet layers, 16 gated
   full-attention ones), bf16 then fp8 (``--schemes``): questions/s, a document's bits alone vs
   packed, peak memory.
+- ``hybrid-long``: the 56 questions over documents of 512, 2k and 8k tokens (``--lengths``) on
+  the Qwen3.5-27B shape, the DeltaNet roots by chunks (kernels/delta_triton.py's default for
+  roots of CHUNKED_ROOT rows or more) and token by token: questions/s, tokens/s, a document's
+  bits alone vs packed per length; tokens/s at 8k over 512 for each.
 
 Each writes ``<date>-gpu-<job>-<commit>.json`` under ``--out`` and prints a summary. fp8 by
 default (``--scheme``). ``--tiny``: the same code on the CPU with a tiny random Gemma 3 (fp32,
@@ -94,6 +99,7 @@ TINY_QWEN3_5 = dict(QWEN3_5_27B, hidden_size=64, intermediate_size=128, num_hidd
                     linear_key_head_dim=16, linear_value_head_dim=16)
 
 LONG_LENGTHS, TINY_LONG_LENGTHS = [512, 2048, 8192, 32768], [256, 1024]
+HYBRID_LENGTHS = [512, 2048, 8192]
 SWEEP_QUESTIONS, TINY_SWEEP_QUESTIONS = [7, 14, 28, 56, 112, 224], [7, 56, 112]
 SWEEP_LENGTHS, TINY_SWEEP_LENGTHS = [256, 512, 1024, 2048, 4096, 8192], [64, 256]
 
@@ -332,6 +338,43 @@ def job_hybrid(bench: Bench) -> None:
                               "bit_identical_alone_vs_packed", "peak_gib", "load_peak_gib")])
 
 
+def job_hybrid_long(bench: Bench) -> None:
+    """Long documents on the Qwen3.5-27B shape, the DeltaNet roots by chunks and token by
+    token (every root below the chunked path's threshold)."""
+    lengths = bench.args.lengths or (TINY_LONG_LENGTHS if bench.tiny else HYBRID_LENGTHS)
+    engine = bench.engine(TINY_QWEN3_5 if bench.tiny else QWEN3_5_27B,
+                          max_content_tokens=max(lengths) + 1024,
+                          max_pass_tokens=bench.args.max_pass_tokens)
+    modes = {"chunked": None}
+    if not bench.tiny:    # the CPU has one path (kernels/delta_tree.py's, by chunks)
+        from spinf_worker.kernels import delta_triton
+
+        modes = {"chunked": delta_triton.CHUNKED_ROOT, "recurrent": 1 << 40}
+        bench.row["chunked_root_rows"] = delta_triton.CHUNKED_ROOT
+    for mode, threshold in modes.items():
+        if threshold is not None:
+            delta_triton.CHUNKED_ROOT = threshold
+        for length in lengths:
+            bench.release()
+            docs = bench.windows(length, max(2, bench.args.long_tokens // length))
+            requests = build_requests(docs, bench.questions)
+            figures, responses = bench.measure(engine, requests)
+            figures["doc_tokens"] = length
+            figures["bit_identical_alone_vs_packed"] = invariance(engine, requests, responses, 1)
+            bench.record(f"{mode}_len{length}", figures)
+        base = bench.row.get(f"{mode}_len{lengths[0]}_tokens_per_s")
+        top = bench.row.get(f"{mode}_len{lengths[-1]}_tokens_per_s")
+        if base and top:
+            bench.row[f"{mode}_tokens_per_s_longest_over_shortest"] = round(top / base, 3)
+    if len(modes) > 1:
+        delta_triton.CHUNKED_ROOT = modes["chunked"]
+    bench.save()
+    summary(bench, [f"{m}_len{n}_{k}" for m in modes for n in lengths
+                    for k in ("questions_per_s", "tokens_per_s", "bit_identical_alone_vs_packed",
+                              "peak_gib")]
+            + [f"{m}_tokens_per_s_longest_over_shortest" for m in modes])
+
+
 def question_set(questions: dict, n: int) -> list[dict]:
     """The first ``n`` news questions; past the 56, all of them again as "Question 2:", ...
     (other tokens after the shared "\\n\\nQuestion", so a repeat is read, not shared)."""
@@ -392,7 +435,7 @@ def summary(bench: Bench, keys: list[str]) -> None:
 
 
 JOBS = {"slots": job_slots, "long": job_long, "27b": job_27b, "sweeps": job_sweeps,
-        "hybrid": job_hybrid}
+        "hybrid": job_hybrid, "hybrid-long": job_hybrid_long}
 
 
 def main() -> None:
@@ -432,7 +475,7 @@ def main() -> None:
         args.docs, args.repeat = min(args.docs, 2), 1
         args.question_counts = args.question_counts or TINY_SWEEP_QUESTIONS
     args.long_tokens = args.long_tokens or (1024 if args.tiny else 65536)
-    if args.tiny and args.job == "long":   # the longest document larger than a pass, as 32k is
+    if args.tiny and args.job in ("long", "hybrid-long"):   # the longest document larger than a pass, as 32k is
         args.max_pass_tokens = args.max_pass_tokens or 1024
     args.sweep_tokens = args.sweep_tokens or (512 if args.tiny else 11280)
     JOBS[args.job](Bench(args))

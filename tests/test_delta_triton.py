@@ -128,8 +128,9 @@ def branch_keys(docs: list[FlatDoc], ids: torch.Tensor) -> list[dict[tuple, int]
 
 
 def test_close_to_torch_path_and_to_token_by_token():
-    """Roots of 1 to 70 rows (one over a 64-row chunk of the torch path), questions up to
-    14 tokens deep, one 24 deep (its path pads to 32)."""
+    """Roots of 1 to 70 rows (one over a 64-row chunk of the torch path) token by token, of
+    257 and 301 rows by chunks, questions up to 14 tokens deep, one 24 deep (its path pads
+    to 32)."""
     interpreted("check_close")
 
 
@@ -144,9 +145,11 @@ def test_question_bits_alone_vs_beside_others():
 
 
 def check_close():
+    from spinf_worker.kernels.delta_triton import CHUNKED_ROOT
+
     rule = interpreted_rule()
     rng = random.Random(0)
-    docs = [random_doc(rng, n, 3) for n in (0, 4, 37, 69)]
+    docs = [random_doc(rng, n, 3) for n in (0, 4, 37, 69, CHUNKED_ROOT, 300)]
     docs.append(DocTree([2, 41, 42], [Branch([18] * 22, [[21, 22]])]).flatten(0))
     plan, ids = pass_of(docs)
     inputs = features(ids)
@@ -170,18 +173,21 @@ def check_close():
 
 
 def check_document_bits():
+    """A short root (token by token) and a long one (by chunks), each alone and among
+    others, short and long."""
     rule = interpreted_rule()
     rng = random.Random(1)
-    target = random_doc(rng, 21, 2)
-    plan, ids = pass_of([target])
-    alone = rule(plan, *features(ids))
     others = [random_doc(rng, rng.randint(0, 12), 1) for _ in range(3)]
-    for at in (1, 3):
-        docs = others[:at] + [target] + others[at:]
-        plan, ids = pass_of(docs)
-        start = sum(d.length for d in docs[:at])
-        packed = rule(plan, *features(ids))
-        assert torch.equal(packed[start:start + target.length], alone), at
+    others.insert(2, random_doc(rng, 280, 1))
+    for target in (random_doc(rng, 21, 2), random_doc(rng, 330, 2)):
+        plan, ids = pass_of([target])
+        alone = rule(plan, *features(ids))
+        for at in (1, 4):
+            docs = others[:at] + [target] + others[at:]
+            plan, ids = pass_of(docs)
+            start = sum(d.length for d in docs[:at])
+            packed = rule(plan, *features(ids))
+            assert torch.equal(packed[start:start + target.length], alone), at
 
 
 def check_question_bits():
@@ -243,7 +249,7 @@ def test_cpu_keeps_the_torch_path(monkeypatch):
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="kernels interpreted")
 def test_kernels_compile_for_sm90():
-    """The compiled path, which the interpreter does not check: both kernels down to a cubin
+    """The compiled path, which the interpreter does not check: every kernel down to a cubin
     for sm_90 at the 27B's head sizes, without a GPU (triton's bundled ptxas)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -253,14 +259,24 @@ def test_kernels_compile_for_sm90():
 
     tensors = {name: "*fp32" for name in ("q_ptr", "k_ptr", "v_ptr", "g_ptr", "beta_ptr",
                                            "out_ptr", "state_ptr")}
-    kernels = [(dt._root_kernel, {"start_ptr": "*i64", "len_ptr": "*i32"}, dt.ROOT_BV,
-                dt.ROOT_WARPS),
+    chunked = {"u_ptr": "*fp32", "w_ptr": "*fp32"}
+    heads = {"H": 48, "DK": 128, "DV": 128, "BK": 128}
+    kernels = [(dt._root_kernel, {"start_ptr": "*i64", "len_ptr": "*i32", "docs_ptr": "*i32"},
+                {"BV": dt.ROOT_BV}, dt.ROOT_WARPS),
                (dt._branch_kernel, {"doc_ptr": "*i32", "path_ptr": "*i64",
-                                    "len_ptr": "*i32", "width": "i32"}, dt.BRANCH_BV,
-                dt.BRANCH_WARPS)]
-    for kernel, pointers, bv, warps in kernels:
-        consts = {"H": 48, "DK": 128, "DV": 128, "BK": 128, "BV": bv}
-        signature = {**tensors, **pointers, **dict.fromkeys(consts, "constexpr")}
+                                    "len_ptr": "*i32", "width": "i32"}, {"BV": dt.BRANCH_BV},
+                dt.BRANCH_WARPS),
+               (dt._chunk_solve_kernel, {**chunked, "start_ptr": "*i64", "len_ptr": "*i32",
+                                         "chunk_doc_ptr": "*i32", "chunk_at_ptr": "*i32"},
+                {"BDV": 128, "C": dt.CHUNK}, dt.CHUNK_WARPS),
+               (dt._chunk_state_kernel, {**chunked, "start_ptr": "*i64", "len_ptr": "*i32",
+                                         "first_chunk_ptr": "*i32", "docs_ptr": "*i32"},
+                {"BV": dt.CHUNK_BV, "C": dt.CHUNK}, dt.CHUNK_WARPS)]
+    for kernel, pointers, sizes, warps in kernels:
+        consts = {**heads, **sizes}
+        params = kernel.arg_names
+        args = {**tensors, **pointers, **dict.fromkeys(consts, "constexpr")}
+        signature = {name: args[name] for name in params}
         names = list(signature)
         source = ASTSource(kernel, signature,
                            constexprs={(names.index(n),): v for n, v in consts.items()})

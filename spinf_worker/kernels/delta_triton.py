@@ -1,9 +1,15 @@
 """The gated delta rule over a pass's read-once tree on CUDA, in Triton: token by token, the
-state in fp32 registers (flash-linear-attention's fused recurrent kernel), two launches a layer
-instead of kernels/delta_tree.py's ops per document and per branch tile.
+state in fp32 registers (flash-linear-attention's fused recurrent kernel), a few launches a
+layer instead of kernels/delta_tree.py's ops per document and per branch tile.
 
 - Roots: one program per (document, head, block of ROOT_BV value columns) runs the root's rows
   from a zero state, writes each row's output and the state after the root's last row.
+- Long roots (CHUNKED_ROOT rows or more) go by CHUNK-row chunks instead, as the torch path
+  does (``chunk_delta_rule``): one program per (chunk, head) solves its chunk's triangular
+  system (the UT transform, independent of the state, so every chunk of every long root at
+  once), then one program per (document, head, block of CHUNK_BV value columns) carries the
+  state from chunk to chunk with matrix products: a root of R rows costs R / CHUNK serial
+  steps instead of R. Which path a root takes depends on its own length only.
 - Branch rows: one program per (branch row, head, block of BRANCH_BV value columns); a leaf's
   (a row on no other row's path) loads its document's root state, runs its own path (its
   branch ancestors, then itself) and writes the output of every row on it; the others' do
@@ -35,6 +41,9 @@ from .attention import AttentionPlan
 # blocks, so wider ones read them fewer times
 ROOT_BV, ROOT_WARPS = 8, 1
 BRANCH_BV, BRANCH_WARPS = 32, 4
+CHUNKED_ROOT = 256     # roots of at least this many rows go by chunks
+CHUNK = 64             # rows of a chunk (the torch path's)
+CHUNK_BV, CHUNK_WARPS = 32, 4
 
 
 @dataclass
@@ -44,6 +53,11 @@ class TreeRows:
 
     root_start: torch.Tensor     # [docs] each document's first row
     root_len: torch.Tensor       # [docs] its root's rows
+    short_roots: torch.Tensor    # [s] the documents (indices) whose roots go token by token
+    long_roots: torch.Tensor     # [l] the others: by chunks
+    first_chunk: torch.Tensor    # [l] a long root's first chunk (an index into chunk_doc)
+    chunk_doc: torch.Tensor      # [c] each chunk's document (an index into root_start)
+    chunk_at: torch.Tensor       # [c] its first row in its root
     branch_doc: torch.Tensor     # [n] each branch row's document (an index into root_start)
     path: torch.Tensor           # [n, width] its own path's rows, itself last; then padding
     path_len: torch.Tensor       # [n] the path's real rows; 0 unless the row is a leaf
@@ -68,12 +82,22 @@ class TreeRows:
                 paths.append(tiles.path[:n] + s)
                 lengths.append(tiles.path_ok[:n].sum(1, dtype=torch.int32))
         long = dict(dtype=torch.int64, device=device)
+        int32 = dict(dtype=torch.int32, device=device)
         starts = torch.tensor([doc.start for doc in plan.docs], **long)
-        roots = torch.tensor([doc.root for doc in plan.docs], dtype=torch.int32, device=device)
+        roots = torch.tensor([doc.root for doc in plan.docs], **int32)
+        by_chunks = [d for d, doc in enumerate(plan.docs) if doc.root >= CHUNKED_ROOT]
+        chunks = [-(-plan.docs[d].root // CHUNK) for d in by_chunks]
+        split = dict(
+            short_roots=torch.tensor([d for d, doc in enumerate(plan.docs)
+                                      if doc.root < CHUNKED_ROOT], **int32),
+            long_roots=torch.tensor(by_chunks, **int32),
+            first_chunk=torch.tensor([sum(chunks[:i]) for i in range(len(chunks))], **int32),
+            chunk_doc=torch.tensor([d for d, n in zip(by_chunks, chunks, strict=True)
+                                    for _ in range(n)], **int32),
+            chunk_at=torch.tensor([i * CHUNK for n in chunks for i in range(n)], **int32))
         if not rows:
-            return cls(starts, roots, torch.empty(0, dtype=torch.int32, device=device),
-                       torch.empty(0, 1, **long), torch.empty(0, dtype=torch.int32,
-                                                               device=device))
+            return cls(starts, roots, **split, branch_doc=torch.empty(0, **int32),
+                       path=torch.empty(0, 1, **long), path_len=torch.empty(0, **int32))
         width = max(p.shape[1] for p in paths)
         row = torch.cat(rows).long()
         path = torch.cat([F.pad(p, (0, width - p.shape[1])) for p in paths]).long()
@@ -84,8 +108,8 @@ class TreeRows:
         below = torch.zeros(max(doc.start + doc.tokens for doc in plan.docs),
                             dtype=torch.int32, device=device)
         below.scatter_add_(0, path.flatten(), above.flatten().int())
-        return cls(starts, roots, torch.cat(docs), path,
-                   torch.where(below[row] == 0, length, 0))
+        return cls(starts, roots, **split, branch_doc=torch.cat(docs), path=path,
+                   path_len=torch.where(below[row] == 0, length, 0))
 
 
 @triton.jit
@@ -115,9 +139,9 @@ def _update(h, k, v, decay, beta):
 
 @triton.jit
 def _root_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, state_ptr, start_ptr, len_ptr,
-                 H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
-                 BV: tl.constexpr):
-    i_d, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+                 docs_ptr, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                 BK: tl.constexpr, BV: tl.constexpr):
+    i_d, i_h, i_v = tl.load(docs_ptr + tl.program_id(0)), tl.program_id(1), tl.program_id(2)
     offs_k = tl.arange(0, BK)
     offs_v = i_v * BV + tl.arange(0, BV)
     mask_k, mask_v = offs_k < DK, offs_v < DV
@@ -135,6 +159,99 @@ def _root_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, state_ptr, start
                  mask=mask_v)
         q, k, v, decay, beta = q1, k1, v1, decay1, beta1
         row += 1
+    at = (i_d * H + i_h).to(tl.int64) * DK
+    tl.store(state_ptr + (at + offs_k[:, None]) * DV + offs_v[None, :], h,
+             mask=mask_k[:, None] & mask_v[None, :])
+
+
+@triton.jit
+def _load_chunk(q_ptr, k_ptr, g_ptr, beta_ptr, row, n, i_h, offs_c, offs_k, mask_k,
+                H: tl.constexpr, DK: tl.constexpr):
+    """The ``n`` (<= C) rows of head ``i_h`` from pass row ``row`` on, zeros past them (as the
+    torch path's padding: no decay, no update): q, k [C, BK], the log decay from the chunk's
+    start (g's running sum) [C], beta [C], and which rows are real."""
+    ok = offs_c < n
+    at = (row + offs_c) * H + i_h
+    mask = ok[:, None] & mask_k[None, :]
+    q = tl.load(q_ptr + at[:, None] * DK + offs_k[None, :], mask=mask, other=0.0)
+    k = tl.load(k_ptr + at[:, None] * DK + offs_k[None, :], mask=mask, other=0.0)
+    decay = tl.cumsum(tl.load(g_ptr + at, mask=ok, other=0.0), 0)
+    return q, k, decay, tl.load(beta_ptr + at, mask=ok, other=0.0), ok
+
+
+@triton.jit
+def _chunk_pairs(decay, offs_c, diagonal: tl.constexpr):
+    """[C, C] exp(decay_i - decay_j) for j before i (and j == i with ``diagonal``), else 0."""
+    keep = (offs_c[:, None] > offs_c[None, :]) | (diagonal & (offs_c[:, None] == offs_c[None, :]))
+    return tl.where(keep, tl.exp(tl.where(keep, decay[:, None] - decay[None, :], 0.0)), 0.0)
+
+
+@triton.jit
+def _chunk_solve_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, u_ptr, w_ptr, start_ptr, len_ptr,
+                        chunk_doc_ptr, chunk_at_ptr, H: tl.constexpr,
+                        DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
+                        BDV: tl.constexpr, C: tl.constexpr):
+    """One (chunk, head): T = (I + strictly lower(beta k k^T * decay))^-1 by forward
+    substitution, then u = T (beta v) [C, DV] and w = T (beta k exp(decay)) [C, DK], written to
+    the chunk's rows of ``u``/``w`` (chunk-major, C rows a chunk)."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    d, lo = tl.load(chunk_doc_ptr + i_c), tl.load(chunk_at_ptr + i_c)
+    offs_c, offs_k, offs_v = tl.arange(0, C), tl.arange(0, BK), tl.arange(0, BDV)
+    mask_k, mask_v = offs_k < DK, offs_v < DV
+    row = tl.load(start_ptr + d) + lo
+    q, k, decay, beta, ok = _load_chunk(q_ptr, k_ptr, g_ptr, beta_ptr, row, tl.load(
+        len_ptr + d) - lo, i_h, offs_c, offs_k, mask_k, H, DK)
+    at = (row + offs_c) * H + i_h
+    v = tl.load(v_ptr + at[:, None] * DV + offs_v[None, :], mask=ok[:, None] & mask_v[None, :],
+                other=0.0)
+    k_beta = k * beta[:, None]
+    a = tl.dot(k_beta, tl.trans(k), input_precision="ieee") * _chunk_pairs(decay, offs_c, False)
+    t = tl.where(offs_c[:, None] == offs_c[None, :], 1.0, 0.0)
+    for i in range(1, C):     # row i: e_i - sum_{j < i} a[i, j] t[j]  (a[i, j] = 0 for j >= i)
+        a_i = tl.sum(tl.where(offs_c[:, None] == i, a, 0.0), 0)
+        t_i = tl.where(offs_c == i, 1.0, -tl.sum(a_i[:, None] * t, 0))
+        t = tl.where(offs_c[:, None] == i, t_i[None, :], t)
+    u = tl.dot(t, v * beta[:, None], input_precision="ieee")
+    w = tl.dot(t, k_beta * tl.exp(decay)[:, None], input_precision="ieee")
+    out = (i_c.to(tl.int64) * C + offs_c) * H + i_h
+    tl.store(u_ptr + out[:, None] * DV + offs_v[None, :], u, mask=mask_v[None, :])
+    tl.store(w_ptr + out[:, None] * DK + offs_k[None, :], w, mask=mask_k[None, :])
+
+
+@triton.jit
+def _chunk_state_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, u_ptr, w_ptr, out_ptr, state_ptr,
+                        start_ptr, len_ptr, first_chunk_ptr, docs_ptr, H: tl.constexpr,
+                        DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
+                        BV: tl.constexpr, C: tl.constexpr):
+    """One (long root, head, block of BV value columns): chunk after chunk, the rows' outputs
+    from the state before the chunk and the chunk's own rows, then the state after it."""
+    i_l, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_d = tl.load(docs_ptr + i_l)
+    chunk = tl.load(first_chunk_ptr + i_l).to(tl.int64)
+    offs_c, offs_k = tl.arange(0, C), tl.arange(0, BK)
+    offs_v = i_v * BV + tl.arange(0, BV)
+    mask_k, mask_v = offs_k < DK, offs_v < DV
+    start, n = tl.load(start_ptr + i_d), tl.load(len_ptr + i_d)
+    h = tl.zeros([BK, BV], dtype=tl.float32)
+    lo = 0
+    while lo < n:
+        q, k, decay, beta, ok = _load_chunk(q_ptr, k_ptr, g_ptr, beta_ptr, start + lo, n - lo,
+                                            i_h, offs_c, offs_k, mask_k, H, DK)
+        at = (chunk * C + offs_c) * H + i_h
+        u = tl.load(u_ptr + at[:, None] * DV + offs_v[None, :], mask=mask_v[None, :], other=0.0)
+        w = tl.load(w_ptr + at[:, None] * DK + offs_k[None, :], mask=mask_k[None, :], other=0.0)
+        v_new = u - tl.dot(w, h, input_precision="ieee")
+        attn = tl.dot(q, tl.trans(k), input_precision="ieee") * _chunk_pairs(decay, offs_c, True)
+        o = (tl.dot(q * tl.exp(decay)[:, None], h, input_precision="ieee")
+             + tl.dot(attn, v_new, input_precision="ieee"))
+        rows = (start + lo + offs_c) * H + i_h
+        tl.store(out_ptr + rows[:, None] * DV + offs_v[None, :], o,
+                 mask=ok[:, None] & mask_v[None, :])
+        last = tl.sum(tl.where(offs_c == C - 1, decay, 0.0), 0)
+        k_dec = k * tl.exp(last - decay)[:, None]
+        h = h * tl.exp(last) + tl.dot(tl.trans(k_dec), v_new, input_precision="ieee")
+        lo += C
+        chunk += 1
     at = (i_d * H + i_h).to(tl.int64) * DK
     tl.store(state_ptr + (at + offs_k[:, None]) * DV + offs_v[None, :], h,
              mask=mask_k[:, None] & mask_v[None, :])
@@ -184,9 +301,22 @@ def tree_delta_rule(plan: AttentionPlan, q, k, v, g, beta) -> torch.Tensor:
         return out
     bk = triton.next_power_of_2(dk)
     state = torch.empty(docs, heads, dk, dv, dtype=torch.float32, device=q.device)
-    _root_kernel[(docs, heads, triton.cdiv(dv, ROOT_BV))](
-        q, k, v, g, beta, out, state, tree.root_start, tree.root_len,
-        H=heads, DK=dk, DV=dv, BK=bk, BV=ROOT_BV, num_warps=ROOT_WARPS)
+    if tree.short_roots.shape[0]:
+        _root_kernel[(tree.short_roots.shape[0], heads, triton.cdiv(dv, ROOT_BV))](
+            q, k, v, g, beta, out, state, tree.root_start, tree.root_len, tree.short_roots,
+            H=heads, DK=dk, DV=dv, BK=bk, BV=ROOT_BV, num_warps=ROOT_WARPS)
+    if tree.long_roots.shape[0]:
+        chunks = tree.chunk_doc.shape[0]
+        u = torch.empty(chunks * CHUNK, heads, dv, dtype=torch.float32, device=q.device)
+        w = torch.empty(chunks * CHUNK, heads, dk, dtype=torch.float32, device=q.device)
+        _chunk_solve_kernel[(chunks, heads)](
+            q, k, v, g, beta, u, w, tree.root_start, tree.root_len, tree.chunk_doc,
+            tree.chunk_at, H=heads, DK=dk, DV=dv, BK=bk,
+            BDV=triton.next_power_of_2(dv), C=CHUNK, num_warps=CHUNK_WARPS)
+        _chunk_state_kernel[(tree.long_roots.shape[0], heads, triton.cdiv(dv, CHUNK_BV))](
+            q, k, g, beta, u, w, out, state, tree.root_start, tree.root_len, tree.first_chunk,
+            tree.long_roots, H=heads, DK=dk, DV=dv, BK=bk, BV=CHUNK_BV, C=CHUNK,
+            num_warps=CHUNK_WARPS)
     n = tree.path.shape[0]
     if n:
         _branch_kernel[(n, heads, triton.cdiv(dv, BRANCH_BV))](
