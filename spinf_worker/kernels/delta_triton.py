@@ -44,6 +44,7 @@ BRANCH_BV, BRANCH_WARPS = 32, 4
 CHUNKED_ROOT = 256     # roots of at least this many rows go by chunks
 CHUNK = 64             # rows of a chunk (the torch path's)
 CHUNK_BV, CHUNK_WARPS = 32, 4
+DOT_MIN = 16           # tl.dot's smallest side: narrower heads are padded (masked) to it
 
 
 @dataclass
@@ -311,11 +312,12 @@ def tree_delta_rule(plan: AttentionPlan, q, k, v, g, beta) -> torch.Tensor:
         w = torch.empty(chunks * CHUNK, heads, dk, dtype=torch.float32, device=q.device)
         _chunk_solve_kernel[(chunks, heads)](
             q, k, v, g, beta, u, w, tree.root_start, tree.root_len, tree.chunk_doc,
-            tree.chunk_at, H=heads, DK=dk, DV=dv, BK=bk,
-            BDV=triton.next_power_of_2(dv), C=CHUNK, num_warps=CHUNK_WARPS)
+            tree.chunk_at, H=heads, DK=dk, DV=dv, BK=max(bk, DOT_MIN),
+            BDV=max(triton.next_power_of_2(dv), DOT_MIN), C=CHUNK, num_warps=CHUNK_WARPS)
         _chunk_state_kernel[(tree.long_roots.shape[0], heads, triton.cdiv(dv, CHUNK_BV))](
             q, k, g, beta, u, w, out, state, tree.root_start, tree.root_len, tree.first_chunk,
-            tree.long_roots, H=heads, DK=dk, DV=dv, BK=bk, BV=CHUNK_BV, C=CHUNK,
+            tree.long_roots, H=heads, DK=dk, DV=dv, BK=max(bk, DOT_MIN), BV=CHUNK_BV,
+            C=CHUNK,
             num_warps=CHUNK_WARPS)
     n = tree.path.shape[0]
     if n:
