@@ -317,8 +317,7 @@ def tree_delta_rule(plan: AttentionPlan, q, k, v, g, beta) -> torch.Tensor:
         _chunk_state_kernel[(tree.long_roots.shape[0], heads, triton.cdiv(dv, CHUNK_BV))](
             q, k, g, beta, u, w, out, state, tree.root_start, tree.root_len, tree.first_chunk,
             tree.long_roots, H=heads, DK=dk, DV=dv, BK=max(bk, DOT_MIN), BV=CHUNK_BV,
-            C=CHUNK,
-            num_warps=CHUNK_WARPS)
+            C=CHUNK, num_warps=CHUNK_WARPS)
     n = tree.path.shape[0]
     if n:
         _branch_kernel[(n, heads, triton.cdiv(dv, BRANCH_BV))](
