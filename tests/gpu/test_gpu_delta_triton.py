@@ -139,3 +139,33 @@ def test_tiny_qwen3_5_engine(monkeypatch, triton_calls, tmp_path, tiny_tokenizer
     assert worst < 0.01, worst
     assert_invariant(engine, {"text": NEWS * 2, "scoring": {"queries": [*QUERIES, LONG]}},
                      seed=4)
+
+
+def test_long_roots_by_chunks(monkeypatch, triton_calls):
+    """Roots of 256 rows and more go by chunks: close to the same roots token by token and to
+    fp64, a long document's bits alone vs packed among short and long ones."""
+    from spinf_worker.kernels import delta_triton
+
+    rng = random.Random(5)
+    target = random_doc(rng, 700, 6)
+    plan, ids = pass_of([target], "cuda")
+    inputs = features(ids, HEADS, DIM, DIM, "cuda")
+    assert delta_triton.TreeRows.of(plan, "cuda").long_roots.tolist() == [0]
+    alone = delta_tree.tree_delta_rule(plan, *inputs)
+    monkeypatch.setattr(delta_triton, "CHUNKED_ROOT", 1 << 30)
+    plan, _ = pass_of([target], "cuda")
+    token_by_token = delta_tree.tree_delta_rule(plan, *inputs)
+    monkeypatch.setattr(delta_triton, "CHUNKED_ROOT", 256)
+    want = reference([target], *inputs)
+    vs_steps = float((alone - token_by_token).abs().max())
+    vs_ref = float((alone.double().cpu() - want).abs().max())
+    print(f"a 701-row root by chunks: max |Δ| vs token by token {vs_steps:.2e}, vs fp64 "
+          f"{vs_ref:.2e}")
+    assert vs_steps < 1e-4 and vs_ref < 1e-4
+    others = [random_doc(rng, n, 4) for n in (40, 300, 3, 1000)]
+    for at in (0, 2, 4):
+        docs = others[:at] + [target] + others[at:]
+        plan, ids = pass_of(docs, "cuda")
+        start = sum(d.length for d in docs[:at])
+        packed = delta_tree.tree_delta_rule(plan, *features(ids, HEADS, DIM, DIM, "cuda"))
+        assert torch.equal(packed[start:start + target.length], alone), at
