@@ -27,6 +27,7 @@ shares the pass.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +42,11 @@ from .attention import AttentionPlan
 # blocks, so wider ones read them fewer times
 ROOT_BV, ROOT_WARPS = 8, 1
 BRANCH_BV, BRANCH_WARPS = 32, 4
-CHUNKED_ROOT = 256     # roots of at least this many rows go by chunks
+# roots of at least this many rows go by chunks; SPINF_DELTA_CHUNKED_ROOT=0: none does
+_CHUNKED = os.environ.get("SPINF_DELTA_CHUNKED_ROOT", "256")
+if not _CHUNKED.isdigit():
+    raise ValueError(f"SPINF_DELTA_CHUNKED_ROOT={_CHUNKED!r}: expected a row count (0: never)")
+CHUNKED_ROOT = int(_CHUNKED) or 1 << 62
 CHUNK = 64             # rows of a chunk (the torch path's)
 CHUNK_BV, CHUNK_WARPS = 32, 4
 DOT_MIN = 16           # tl.dot's smallest side: narrower heads are padded (masked) to it
