@@ -10,7 +10,8 @@
 #
 # The carried folder is kept in $GPU_HOST/carried: later calls on the same machine need not
 # carry it again (a call's carry is at most 64 MiB). Wheels in .dev/extra (carried by a call of
-# their own: whatever else a run needs, py-spy say) are installed too, once.
+# their own: av, which the CLI needs, gpu_host_prepare.sh puts there; py-spy say) are
+# installed too, each once.
 GPU_HOST=${GPU_HOST:-/root/gpu-host}
 mkdir -p "$GPU_HOST/site" "$GPU_HOST/tokenizer" "$GPU_HOST/models"
 if [ -d "$PWD/.dev/gpu-host" ] && [ ! -d "$GPU_HOST/carried" ]; then
@@ -21,10 +22,11 @@ if [ ! -f "$GPU_HOST/site/.installed" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
       --target "$GPU_HOST/site" "$CARRIED"/wheels/*.whl && touch "$GPU_HOST/site/.installed"
 fi
-if ls "$PWD"/.dev/extra/*.whl >/dev/null 2>&1 && [ ! -f "$GPU_HOST/site/.extra-installed" ]; then
+for wheel in "$PWD"/.dev/extra/*.whl; do    # each once, whichever call carried it
+  [ -f "$wheel" ] && [ ! -f "$GPU_HOST/site/.extra-$(basename "$wheel")" ] || continue
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target "$GPU_HOST/site" "$PWD"/.dev/extra/*.whl && touch "$GPU_HOST/site/.extra-installed"
-fi
+      --target "$GPU_HOST/site" "$wheel" && touch "$GPU_HOST/site/.extra-$(basename "$wheel")"
+done
 if [ ! -f "$GPU_HOST/tokenizer/tokenizer.json" ]; then
   xz -dc "$CARRIED/tokenizer/tokenizer.json.xz" > "$GPU_HOST/tokenizer/tokenizer.json"
   cp "$CARRIED"/tokenizer/*.json "$GPU_HOST/tokenizer/"

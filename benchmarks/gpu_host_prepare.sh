@@ -7,11 +7,13 @@
 #
 #     [SPINF_TOKENIZER=DIR] [SPINF_SHARED_DATA=DIR] bash benchmarks/gpu_host_prepare.sh
 #
-# Carry .dev/gpu-host (about 55 MB: one device call's carry) to the GPU host, then there:
-# `source benchmarks/gpu_host_env.sh`. The CLI checks that its extras are installed before it
-# starts a command, so their wheels come along (av, feedparser, trafilatura, soxr; without
-# trafilatura's own dependencies, which only feed ingestion imports). PLOTS=1 adds matplotlib
-# and its dependencies (~17 MB more: the sweeps' PNGs can be drawn here from their JSON).
+# Carry .dev/gpu-host (about 26 MB) to the GPU host, then there: `source
+# benchmarks/gpu_host_env.sh`. The CLI checks that its extras are installed before it starts a
+# command, so their wheels come along (feedparser, trafilatura, soxr; without trafilatura's own
+# dependencies, which only feed ingestion imports) and av's (34 MB) goes to .dev/extra: a call
+# of its own carries it before the service benchmarks (a call's carry, checkout included, is
+# at most 64 MiB). PLOTS=1 adds matplotlib and its dependencies (~17 MB more: the sweeps'
+# PNGs can be drawn here from their JSON).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OUT=$ROOT/.dev/gpu-host
@@ -31,12 +33,16 @@ rm -rf "$OUT" && mkdir -p "$OUT/wheels" "$OUT/redis" "$OUT/tokenizer" "$OUT/data
     platformdirs orjson gguf spinf-client prometheus-client httpx httpcore h11 anyio sniffio idna \
     certifi pyyaml pytest pluggy iniconfig packaging pillow tenacity pytest-asyncio \
     standardwebhooks python-dateutil six typing-extensions opentelemetry-api \
-    av feedparser feedparser-sgmllib trafilatura soxr \
+    feedparser feedparser-sgmllib trafilatura soxr \
     $([ "${PLOTS:-0}" = 1 ] && echo matplotlib contourpy cycler fonttools kiwisolver pyparsing)
 CORE=$(unzip -p "$OUT"/wheels/pydantic-2*.whl '*/METADATA' \
        | sed -n 's/^Requires-Dist: \(pydantic-core==[^ ;]*\).*/\1/p')
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d "$OUT/wheels" "$CORE"
+
+mkdir -p "$ROOT/.dev/extra" && rm -f "$ROOT"/.dev/extra/av-*.whl
+"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    --platform manylinux_2_28_x86_64 -d "$ROOT/.dev/extra" av
 
 REDIS=$(command -v redis-server)
 cp "$(readlink -f "$REDIS")" "$OUT/redis/redis-server"
