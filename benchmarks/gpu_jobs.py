@@ -345,15 +345,15 @@ def job_hybrid_long(bench: Bench) -> None:
     engine = bench.engine(TINY_QWEN3_5 if bench.tiny else QWEN3_5_27B,
                           max_content_tokens=max(lengths) + 1024,
                           max_pass_tokens=bench.args.max_pass_tokens)
-    modes = {"chunked": None}
-    if not bench.tiny:    # the CPU has one path (kernels/delta_tree.py's, by chunks)
+    modes = ["chunked"]   # the CPU has one path (kernels/delta_tree.py's, by chunks)
+    if not bench.tiny:
         from spinf_worker.kernels import delta_triton
 
-        modes = {"chunked": delta_triton.CHUNKED_ROOT, "recurrent": 1 << 40}
-        bench.row["chunked_root_rows"] = delta_triton.CHUNKED_ROOT
-    for mode, threshold in modes.items():
-        if threshold is not None:
-            delta_triton.CHUNKED_ROOT = threshold
+        modes.append("recurrent")
+        chunked = bench.row["chunked_root_rows"] = delta_triton.CHUNKED_ROOT
+    for mode in modes:
+        if mode == "recurrent":      # every root under the threshold: token by token
+            delta_triton.CHUNKED_ROOT = 1 << 62
         for length in lengths:
             bench.release()
             docs = bench.windows(length, max(2, bench.args.long_tokens // length))
@@ -366,8 +366,8 @@ def job_hybrid_long(bench: Bench) -> None:
         top = bench.row.get(f"{mode}_len{lengths[-1]}_tokens_per_s")
         if base and top:
             bench.row[f"{mode}_tokens_per_s_longest_over_shortest"] = round(top / base, 3)
-    if len(modes) > 1:
-        delta_triton.CHUNKED_ROOT = modes["chunked"]
+    if not bench.tiny:
+        delta_triton.CHUNKED_ROOT = chunked
     bench.save()
     summary(bench, [f"{m}_len{n}_{k}" for m in modes for n in lengths
                     for k in ("questions_per_s", "tokens_per_s", "bit_identical_alone_vs_packed",
@@ -475,7 +475,8 @@ def main() -> None:
         args.docs, args.repeat = min(args.docs, 2), 1
         args.question_counts = args.question_counts or TINY_SWEEP_QUESTIONS
     args.long_tokens = args.long_tokens or (1024 if args.tiny else 65536)
-    if args.tiny and args.job in ("long", "hybrid-long"):   # the longest document larger than a pass, as 32k is
+    # the longest document larger than a pass, as 32k is
+    if args.tiny and args.job in ("long", "hybrid-long"):
         args.max_pass_tokens = args.max_pass_tokens or 1024
     args.sweep_tokens = args.sweep_tokens or (512 if args.tiny else 11280)
     JOBS[args.job](Bench(args))

@@ -27,6 +27,7 @@ shares the pass.
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass
 
@@ -94,10 +95,10 @@ class TreeRows:
         by_chunks = [d for d, doc in enumerate(plan.docs) if doc.root >= CHUNKED_ROOT]
         chunks = [-(-plan.docs[d].root // CHUNK) for d in by_chunks]
         split = dict(
-            short_roots=torch.tensor([d for d, doc in enumerate(plan.docs)
-                                      if doc.root < CHUNKED_ROOT], **int32),
+            short_roots=torch.tensor(sorted(set(range(len(plan.docs))) - set(by_chunks)),
+                                     **int32),
             long_roots=torch.tensor(by_chunks, **int32),
-            first_chunk=torch.tensor([sum(chunks[:i]) for i in range(len(chunks))], **int32),
+            first_chunk=torch.tensor([0, *itertools.accumulate(chunks)][:len(chunks)], **int32),
             chunk_doc=torch.tensor([d for d, n in zip(by_chunks, chunks, strict=True)
                                     for _ in range(n)], **int32),
             chunk_at=torch.tensor([i * CHUNK for n in chunks for i in range(n)], **int32))
@@ -306,6 +307,7 @@ def tree_delta_rule(plan: AttentionPlan, q, k, v, g, beta) -> torch.Tensor:
     if docs == 0:
         return out
     bk = triton.next_power_of_2(dk)
+    bk_dot, bv_dot = max(bk, DOT_MIN), max(triton.next_power_of_2(dv), DOT_MIN)
     state = torch.empty(docs, heads, dk, dv, dtype=torch.float32, device=q.device)
     if tree.short_roots.shape[0]:
         _root_kernel[(tree.short_roots.shape[0], heads, triton.cdiv(dv, ROOT_BV))](
@@ -317,12 +319,12 @@ def tree_delta_rule(plan: AttentionPlan, q, k, v, g, beta) -> torch.Tensor:
         w = torch.empty(chunks * CHUNK, heads, dk, dtype=torch.float32, device=q.device)
         _chunk_solve_kernel[(chunks, heads)](
             q, k, v, g, beta, u, w, tree.root_start, tree.root_len, tree.chunk_doc,
-            tree.chunk_at, H=heads, DK=dk, DV=dv, BK=max(bk, DOT_MIN),
-            BDV=max(triton.next_power_of_2(dv), DOT_MIN), C=CHUNK, num_warps=CHUNK_WARPS)
+            tree.chunk_at, H=heads, DK=dk, DV=dv, BK=bk_dot, BDV=bv_dot, C=CHUNK,
+            num_warps=CHUNK_WARPS)
         _chunk_state_kernel[(tree.long_roots.shape[0], heads, triton.cdiv(dv, CHUNK_BV))](
             q, k, g, beta, u, w, out, state, tree.root_start, tree.root_len, tree.first_chunk,
-            tree.long_roots, H=heads, DK=dk, DV=dv, BK=max(bk, DOT_MIN), BV=CHUNK_BV,
-            C=CHUNK, num_warps=CHUNK_WARPS)
+            tree.long_roots, H=heads, DK=dk, DV=dv, BK=bk_dot, BV=CHUNK_BV, C=CHUNK,
+            num_warps=CHUNK_WARPS)
     n = tree.path.shape[0]
     if n:
         _branch_kernel[(n, heads, triton.cdiv(dv, BRANCH_BV))](
