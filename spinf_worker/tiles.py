@@ -30,20 +30,31 @@ def padded_rows(tokens: int) -> int:
 
 @dataclass(frozen=True)
 class BlockChain:
-    """A completion prompt's blocks (PROMPT_BLOCK tokens each, the last one maybe fewer), each
-    named by a digest of the prompt's tokens up to the block's end and of its top-N: two
-    prompts with equal digests at a block have that block and all before it in common."""
+    """A completion prompt's whole blocks (PROMPT_BLOCK tokens each), each named by a digest of
+    the prompt's tokens up to the block's end and of its top-N: two prompts with equal digests
+    at a block have that block and all before it in common. The tokens after the last whole
+    block, the tail, are laid out token by token after the blocks; prompts merged into one
+    document share a tail's leading tokens where their blocks are the same."""
 
     digests: tuple[bytes, ...]
+    top: int
+    tail: int                    # the tokens after the last whole block
 
     @classmethod
     def of(cls, ids: Sequence[int], top: int) -> BlockChain:
         h = hashlib.blake2b(str(top).encode(), digest_size=16)
         digests = []
-        for lo in range(0, len(ids), PROMPT_BLOCK):
+        whole = len(ids) - len(ids) % PROMPT_BLOCK
+        for lo in range(0, whole, PROMPT_BLOCK):
             h.update(array("q", ids[lo:lo + PROMPT_BLOCK]).tobytes())
             digests.append(h.copy().digest())
-        return cls(tuple(digests))
+        return cls(tuple(digests), top, len(ids) - whole)
+
+    @property
+    def group(self) -> Hashable:
+        """The prompts one document holds (engine/merge.py): those with the same top-N and the
+        same first block; prompts shorter than a block, per top-N."""
+        return ("prompt", self.top, self.digests[0] if self.digests else None)
 
 
 @dataclass
@@ -66,24 +77,31 @@ class PassRows:
     """The rows of a pass being filled. Documents of one pass that share a root are read as
     one (engine/merge.py): a document whose root is already in the pass costs only the rows
     its branches add, and a completion prompt only its blocks no other prompt of the pass
-    holds. The packer fills passes by it, and the queue worker its passes."""
+    holds and its tail. The packer fills passes by it, and the queue worker its passes."""
 
     rows: int = 0
     roots: dict[Hashable, int] = field(default_factory=dict)   # root key -> its real rows
     blocks: set[bytes] = field(default_factory=set)           # completion prompts' blocks
 
     def cost(self, doc, key: Hashable | None) -> int:
-        """Rows ``doc`` (a FlatDoc or a RowPart) adds to this pass."""
+        """Rows ``doc`` (a FlatDoc or a RowPart) adds to this pass: a completion prompt, its
+        blocks no other prompt of its document holds and its tail (counted whole: what it
+        shares with other tails is not known before they are laid out)."""
         if isinstance(key, BlockChain):
-            return PROMPT_BLOCK * sum(d not in self.blocks for d in key.digests)
+            tokens = self.roots.get(key.group, 0)
+            return padded_rows(tokens + self._prompt_rows(key)) - padded_rows(tokens)
         if key is None or key not in self.roots:
             return doc.length
         tokens = self.roots[key]
         return padded_rows(tokens + doc.tokens - doc.root) - padded_rows(tokens)
 
+    def _prompt_rows(self, chain: BlockChain) -> int:
+        return PROMPT_BLOCK * sum(d not in self.blocks for d in chain.digests) + chain.tail
+
     def add(self, doc, key: Hashable | None) -> None:
         self.rows += self.cost(doc, key)
         if isinstance(key, BlockChain):
+            self.roots[key.group] = self.roots.get(key.group, 0) + self._prompt_rows(key)
             self.blocks.update(key.digests)
         elif key is not None:
             self.roots[key] = self.roots.get(key, doc.root) + doc.tokens - doc.root

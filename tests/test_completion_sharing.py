@@ -1,8 +1,9 @@
-"""Completion prompts that begin with the same blocks read them once (engine/prompt_blocks.py):
-a pass lays the shared blocks out once (the queue and the packer count them once too), and
-each prompt's echoed logprobs and top-N are bit-identical to the prompt scored alone, beside
-partners that share its blocks or not, at several places in a pass; they agree with
-transformers. Contexts shorter than a block, exactly a block, and several blocks."""
+"""Completion prompts that begin alike read it once (engine/prompt_blocks.py): a pass lays the
+shared blocks out once (the queue and the packer count them once too) and the tokens their
+tails share once, and each prompt's echoed logprobs and top-N are bit-identical to the prompt
+scored alone, beside partners that share its blocks and tokens or not, at several places in a
+pass; they agree with transformers. Contexts shorter than a block, exactly a block, and
+several blocks."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from spinf_worker.completions import CompletionRequest
 from spinf_worker.engine.completion import prompt_doc
 from spinf_worker.engine.merge import merge, root_key, split
 from spinf_worker.engine.packer import pack
-from spinf_worker.tiles import PROMPT_BLOCK, PassRows
+from spinf_worker.tiles import PROMPT_BLOCK, PassRows, padded_rows
 
 from .service.test_completions import TOL, oracle_logprobs
 from .test_batch_invariance import completion_figures, other_request
@@ -41,31 +42,35 @@ def request(prompts: list[list[int]], **extra) -> CompletionRequest:
                                     "max_tokens": 0, **extra})
 
 
-def blocks(tokens: int) -> int:
-    return -(-tokens // PROMPT_BLOCK)
+def shared_rows(context: int, prompts: list[list[int]]) -> int:
+    """The rows an item's prompts take laid out together: the context once (its whole blocks
+    and the rest of it as tail tokens), then each option's own tokens."""
+    return padded_rows(context + sum(len(p) - context for p in prompts))
+
+
+def counted_rows(context: int, prompts: list[list[int]]) -> int:
+    """The rows the packer and the queue count for them: the context's whole blocks once,
+    each prompt's tail whole (what tails share is not known before they are laid out)."""
+    whole = context - context % PROMPT_BLOCK
+    return padded_rows(whole + sum(len(p) - whole for p in prompts))
 
 
 @pytest.mark.parametrize("context", CONTEXTS)
-def test_prompts_sharing_a_context_read_its_blocks_once(tiny_engine, context):
+def test_prompts_sharing_a_context_read_it_once(tiny_engine, context):
     prompts = items(tiny_engine, 1, context)
     docs = [prompt_doc(p, 0, 5, 0) for p in prompts]
     window = tiny_engine.config.sliding_window
     keys = [root_key(d, window) for d in docs]
     merged = merge(docs, keys, 0)
-    # the context's whole blocks once, then each prompt's own blocks (the rest of its context
-    # with its option); a context under a block has no whole block to share
-    shared = context // PROMPT_BLOCK
-    expected = PROMPT_BLOCK * (shared + sum(blocks(len(p) - shared * PROMPT_BLOCK)
-                                            for p in prompts))
-    assert sum(flat.length for flat, _ in merged) == expected
-    assert len(merged) == (1 if shared else len(prompts))
-    assert expected < sum(d.length for d in docs) or not shared
-    # the packer and the queue count the same rows
+    (flat, _), = merged
+    assert flat.length == shared_rows(context, prompts) < sum(d.length for d in docs)
+    assert flat.root == context - context % PROMPT_BLOCK
+    # the packer and the queue count no fewer rows than the pass holds
     (one_pass,) = pack(docs, 1 << 20, keys)
-    assert one_pass.rows == expected
+    assert one_pass.rows == counted_rows(context, prompts) >= flat.length
     fill = PassRows()
     fill.add_parts(tiny_engine.row_parts(request(prompts)))
-    assert fill.rows == expected
+    assert fill.rows == one_pass.rows
     # a prompt with another top-N shares nothing
     other = prompt_doc(prompts[0], 0, 3, 0)
     assert one_pass.cost(other, root_key(other, window)) == other.length
@@ -132,10 +137,8 @@ def test_one_request_per_option_answers_as_each_alone(tiny_engine, monkeypatch, 
             out = tiny_engine.score_batch(batch)[position:position + len(requests)]
             for got, expected in zip(out, alone, strict=True):
                 assert completion_figures(got) == completion_figures(expected), position
-            # the first pass holds the item's blocks once
-            shared = context // PROMPT_BLOCK
-            assert rows[0] == PROMPT_BLOCK * (
-                shared + sum(blocks(len(p) - shared * PROMPT_BLOCK) for p in prompts))
+            # the first pass holds the item's context once
+            assert rows[0] == shared_rows(context, prompts)
     finally:
         tiny_engine.settings.max_pass_tokens = old
 

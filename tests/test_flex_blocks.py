@@ -52,9 +52,10 @@ def _visible(t: TreeTokens, window: int | None, rule=tree_mask) -> torch.Tensor:
 def test_pass_rows_place_each_document_and_pad_the_rest():
     docs = _docs(4, n=3)
     rows = sum(d.length for d in docs) + BLOCK
-    ids, pos, doc, end, root_end, parent, group = torch.from_numpy(
+    ids, pos, doc, end, root_end, parent, group, view_row = torch.from_numpy(
         pass_rows(docs, rows, 5)).long()
     assert (group == -1).all()       # no media
+    assert torch.equal(view_row, torch.arange(rows))    # no completion prompts
     start = 0
     for i, d in enumerate(docs):
         here = slice(start, start + d.length)
@@ -371,26 +372,45 @@ def _prompt_pass(seed: int) -> tuple[list[list[int]], list, list]:
     return prompts, flats, [rows[i] for i in range(len(prompts))]
 
 
+def _keys_seen(t: TreeTokens, root: torch.Tensor, row: int, window: int | None) -> list[int]:
+    """The keys ``row`` attends to: its root keys (FlexAttention's rule) and, for a branch
+    row, its own path up its parents (kernels/branch_paths.py), in position order."""
+    keys = torch.nonzero(root[row]).flatten().tolist()
+    if row >= int(t.root_end[row]):
+        at = row
+        while at >= 0:
+            if window is None or int(t.pos[row] - t.pos[at]) < window:
+                keys.append(at)
+            at = int(t.parent[at])
+    return sorted(keys, key=lambda k: int(t.pos[k]))
+
+
 @pytest.mark.parametrize("window", [None, WINDOW])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_a_prompt_row_sees_exactly_its_prompt(seed, window):
-    """In a pass of completion prompts sharing blocks, FlexAttention's rule gives each row of
-    each prompt its own prompt's tokens up to itself, at their positions."""
+    """In a pass of completion prompts sharing blocks and tail tokens, FlexAttention's rule
+    and the tail rows' own paths give each row of each prompt its own prompt's tokens up to
+    itself, at their positions."""
     prompts, flats, rows = _prompt_pass(seed)
     t = _tokens(flats)
     ids = torch.from_numpy(pass_rows(flats, t.doc.shape[0], 0))[0].long()
     tree, root = _visible(t, window), _visible(t, window, root_mask)
     real = torch.nonzero(t.doc >= 0).flatten()
     real = real[real >= flats[0].length]
-    # no branch rows: nothing for the path kernel
-    assert torch.equal(tree[real], root[real]) and (t.parent[real] == -1).all()
+    blocks = real[real < t.root_end[real]]
+    # block rows: no branch part, nothing for the path kernel
+    assert torch.equal(tree[blocks], root[blocks]) and (t.parent[blocks] == -1).all()
+    tails = 0
     for prompt, at in zip(prompts, rows, strict=True):
         assert len({r // BLOCK for r in at}) < len(at) or len(at) == 1
         for j, row in enumerate(at.tolist()):
-            keys = torch.nonzero(root[row]).flatten()
+            keys = _keys_seen(t, root, row, window)
             lo = 0 if window is None else max(0, j - window + 1)
             assert ids[keys].tolist() == prompt[lo:j + 1]
             assert t.pos[keys].tolist() == list(range(lo, j + 1))
+            tails += row >= int(t.root_end[row])
+    # tails are shared: fewer tail rows in the pass than tail tokens in the prompts
+    assert 0 < int((t.root_end[real] <= real).sum()) < tails
 
 
 @pytest.mark.parametrize("window", [None, WINDOW])
@@ -437,30 +457,51 @@ def test_a_document_with_images_keeps_the_same_blocks_wherever_it_lands():
 @pytest.mark.parametrize("window", [None, WINDOW])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_a_prompt_block_visits_its_path_alike_alone_or_shared(seed, window):
-    """Each query block of a prompt visits exactly its path's key blocks that the window
-    reaches, in position order, each partial or full alike whether the prompt is alone or
-    shares its leading blocks with others: FlexAttention then reduces it the same way."""
+    """Each query block of a prompt's whole blocks visits exactly its path's key blocks that
+    the window reaches, in position order, each partial or full alike whether the prompt is
+    alone or shares its leading blocks with others: FlexAttention then reduces it the same
+    way. A tail row's query block has no full blocks, and of the blocks it visits, those
+    where the row sees a key are its anchor's path, in order, seen alike alone or shared
+    (the others it visits it sees nothing of: an exact no-op in the online softmax)."""
     prompts, flats, rows = _prompt_pass(seed)
-    keep, full = root_blocks(_tokens(flats), window)
+    t = _tokens(flats)
+    keep, full = root_blocks(t, window)
+    visible = _visible(t, window, root_mask)
+    n = t.doc.shape[0]
+    exact = visible.view(n // BLOCK, BLOCK, n // BLOCK, BLOCK).any(3).any(1)
+    assert not (exact & ~keep).any()          # nothing visible is skipped
 
-    def visits(keep, full, at: np.ndarray) -> list[list[tuple[int, bool]]]:
-        path = [int(r) // BLOCK for r in at[::BLOCK]]     # the prompt's blocks, in order
+    def visits(t, keep, full, visible, at: np.ndarray, whole: int):
+        path = [int(r) // BLOCK for r in at[:whole:BLOCK]]     # the prompt's blocks, in order
         depth = {b: d for d, b in enumerate(path)}
         out = []
         for qb in path:
             listed = torch.nonzero(keep[qb]).flatten().tolist()
             assert set(listed) <= set(path)
             out.append([(depth[k], bool(full[qb, k])) for k in listed])
+        for row in at[whole:].tolist():
+            qb = row // BLOCK
+            assert not full[qb].any() and row >= int(t.root_end[row])
+            seen = []
+            for kb in torch.nonzero(keep[qb]).flatten().tolist():
+                bits = visible[row, kb * BLOCK:(kb + 1) * BLOCK]
+                if bits.any():
+                    seen.append((depth[kb], bits.tolist()))
+            out.append(seen)
         return out
 
     shared_rows = sum(f.length for f in flats[1:])
     assert shared_rows < sum(prompt_doc(p, 0, 2, 0).length for p in prompts)
     for prompt, at in zip(prompts, rows, strict=True):
+        whole = len(prompt) - len(prompt) % BLOCK
         alone = prompt_doc(prompt, 0, 2, 0)
-        a_keep, a_full = root_blocks(_tokens([alone]), window)
-        expected = visits(a_keep, a_full, np.arange(len(prompt)))
-        last = len(expected) - 1      # its last block: the blocks the window reaches
-        assert [d for d, _ in expected[-1]] == [
-            d for d in range(last + 1)
-            if window is None or last * BLOCK - (d * BLOCK + BLOCK - 1) < window]
-        assert visits(keep, full, at) == expected
+        a_t = _tokens([alone])
+        a_keep, a_full = root_blocks(a_t, window)
+        expected = visits(a_t, a_keep, a_full, _visible(a_t, window, root_mask),
+                          np.asarray([*range(whole), *range(alone.root, alone.tokens)]), whole)
+        if whole:
+            last = whole // BLOCK - 1      # its last block: the blocks the window reaches
+            assert [d for d, _ in expected[last]] == [
+                d for d in range(last + 1)
+                if window is None or last * BLOCK - (d * BLOCK + BLOCK - 1) < window]
+        assert visits(t, keep, full, visible, at, whole) == expected

@@ -35,7 +35,7 @@ from .prepare import Preparer
 from .presentation import Presenter, choose_mode
 from .runner import DocScores, ModelRunner, PendingPass
 
-KERNEL_VERSION = "prefix-tree-fused-5"   # bump when a change moves any score's bits
+KERNEL_VERSION = "prefix-tree-fused-6"   # bump when a change moves any score's bits
 
 
 def cpu_class() -> str:

@@ -17,6 +17,7 @@ first option token, shared by all options) and each sub-branch token.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING
@@ -116,7 +117,7 @@ class PathBucket:
     ok: np.ndarray       # [n, width] bool: real path entries
 
 
-class _Trie:
+class TokenTrie:
     """Token prefix tree of the branches; node 0 is the root's end."""
 
     def __init__(self):
@@ -124,7 +125,7 @@ class _Trie:
         self.token: list[int] = [-1]
         self.parent: list[int] = [-1]
 
-    def walk(self, tokens: list[int], group: str | None = None) -> list[int]:
+    def walk(self, tokens: list[int], group: Hashable | None = None) -> list[int]:
         """The nodes of ``tokens`` below the root, added where missing; a group's first
         token is a node of its own, so the group shares rows only within itself."""
         node, nodes = 0, []
@@ -157,6 +158,20 @@ class _Trie:
             stack.extend((c, False) for c in reversed(self.children[node].values()))
         return row, end
 
+    def layout(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Depth first: each node's row (node 0: -1), and per row its token, its depth (0:
+        a first token), the end row of its subtree and its parent's row (-1: node 0)."""
+        row, end = self.rows()
+        n = len(self.token) - 1
+        node_at = np.empty(n, dtype=np.int64)
+        node_at[row[1:]] = np.arange(1, n + 1)
+        parent = np.asarray(self.parent, dtype=np.int64)
+        depth = np.zeros(n + 1, dtype=np.int64)
+        for node in range(1, n + 1):       # parents are created before their children
+            depth[node] = depth[parent[node]] + 1
+        return (row, np.asarray(self.token, dtype=np.int64)[node_at], depth[node_at] - 1,
+                end[node_at], row[parent[node_at]])
+
 
 @dataclass
 class BranchBlock:
@@ -183,7 +198,7 @@ class BranchBlock:
 
     @classmethod
     def build(cls, branches: list[Branch]) -> BranchBlock:
-        trie = _Trie()
+        trie = TokenTrie()
         readout_nodes: list[int] = []       # 0: the root's last token
         term_readout: list[int] = []
         term_token: list[int] = []
@@ -212,15 +227,7 @@ class BranchBlock:
                     term_token.append(tok)
                     term_option.append(k)
 
-        row, end = trie.rows()
-        n = len(trie.token) - 1
-        node_at = np.empty(n, dtype=np.int64)
-        node_at[row[1:]] = np.arange(1, n + 1)
-        parent = np.asarray(trie.parent, dtype=np.int64)
-        depth = np.zeros(n + 1, dtype=np.int64)
-        for node in range(1, n + 1):       # parents are created before their children
-            depth[node] = depth[parent[node]] + 1
-        ids = np.asarray(trie.token, dtype=np.int64)[node_at]
+        row, ids, pos, end, parent_row = trie.layout()
 
         def arr(values: list[int]) -> np.ndarray:
             return np.array(values, dtype=np.int64)
@@ -229,14 +236,21 @@ class BranchBlock:
             rows = []
             while node:
                 rows.append(int(row[node]))
-                node = parent[node]
+                node = trie.parent[node]
             return rows[::-1]
 
-        return cls(ids, depth[node_at] - 1, end[node_at], row[parent[node_at]],
-                   row[arr(readout_nodes)], arr(term_readout), arr(term_token),
-                   arr(term_option), arr(option_branch), len(branches),
+        return cls(ids, pos, end, parent_row, row[arr(readout_nodes)], arr(term_readout),
+                   arr(term_token), arr(term_option), arr(option_branch), len(branches),
                    sum(len(o) for br in branches for o in br.options),
                    {b: (r, path(node), settings) for b, (r, node, settings) in extract.items()})
+
+    @classmethod
+    def unread(cls, trie: TokenTrie) -> tuple[BranchBlock, np.ndarray]:
+        """The rows of ``trie`` with no options read out of them (a completion prompt's
+        tails, engine/prompt_blocks.py), and each node's row."""
+        row, ids, pos, end, parent_row = trie.layout()
+        none = np.zeros(0, dtype=np.int64)
+        return cls(ids, pos, end, parent_row, none, none, none, none, none, 0, 0), row
 
     @classmethod
     def concat(cls, blocks: list[BranchBlock]) -> BranchBlock:
@@ -304,21 +318,25 @@ class BranchBlock:
         least PATH_MIN), each group padded to whole BRANCH_TILEs. The CPU attention computes
         a tile of a group at a time, so a row is always reduced in a product of one shape
         (BRANCH_TILE rows, root + width keys) whatever other branches the tree holds."""
-        rows, ok = self.paths
-        if not len(self.ids):
+        return self.buckets(np.arange(len(self.ids)))
+
+    def buckets(self, members: np.ndarray) -> list[PathBucket]:
+        """``path_buckets`` of some branch rows only (those that see the same root)."""
+        if not len(members):
             return []
-        lengths = self.pos + 1
+        rows, ok = self.paths
+        lengths = self.pos[members] + 1
         widths = np.maximum(PATH_MIN, 1 << np.ceil(np.log2(lengths)).astype(np.int64))
         buckets = []
         for width in np.unique(widths):
-            members = np.flatnonzero(widths == width)
-            pad = -len(members) % BRANCH_TILE
-            index = np.concatenate([members, np.full(pad, members[0])])
+            chosen = members[widths == width]
+            pad = -len(chosen) % BRANCH_TILE
+            index = np.concatenate([chosen, np.full(pad, chosen[0])])
             path = np.zeros((len(index), width), dtype=np.int64)
             keep = np.zeros((len(index), width), dtype=bool)
             used = min(int(width), rows.shape[1])
             path[:, :used], keep[:, :used] = rows[index, :used], ok[index, :used]
-            buckets.append(PathBucket(index, len(members), path, keep))
+            buckets.append(PathBucket(index, len(chosen), path, keep))
         return buckets
 
     def place(self, root_ids: list[int], pad_id: int) -> FlatDoc:

@@ -6,7 +6,8 @@ once: their branch blocks go one after the other under one root (``BranchBlock.c
 each document's scores are cut back out of the merged document's. A branch row's keys, values
 and logits depend only on the root and its own path, so every document keeps the bits it has
 alone. Completion prompts of one pass that begin with the same block are laid out together
-as a trie of blocks (engine/prompt_blocks.py), and each one's readouts are cut back out. The
+as a trie of blocks and tails (engine/prompt_blocks.py), and each one's readouts are cut back
+out. The
 packer counts a merged document's rows (engine/packer.py); the scheduler merges a pass's
 documents before it runs and splits their scores after (engine/scheduler.py).
 """
@@ -29,8 +30,8 @@ from .runner import DocScores
 
 def root_key(doc: FlatDoc, window: int) -> Hashable | None:
     """What documents must share to be merged (None: never merged). A completion prompt: its
-    blocks (prompts merge on their first block, and share all the leading blocks they have in
-    common). Whether the sliding window cuts a scoring document picks the CPU attention's
+    blocks (prompts merge on their first block, or on having none, and share all the leading
+    blocks and tail tokens they have in common). Whether the sliding window cuts a scoring document picks the CPU attention's
     masks, so only documents that agree on it merge."""
     if doc.prompts is not None:
         (prompt,) = doc.prompts.prompts
@@ -84,7 +85,7 @@ def merge(docs: list[FlatDoc], keys: list[Hashable | None], pad_id: int
     order: list[list[int]] = []
     for i, key in enumerate(keys):
         if isinstance(key, BlockChain):
-            key = ("prompt", key.digests[0])
+            key = key.group
         if key is not None and key in groups:
             groups[key].append(i)
             continue

@@ -12,7 +12,7 @@ import torch
 from ..kernels.attention import AttentionPlan
 from .layout import FlatDoc
 
-PASS_ROWS = 7    # the rows of pass_rows' array
+PASS_ROWS = 8    # the rows of pass_rows' array
 
 
 def media_attention(model: torch.nn.Module) -> str:
@@ -43,11 +43,13 @@ def pass_rows(docs: list[FlatDoc], rows: int, pad_id: int) -> np.ndarray:
     row's root is empty, it ends at the row itself); a branch row's parent on its own path
     (-1 at its first branch token, and for root and padding rows); and each row's media
     group: an image's (a video frame's) soft tokens hold the pass row of its first one, every
-    other row -1 (audio stays causal)."""
+    other row -1 (audio stays causal); and the row whose view of the root each row has
+    (itself; a completion prompt's tail row, its anchor block's last row, or -1)."""
     out = np.empty((PASS_ROWS, rows), dtype=np.int32)
     out[0], out[1], out[2], out[5], out[6] = pad_id, 0, -1, -1, -1
     # a padding row: its subtree is itself, and so is its path (its root is empty)
     out[3], out[4] = np.arange(1, rows + 1, dtype=np.int32), np.arange(rows, dtype=np.int32)
+    out[7] = out[4]
     start = 0
     for i, doc in enumerate(docs):
         end = start + doc.length
@@ -57,12 +59,9 @@ def pass_rows(docs: list[FlatDoc], rows: int, pad_id: int) -> np.ndarray:
         np.add(doc.span_end, start, out=out[3, start:end])
         out[4, start:start + doc.tokens] = start + doc.root
         if doc.prompts is not None:
-            # completion prompts' blocks: padding rows may lie between real ones (a block
-            # not laid out last); they stay padding, so each block's summaries are the ones
-            # it has alone (kernels/flex_tree.root_blocks)
-            real = doc.prompts.real
-            out[2, start:end] = np.where(real, i, -1)
-            out[4, start:end] = np.where(real, start + doc.root, np.arange(start, end))
+            # a completion prompt's tail row sees the blocks its anchor's last row sees
+            view = doc.prompts.block_view(doc.root)
+            out[7, start:start + doc.tokens] = np.where(view >= 0, view + start, -1)
         # a branch row's parent as a pass row; -1 under the root (the block's first tokens)
         parents = out[5, start + doc.root:start + doc.tokens]
         np.add(doc.block.parent, start + doc.root, out=parents)

@@ -1,14 +1,19 @@
-"""Completion prompts as paths of blocks: prompts that begin with the same blocks read them once.
+"""Completion prompts as paths of blocks and tails: prompts that begin alike read it once.
 
-A prompt's rows are laid out PROMPT_BLOCK at a time, each block on a block boundary of its
-document (the last one padded), whether the prompt is alone or beside others. A row attends to
-its own path block by block: every block before its own whole, its own causally, in position
-order and in shapes that depend only on the row's depth (kernels/attention.py on the CPU; on
-CUDA the block masks visit the same blocks, kernels/flex_tree.py). So a row's keys, values and
-logits depend only on its prompt's tokens up to the end of its block, and prompts of one pass
-whose leading blocks hold the same tokens (lm-evaluation-harness: one request per option, the
-same context each time) share those blocks: they are laid out once, as a trie of blocks, and
-each prompt's readouts are cut out of the shared ones with the bits it gets alone.
+A prompt's whole blocks (PROMPT_BLOCK tokens each) are laid out a block at a time, each on a
+block boundary of its document, whether the prompt is alone or beside others; the tokens after
+its last whole block, its tail, come after all the blocks, token by token, the way a question's
+tokens come after a document's root (engine/layout.py). A block row attends to its path block
+by block: every block before its own whole, its own causally, in position order and in shapes
+that depend only on the row's depth (kernels/attention.py on the CPU; on CUDA the block masks
+visit the same blocks, kernels/flex_tree.py). A tail row sees the blocks its prompt's last
+whole block (its anchor) sees, and its own tail token by token (the CPU's branch tiles; on
+CUDA kernels/branch_paths.py). So a row's keys, values and logits depend only on its prompt's
+tokens up to itself, and prompts of one pass whose leading blocks hold the same tokens
+(lm-evaluation-harness: one request per option, the same context each time) share those
+blocks, and the leading tokens of their tails too: they are laid out once, as a trie of blocks
+with a token trie of tails under each anchor, and each prompt's readouts are cut out of the
+shared ones with the bits it gets alone.
 """
 
 from __future__ import annotations
@@ -19,10 +24,8 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from ..tiles import PROMPT_BLOCK, READOUT_TILE, BlockChain
-from .layout import BranchBlock, EchoReadout, FlatDoc
-
-_NO_BRANCHES = BranchBlock.build([])
+from ..tiles import PROMPT_BLOCK, READOUT_TILE, ROW_TILE, BlockChain
+from .layout import BranchBlock, EchoReadout, FlatDoc, TokenTrie
 
 
 @dataclass
@@ -41,14 +44,14 @@ class Prompt:
 
 @dataclass
 class PromptBlocks:
-    """The prompts of a FlatDoc as a trie of blocks, depth first: block b is rows
+    """The prompts of a FlatDoc as a trie of blocks, depth first (block b is rows
     ``[b * PROMPT_BLOCK, (b + 1) * PROMPT_BLOCK)`` and a block's descendants are the blocks
-    right after it."""
+    right after it), then their tails (FlatDoc.block: rows from FlatDoc.root on)."""
 
     prompts: list[Prompt]
     parent: np.ndarray           # [blocks] the block before it on its path (-1: a first block)
     depth: np.ndarray            # [blocks] its place on its path (position // PROMPT_BLOCK)
-    real: np.ndarray             # [rows] bool: the rows holding tokens (the rest is padding)
+    anchor: np.ndarray           # [tail rows] the block whose path a tail row sees (-1: none)
     # per prompt, its readouts (rows first..len(ids) - 1 of its path) as indices into the
     # document's readouts (FlatDoc.echo): a row shared by prompts is read out once, or once
     # per token that follows it where their paths part after it
@@ -63,17 +66,31 @@ class PromptBlocks:
             out.append(own if up < 0 else np.concatenate([out[up], own]))
         return out
 
+    @cached_property
+    def tail_groups(self) -> list[tuple[int, np.ndarray]]:
+        """The tail rows (row - FlatDoc.root) under each anchor block, anchors in block
+        order: the rows that see the same blocks."""
+        return [(int(a), np.flatnonzero(self.anchor == a)) for a in np.unique(self.anchor)]
+
+    def block_view(self, root: int) -> np.ndarray:
+        """[real rows] the row whose view of the blocks each row has: itself, or for a tail row
+        its anchor's last row (-1: a tail with no block before it sees none)."""
+        view = np.arange(root + len(self.anchor), dtype=np.int64)
+        view[root:root + len(self.anchor)] = np.where(
+            self.anchor >= 0, (self.anchor + 1) * PROMPT_BLOCK - 1, -1)
+        return view
+
 
 def lay_out(prompts: list[Prompt], pad_id: int) -> FlatDoc:
-    """One FlatDoc of ``prompts`` (all with the same top-N), the blocks they have in common
-    laid out once."""
+    """One FlatDoc of ``prompts`` (all with the same top-N): the blocks they have in common
+    laid out once, and under each block the tails that go on from it as one token trie."""
     assert len({p.top for p in prompts}) == 1, "prompts of one document share their top-N"
     children: list[dict[tuple[int, ...], int]] = [{}]   # node 0: before the first block
     tokens: list[tuple[int, ...]] = [()]
     walks = []
     for prompt in prompts:
         node, walk = 0, []
-        for lo in range(0, len(prompt.ids), PROMPT_BLOCK):
+        for lo in range(0, len(prompt.ids) - len(prompt.ids) % PROMPT_BLOCK, PROMPT_BLOCK):
             key = tuple(prompt.ids[lo:lo + PROMPT_BLOCK])
             child = children[node].get(key)
             if child is None:
@@ -99,31 +116,45 @@ def lay_out(prompts: list[Prompt], pad_id: int) -> FlatDoc:
         stack.append((node, up, d, True))
         stack.extend((c, int(block_of[node]), d + 1, False)
                      for c in reversed(children[node].values()))
-    n_blocks = len(parent)
-    rows = n_blocks * PROMPT_BLOCK
+    root = len(parent) * PROMPT_BLOCK
+
+    # the tails: one token trie, its first tokens keyed by their anchor, anchors in block
+    # order (a tail query block then spans few anchors' paths)
+    anchors = [int(block_of[walk[-1]]) if walk else -1 for walk in walks]
+    trie, tail_nodes = TokenTrie(), [[] for _ in prompts]
+    for i in sorted(range(len(prompts)), key=anchors.__getitem__):
+        tail_nodes[i] = trie.walk(prompts[i].ids[len(walks[i]) * PROMPT_BLOCK:], anchors[i])
+    tails, tail_row = BranchBlock.unread(trie)
+    anchor = np.empty(len(tails.ids), dtype=np.int64)
+    for i, nodes in enumerate(tail_nodes):
+        anchor[tail_row[nodes]] = anchors[i]
+    tokens_end = root + len(tails.ids)
+    rows = tokens_end + -tokens_end % ROW_TILE
     ids = np.full(rows, pad_id, dtype=np.int64)
     positions = np.zeros(rows, dtype=np.int64)
-    real = np.zeros(rows, dtype=bool)
-    # a padding row's subtree is itself; a real row's runs to its block's last descendant
-    # (a block with none: its last token, so its padding rows are nobody's descendants)
+    # a padding row's subtree is itself; a block row's runs to its block's last descendant
     span_end = np.arange(1, rows + 1, dtype=np.int32)
     for node in range(1, len(tokens)):
-        b, fill = int(block_of[node]), len(tokens[node])
-        at = slice(b * PROMPT_BLOCK, b * PROMPT_BLOCK + fill)
+        b = int(block_of[node])
+        at = slice(b * PROMPT_BLOCK, (b + 1) * PROMPT_BLOCK)
         ids[at] = tokens[node]
-        positions[at] = depth[b] * PROMPT_BLOCK + np.arange(fill)
-        real[at] = True
-        last = subtree_end[node]
-        span_end[at] = last * PROMPT_BLOCK if last > b + 1 else b * PROMPT_BLOCK + fill
+        positions[at] = depth[b] * PROMPT_BLOCK + np.arange(PROMPT_BLOCK)
+        span_end[at] = subtree_end[node] * PROMPT_BLOCK
+    # a tail's positions go on from its anchor's (its blocks' count: the anchor's depth + 1)
+    blocks_before = np.asarray([-1, *depth], dtype=np.int64)[anchor + 1] + 1
+    ids[root:tokens_end] = tails.ids
+    positions[root:tokens_end] = blocks_before * PROMPT_BLOCK + tails.pos
+    span_end[root:tokens_end] = root + tails.end
 
     # readouts: (row, token after it) pairs, each once
     read_rows, read_next, counts = [], [], []
-    for prompt, walk in zip(prompts, walks, strict=True):
-        j = np.arange(prompt.first, len(prompt.ids), dtype=np.int64)
-        read_rows.append(block_of[np.asarray(walk)][j // PROMPT_BLOCK] * PROMPT_BLOCK
-                         + j % PROMPT_BLOCK)
+    for prompt, walk, nodes in zip(prompts, walks, tail_nodes, strict=True):
+        in_blocks = (block_of[np.asarray(walk, dtype=np.int64)][:, None] * PROMPT_BLOCK
+                     + np.arange(PROMPT_BLOCK)).reshape(-1)
+        row_of = np.concatenate([in_blocks, root + tail_row[np.asarray(nodes, dtype=np.int64)]])
+        read_rows.append(row_of[prompt.first:])
         read_next.append(np.asarray([*prompt.ids[prompt.first + 1:], -1], dtype=np.int64))
-        counts.append(len(j))
+        counts.append(len(prompt.ids) - prompt.first)
     # each pair as one integer in (row, token) order: a 1-D unique, several times faster
     # than one over rows of pairs, in the same order
     rows_read, next_read = np.concatenate(read_rows), np.concatenate(read_next)
@@ -132,13 +163,12 @@ def lay_out(prompts: list[Prompt], pad_id: int) -> FlatDoc:
     pairs = np.stack([keys // span, keys % span - 1], axis=1)
     inverse = inverse.reshape(-1)
     pad = -len(pairs) % READOUT_TILE
-    tokens_end = int(np.flatnonzero(real)[-1]) + 1
     flat = FlatDoc(
         input_ids=torch.from_numpy(ids), positions=torch.from_numpy(positions),
-        root=tokens_end, tokens=tokens_end, span_end=span_end, block=_NO_BRANCHES,
+        root=root, tokens=tokens_end, span_end=span_end, block=tails,
         readout_rows=torch.from_numpy(np.concatenate([pairs[:, 0], np.zeros(pad, np.int64)])),
         echo=EchoReadout(prompts[0].top, np.ascontiguousarray(pairs[:, 1])))
     flat.prompts = PromptBlocks(list(prompts), np.asarray(parent, dtype=np.int64),
-                                np.asarray(depth, dtype=np.int64), real,
+                                np.asarray(depth, dtype=np.int64), anchor,
                                 np.split(inverse, np.cumsum(counts)[:-1]))
     return flat

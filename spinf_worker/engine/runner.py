@@ -17,6 +17,7 @@ from ..kernels.attention import (
     prompt_block_mask,
 )
 from ..tiles import PROMPT_BLOCK
+from . import host_math
 from .host_staging import HostStaging, settled
 from .layout import FlatDoc
 from .pass_plan import cuda_pass_plan, pass_rows
@@ -341,7 +342,7 @@ class ModelRunner:
         lp = np.zeros(options[-1], dtype=np.float32)
         np.add.at(lp, term_option, values)
         mass = np.zeros(branches[-1], dtype=np.float64)
-        np.add.at(mass, option_branch, np.exp(lp.astype(np.float64)))
+        np.add.at(mass, option_branch, host_math.exp(lp))
         residual = 1.0 - mass
         probs = renormalised(lp, option_branch, branches[-1])
         out = [DocScores(lp[options[k]:options[k + 1]], b.option_start,
@@ -360,7 +361,7 @@ def renormalised(logprobs: np.ndarray, owner: np.ndarray, branches: int) -> np.n
     lp = logprobs.astype(np.float64)
     top = np.full(branches, -np.inf)
     np.maximum.at(top, owner, lp)
-    weights = np.exp(lp - top[owner])
+    weights = host_math.exp(lp - top[owner])
     total = np.zeros(branches)
     np.add.at(total, owner, weights)
     return weights / total[owner]
@@ -372,17 +373,25 @@ def doc_span(doc: FlatDoc, start: int, window: int, dev: torch.device,
     layers on which one image's soft tokens see each other both ways ("all": Gemma 3,
     "sliding": the sliding-window layers only, "none": the text stays causal; Gemma 4)."""
     span = DocSpan(start, doc.root, doc.tokens)
+    windowed = doc.max_position >= window
     if doc.prompts is not None:
         # a block's shapes and masks follow from its depth alone (its path's length)
         span.blocks = []
-        for b, path in enumerate(doc.prompts.paths):
+        paths = doc.prompts.paths
+        for b, path in enumerate(paths):
             keys = len(path)
             span.blocks.append(PromptBlockRows(
                 b * PROMPT_BLOCK, torch.from_numpy(path).to(dev),
                 prompt_block_mask(keys, PROMPT_BLOCK, None).to(dev),
                 prompt_block_mask(keys, PROMPT_BLOCK, window).to(dev)))
+        # the tails under each anchor: branch rows whose root is the anchor's path
+        for anchor, members in doc.prompts.tail_groups:
+            anchor_path = torch.from_numpy(paths[anchor] if anchor >= 0
+                                           else np.zeros(0, dtype=np.int64))
+            span.tails.append((anchor_path.to(dev), _branch_tiles(
+                doc, doc.block.buckets(members), doc.positions[anchor_path],
+                window if windowed else None, dev)))
         return span
-    windowed = doc.max_position >= window
     root_pos = torch.arange(doc.root)
     both_ways = bool(doc.media) and media_attention != "none"
     # [root, root]: built only for a mask that needs it (plain causal roots run without one)
@@ -400,18 +409,28 @@ def doc_span(doc: FlatDoc, start: int, window: int, dev: torch.device,
             span.root_window = seen.to(dev)
     if windowed:
         span.root_window = (seen & (root_pos[:, None] - root_pos[None, :] < window)).to(dev)
-    for bucket in doc.block.path_buckets:
+    span.branches = _branch_tiles(doc, doc.block.path_buckets, root_pos,
+                                  window if windowed else None, dev)
+    return span
+
+
+def _branch_tiles(doc: FlatDoc, buckets: list, root_pos: torch.Tensor, window: int | None,
+                  dev: torch.device) -> list[BranchTiles]:
+    """Branch rows of ``buckets`` (layout.PathBucket) that see a root at ``root_pos``, with
+    their sliding-window masks where ``window`` cuts the document."""
+    out = []
+    for bucket in buckets:
         rows = torch.from_numpy(bucket.rows)
         path = torch.from_numpy(bucket.path) + doc.root
         ok = torch.from_numpy(bucket.ok)
         tiles = BranchTiles(rows.to(dev), bucket.real, path.to(dev), ok.to(dev))
-        if windowed:
+        if window is not None:
             branch_pos = doc.positions[doc.root + rows]
             tiles.root_window = (branch_pos[:, None] - root_pos[None, :] < window).to(dev)
             tiles.path_window = (ok & (branch_pos[:, None] - doc.positions[path] < window)
                                  ).to(dev)
-        span.branches.append(tiles)
-    return span
+        out.append(tiles)
+    return out
 
 
 def _body_params(model: torch.nn.Module) -> int:

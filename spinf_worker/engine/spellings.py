@@ -3,8 +3,9 @@ probabilities, its probability renormalised over its branch's options, a branch'
 what its options leave of the next-token mass.
 
 Worked out in numpy for a whole input at once, and the same way for one branch (a floor's,
-or an input answered query by query): element-wise exponentials and logarithms and
-reductions over the same segments give every figure the same bits either way."""
+or an input answered query by query): element-wise exponentials and logarithms (the C
+library's, engine/host_math.py) and reductions over the same segments give every figure the
+same bits either way."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import host_math
 from .runner import DocScores
 
 Segments = tuple[np.ndarray, np.ndarray]   # per segment its first element and its length
@@ -31,13 +33,13 @@ def summed(spelled: np.ndarray, groups: Segments, branches: Segments
     spelled = spelled.astype(np.float64)
     (group_start, group_size), (branch_start, branch_size) = groups, branches
     top = np.maximum.reduceat(spelled, group_start)
-    logprobs = top + np.log(np.add.reduceat(np.exp(spelled - np.repeat(top, group_size)),
-                                            group_start))
+    logprobs = top + host_math.log(np.add.reduceat(
+        host_math.exp(spelled - np.repeat(top, group_size)), group_start))
     best = np.maximum.reduceat(logprobs, branch_start)
-    weights = np.exp(logprobs - np.repeat(best, branch_size))
+    weights = host_math.exp(logprobs - np.repeat(best, branch_size))
     total = np.add.reduceat(weights, branch_start)
     return (logprobs, weights / np.repeat(total, branch_size),
-            np.maximum(0.0, 1.0 - np.exp(best) * total))
+            np.maximum(0.0, 1.0 - host_math.exp(best) * total))
 
 
 @dataclass

@@ -15,10 +15,11 @@ document's bits never depend on what else shares the pass; and branch rows go BR
 at a time, grouped by the width their own path pads to, so a question's bits never depend on
 the other questions asked of its document either.
 
-Completion prompts (engine/prompt_blocks.py) are blocks of PROMPT_BLOCK rows: each block's
-queries attend to the keys of its path's blocks in position order (its own block causally) in
-one product whose shape and mask depend only on the block's depth, so a row's bits are the
-same whichever other prompts share its leading blocks.
+Completion prompts (engine/prompt_blocks.py) are blocks of PROMPT_BLOCK rows, then tails: each
+block's queries attend to the keys of its path's blocks in position order (its own block
+causally) in one product whose shape and mask depend only on the block's depth; a tail row
+attends as a branch row does, with its anchor block's path for a root. So a row's bits are the
+same whichever other prompts share its leading blocks and tokens.
 """
 
 from __future__ import annotations
@@ -77,8 +78,10 @@ class DocSpan:
     # [root, root] bool: what root rows see on the other layers (None: plain causal);
     # causal, or the rows of one image, which see each other both ways
     root_mask: torch.Tensor | None = None
-    # completion prompts: their blocks (then root, tokens and branches are not read)
+    # completion prompts: their blocks (then the root's rows and masks are not read), and
+    # their tails: per anchor block, its path's rows (doc-relative) and the tail rows' tiles
     blocks: list[PromptBlockRows] | None = None
+    tails: list[tuple[torch.Tensor, list[BranchTiles]]] = field(default_factory=list)
 
 
 @dataclass
@@ -118,6 +121,9 @@ def packed_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pla
     out = torch.zeros_like(q)
     for doc in plan.docs:
         base = doc.start
+        branch_q = q[base + doc.root:base + doc.tokens]
+        branch_out = out[base + doc.root:base + doc.tokens]
+        k_doc, v_doc = k[base:base + doc.tokens], v[base:base + doc.tokens]
         if doc.blocks is not None:
             for block in doc.blocks:
                 rows = slice(base + block.start, base + block.start + block.mask.shape[0])
@@ -125,24 +131,32 @@ def packed_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pla
                 out[rows] = _prompt_block_attention(q[rows], k[path], v[path],
                                                     block.window if sliding else block.mask,
                                                     scale)
+            for anchor_path, tiles in doc.tails:
+                _branch_tiles(branch_q, branch_out, k_doc[anchor_path], v_doc[anchor_path],
+                              k_doc, v_doc, tiles, sliding, scale)
             continue
         root = slice(base, base + doc.root)
         out[root] = _root_attention(q[root], k[root], v[root], doc, sliding, scale)
-        branch_q = q[base + doc.root:base + doc.tokens]
-        branch_out = out[base + doc.root:base + doc.tokens]
-        k_doc, v_doc = k[base:base + doc.tokens], v[base:base + doc.tokens]
-        for tiles in doc.branches:
-            windowed = sliding and tiles.path_window is not None
-            path_ok = tiles.path_window if windowed else tiles.path_ok
-            for lo in range(0, tiles.rows.shape[0], BRANCH_TILE):
-                tile = slice(lo, lo + BRANCH_TILE)
-                rows, path = tiles.rows[tile], tiles.path[tile]
-                o = _branch_attention(branch_q[rows], k[root], v[root], k_doc[path],
-                                      v_doc[path], tiles.root_window[tile] if windowed else None,
-                                      path_ok[tile], scale)
-                real = min(BRANCH_TILE, tiles.real - lo)
-                branch_out[rows[:real]] = o[:real]
+        _branch_tiles(branch_q, branch_out, k[root], v[root], k_doc, v_doc, doc.branches,
+                      sliding, scale)
     return out
+
+
+def _branch_tiles(branch_q, branch_out, k_root, v_root, k_doc, v_doc,
+                  buckets: list[BranchTiles], sliding: bool, scale: float) -> None:
+    """Branch rows that see one root (``k_root``, ``v_root``), BRANCH_TILE rows at a time,
+    written into ``branch_out``; their paths index ``k_doc``, ``v_doc``."""
+    for tiles in buckets:
+        windowed = sliding and tiles.path_window is not None
+        path_ok = tiles.path_window if windowed else tiles.path_ok
+        for lo in range(0, tiles.rows.shape[0], BRANCH_TILE):
+            tile = slice(lo, lo + BRANCH_TILE)
+            rows, path = tiles.rows[tile], tiles.path[tile]
+            o = _branch_attention(branch_q[rows], k_root, v_root, k_doc[path], v_doc[path],
+                                  tiles.root_window[tile] if windowed else None,
+                                  path_ok[tile], scale)
+            real = min(BRANCH_TILE, tiles.real - lo)
+            branch_out[rows[:real]] = o[:real]
 
 
 def _root_attention(q, k, v, doc: DocSpan, sliding: bool, scale: float) -> torch.Tensor:

@@ -43,12 +43,15 @@ class TreeTokens:
     root_end: torch.Tensor  # end of the row's root: rows at or past it are branch rows
     parent: torch.Tensor    # a branch row's parent on its own path; -1 past its first token
     group: torch.Tensor     # an image's soft tokens: the pass row of its first one; else -1
+    # the row whose view of the root a row has: itself, but a completion prompt's tail row
+    # sees its anchor block's (engine/prompt_blocks.py; -1: none)
+    view_row: torch.Tensor
 
     @classmethod
     def of_pass(cls, inputs: torch.Tensor) -> TreeTokens:
         """From a pass's rows (engine/pass_plan.pass_rows): ids, positions, document, subtree
-        end, root end, parent, media group."""
-        return cls(inputs[2], inputs[3], inputs[1], inputs[4], inputs[5], inputs[6])
+        end, root end, parent, media group, view row."""
+        return cls(inputs[2], inputs[3], inputs[1], inputs[4], inputs[5], inputs[6], inputs[7])
 
 
 @dataclass
@@ -77,12 +80,14 @@ def build_flex_plan(tokens: TreeTokens, window: int, media: str = "none") -> Fle
 def tree_mask(tokens: TreeTokens, window: int | None, media: bool = False):
     """The ``mask_mod`` of the tree rule (and the window, if any) over the pass's rows;
     ``media``: the rows of one media group see each other both ways."""
-    end, pos, group = tokens.end, tokens.pos, tokens.group
+    end, pos, group, view_row = tokens.end, tokens.pos, tokens.group, tokens.view_row
 
     def visible(b, h, q, k):
         # Rows follow the tree depth first, so q's ancestors are the rows k before it whose
-        # subtree reaches it; a padding row's subtree is itself only.
-        return (k <= q) & (q < end[k])
+        # subtree reaches it; a padding row's subtree is itself only. A prompt's tail row
+        # sees what its anchor's last row sees.
+        at = view_row[q]
+        return (k <= at) & (at < end[k])
 
     def visible_or_same_image(b, h, q, k):
         # an image's rows are root rows of one document: the rest of the rule holds for them
@@ -133,8 +138,8 @@ def root_blocks(tokens: TreeTokens, window: int | None, media: bool = False
     its later rows (``full`` stays the causal rule's: a subset of what is fully visible)."""
     n = tokens.doc.shape[0]
     nb = n // BLOCK
-    doc, end, pos, root_end = (t.view(nb, BLOCK) for t in (tokens.doc, tokens.end, tokens.pos,
-                                                           tokens.root_end))
+    doc, end, pos, root_end, view_row = (t.view(nb, BLOCK) for t in (
+        tokens.doc, tokens.end, tokens.pos, tokens.root_end, tokens.view_row))
     row = torch.arange(n, device=doc.device, dtype=end.dtype).view(nb, BLOCK)
     real = doc >= 0
     big = torch.iinfo(torch.int32).max
@@ -147,10 +152,11 @@ def root_blocks(tokens: TreeTokens, window: int | None, media: bool = False
 
     block_doc = doc.amax(1)                 # a document's rows never share a block with another's
     row_lo, row_hi = lo(row), hi(row)
+    view_lo, view_hi = lo(view_row), hi(view_row)   # a query block's rows see as these do
     block_root_end = hi(root_end)           # one document per block: one root end
     q, k = (slice(None), None), (None, slice(None))
     keep = ((block_doc[q] == block_doc[k]) & (block_doc[q] >= 0)
-            & (row_lo[k] <= row_hi[q]) & (hi(end)[k] > row_lo[q])
+            & (row_lo[k] <= view_hi[q]) & (hi(end)[k] > view_lo[q])
             & (row_lo[k] < block_root_end[q]))
     if media:
         # A group is a run of rows, its id its first row, so ids grow with the rows: two
@@ -164,7 +170,7 @@ def root_blocks(tokens: TreeTokens, window: int | None, media: bool = False
     all_real = real.all(1)
     all_root = all_real & (row_hi < block_root_end)
     full = (keep & all_root[q] & all_root[k]
-            & (row_hi[k] <= row_lo[q]) & (lo(end)[k] > row_hi[q]))
+            & (row_hi[k] <= view_lo[q]) & (lo(end)[k] > view_hi[q]))
     if window is not None:
         pos_lo, pos_hi = lo(pos), hi(pos)
         keep &= pos_lo[q] - pos_hi[k] < window
