@@ -47,6 +47,22 @@ def shared_data(name: str) -> Path:
     return path
 
 
+
+def triton_interpreted(module: str, check: str, timeout: float = WAIT_S) -> None:
+    """Run ``check`` (a function of the test module ``module``) in a process of its own under
+    Triton's interpreter: TRITON_INTERPRET is read as triton's own functions and each kernel
+    are decorated, at import, so it must be set before triton is imported at all (this
+    process may have imported it compiled)."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", f"from {module} import {check}; {check}()"],
+                          cwd=Path(__file__).parents[1], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    print(done.stdout)
+    assert done.returncode == 0, done.stderr[-4000:]
+
 @pytest.fixture(scope="session")
 def default_checkpoint():
     from spinf_worker.models.loader import load_checkpoint

@@ -9,8 +9,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,7 +20,7 @@ from spinf_worker.engine.runner import doc_span
 from spinf_worker.kernels import delta_tree
 from spinf_worker.kernels.attention import AttentionPlan
 
-from .conftest import WAIT_S
+from .conftest import triton_interpreted
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="triton is not installed")
@@ -32,16 +30,7 @@ VOCAB = 512
 
 
 def interpreted(check: str) -> None:
-    """Run ``check`` (a function of this module) in a process of its own under Triton's
-    interpreter: TRITON_INTERPRET is read as triton's own functions and each kernel are
-    decorated, at import, so it must be set before triton is imported at all (this process
-    may have imported it compiled)."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    done = subprocess.run([sys.executable, "-c", f"from tests.{Path(__file__).stem} import "
-                           f"{check}; {check}()"], cwd=Path(__file__).parents[1], env=env,
-                          capture_output=True, text=True, timeout=WAIT_S)
-    print(done.stdout)
-    assert done.returncode == 0, done.stderr[-4000:]
+    triton_interpreted(__name__, check)
 
 
 def interpreted_rule():
