@@ -11,7 +11,7 @@ stream, evenly spaced), each followed by one question, with four one-token optio
    option as one prompt, ``echo``, ``logprobs: 1``, ``max_tokens: 1``, ``temperature: 0``),
    ``--concurrency`` at a time; the option's log-likelihood is the sum of its tokens' echoed
    logprobs. Prompts of one pass that begin with the same blocks read them once
-   (engine/prompt_blocks.py): an item's four prompts share its context's whole blocks.
+   (engine/prompt_blocks.py): an item's four prompts read its context once.
 2. **score**: the same service, one ``POST /v1/score`` per item (the context as the content,
    the question as the template, the four options), same concurrency.
 3. **transformers**: the checkpoint in transformers, one forward per (item, option) sequence
@@ -190,6 +190,36 @@ def split_service(args: argparse.Namespace, src: Path, tmp: Path, model_dir: Pat
         tmp, root=src)
 
 
+def serve(args: argparse.Namespace, src: Path, tmp: Path, model_dir: Path,
+          contexts: list[str]) -> tuple:
+    """The service's two ways: its model's name, the completions' answers and seconds, the
+    scores' answers and seconds."""
+    if args.api_workers:
+        service = split_service(args, src, tmp, model_dir)
+    else:
+        service = Service(src, tmp, free_port(), args.model)
+        service.command[service.command.index("--device") + 1] = args.device
+        service.command += ["--load-format", args.load_format] + (
+            ["--quant", args.quant] if args.quant else [])
+    service.start()
+    try:
+        service.wait_ready()
+        with httpx.Client(base_url=service.url) as client:
+            model = client.get("/v1/models").json()["data"][0]["id"]
+        completions, c_s = asyncio.run(timed_posts(service.url, "/v1/completions",
+                                                   completion_bodies(model, contexts),
+                                                   args.concurrency))
+        scored, s_s = asyncio.run(timed_posts(service.url, "/v1/score", score_bodies(contexts),
+                                              args.concurrency))
+    except BaseException:
+        print(service.log_tail(30) if isinstance(service, Service)
+              else service.tail("worker", 30), file=sys.stderr)
+        raise
+    finally:
+        service.stop()
+    return model, completions, c_s, scored, s_s
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--items", type=int, default=500)
@@ -210,6 +240,8 @@ def main() -> None:
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--engine", action="store_true",
                     help="also both ways in-process, before the service (the ratio's ceiling)")
+    ap.add_argument("--engine-only", action="store_true",
+                    help="only the two in-process ways: no service, no transformers")
     ap.add_argument("--api-workers", type=int, default=0, metavar="N",
                     help="the service as separate processes: a private redis-server "
                          "(--redis-server), `spinf-serve api --workers N` and one `worker` "
@@ -219,7 +251,7 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     commit = args.commit or sh(f"git rev-parse --short {args.rev}")
-    if args.load_format == "dummy":
+    if args.load_format == "dummy" or args.engine_only:
         args.skip_transformers = True
     load_at_start = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="spinf-completions-bench-") as tmp:
@@ -231,44 +263,24 @@ def main() -> None:
         ckpt = load_checkpoint(args.model, load_format=args.load_format)
         tok, bos = ckpt.tokenizer, ckpt.bos_token_id
         contexts = items(tok, args.items, args.context_tokens, args.data)
-        in_process = run_engine(args, contexts) if args.engine else {}
-        if args.api_workers:
-            service = split_service(args, src, Path(tmp), ckpt.path)
-        else:
-            service = Service(src, Path(tmp), free_port(), args.model)
-            service.command[service.command.index("--device") + 1] = args.device
-            service.command += ["--load-format", args.load_format] + (
-                ["--quant", args.quant] if args.quant else [])
-        service.start()
-        try:
-            service.wait_ready()
-            with httpx.Client(base_url=service.url) as client:
-                model = client.get("/v1/models").json()["data"][0]["id"]
-            cbodies = completion_bodies(model, contexts)
-            completions, c_s = asyncio.run(timed_posts(service.url, "/v1/completions",
-                                                       cbodies, args.concurrency))
-            scored, s_s = asyncio.run(timed_posts(service.url, "/v1/score",
-                                                  score_bodies(contexts), args.concurrency))
-        except BaseException:
-            print(service.log_tail(30) if isinstance(service, Service)
-                  else service.tail("worker", 30), file=sys.stderr)
-            raise
-        finally:
-            service.stop()
-    c_scores = completion_scores(tok, contexts, completions)
-    s_scores = [o["logprob"] for body in scored for o in
-                body["results"][0]["queries"][0]["combinations"][0]["options"]]
+        in_process = run_engine(args, contexts) if args.engine or args.engine_only else {}
+        served = None if args.engine_only else serve(args, src, Path(tmp), ckpt.path, contexts)
     r = dict(date=datetime.date.today().isoformat(), commit=commit, device=args.device,
              machine=cpu_model() if args.device == "cpu" else torch.cuda.get_device_name(),
              threads=torch.get_num_threads(), load_avg_1m_at_start=load_at_start,
-             model=model, load_format=args.load_format, quant=args.quant, items=args.items, options=len(OPTIONS),
-             context_tokens=args.context_tokens, concurrency=args.concurrency,
-             api_workers=args.api_workers,
-             completions_s=c_s, completions_items_per_s=args.items / c_s,
-             score_s=s_s, score_items_per_s=args.items / s_s,
-             max_abs_completions_vs_score=max(abs(a - b) for a, b in
-                                              zip(c_scores, s_scores, strict=True)),
-             completions_vs_score=s_s / c_s)
+             model=args.model, load_format=args.load_format, quant=args.quant,
+             items=args.items, options=len(OPTIONS), context_tokens=args.context_tokens,
+             concurrency=args.concurrency, api_workers=args.api_workers)
+    if served is not None:
+        model, completions, c_s, scored, s_s = served
+        c_scores = completion_scores(tok, contexts, completions)
+        s_scores = [o["logprob"] for body in scored for o in
+                    body["results"][0]["queries"][0]["combinations"][0]["options"]]
+        r.update(model=model, completions_s=c_s, completions_items_per_s=args.items / c_s,
+                 score_s=s_s, score_items_per_s=args.items / s_s,
+                 max_abs_completions_vs_score=max(abs(a - b) for a, b in
+                                                  zip(c_scores, s_scores, strict=True)),
+                 completions_vs_score=s_s / c_s)
     if in_process:
         r.update({f"{way}_s": s for way, s in in_process.items()})
         r.update({f"{way}_items_per_s": args.items / s for way, s in in_process.items()},
@@ -281,7 +293,7 @@ def main() -> None:
                      abs(a - b) for a, b in zip(c_scores, t_scores, strict=True)))
     out = ROOT / args.out
     out.mkdir(parents=True, exist_ok=True)
-    slug = Path(model).name.replace("/", "--") or "model"   # runs of two models side by side
+    slug = Path(r["model"] or "model").name.replace("/", "--")   # two models side by side
     split = f"-api{args.api_workers}" if args.api_workers else ""
     path = out / f"{r['date']}-completions-sharing-{args.device}-{slug}{split}-{commit}.json"
     path.write_text(json.dumps(r, indent=1) + "\n")
