@@ -33,12 +33,13 @@ class BlockChain:
     """A completion prompt's whole blocks (PROMPT_BLOCK tokens each), each named by a digest of
     the prompt's tokens up to the block's end and of its top-N: two prompts with equal digests
     at a block have that block and all before it in common. The tokens after the last whole
-    block, the tail, are laid out token by token after the blocks; prompts merged into one
-    document share a tail's leading tokens where their blocks are the same."""
+    block, the tail, are laid out token by token after the blocks, and prompts of one document
+    share the tail tokens they have in common after the same last block: each tail token is
+    named by a hash of that block's digest (or the top-N) and the tail up to it."""
 
     digests: tuple[bytes, ...]
+    tail: tuple[int, ...]
     top: int
-    tail: int                    # the tokens after the last whole block
 
     @classmethod
     def of(cls, ids: Sequence[int], top: int) -> BlockChain:
@@ -48,7 +49,12 @@ class BlockChain:
         for lo in range(0, whole, PROMPT_BLOCK):
             h.update(array("q", ids[lo:lo + PROMPT_BLOCK]).tobytes())
             digests.append(h.copy().digest())
-        return cls(tuple(digests), top, len(ids) - whole)
+        at = hash(digests[-1] if digests else ("tail", top))
+        tail = []
+        for token in ids[whole:]:
+            at = hash((at, token))
+            tail.append(at)
+        return cls(tuple(digests), tuple(tail), top)
 
     @property
     def group(self) -> Hashable:
@@ -76,17 +82,16 @@ class RowPart:
 class PassRows:
     """The rows of a pass being filled. Documents of one pass that share a root are read as
     one (engine/merge.py): a document whose root is already in the pass costs only the rows
-    its branches add, and a completion prompt only its blocks no other prompt of the pass
-    holds and its tail. The packer fills passes by it, and the queue worker its passes."""
+    its branches add, and a completion prompt only its blocks and tail tokens no other prompt
+    of the pass holds. The packer fills passes by it, and the queue worker its passes."""
 
     rows: int = 0
     roots: dict[Hashable, int] = field(default_factory=dict)   # root key -> its real rows
-    blocks: set[bytes] = field(default_factory=set)           # completion prompts' blocks
+    blocks: set[bytes | int] = field(default_factory=set)     # prompts' blocks, tail tokens
 
     def cost(self, doc, key: Hashable | None) -> int:
         """Rows ``doc`` (a FlatDoc or a RowPart) adds to this pass: a completion prompt, its
-        blocks no other prompt of its document holds and its tail (counted whole: what it
-        shares with other tails is not known before they are laid out)."""
+        blocks and tail tokens no other prompt of its document holds."""
         if isinstance(key, BlockChain):
             tokens = self.roots.get(key.group, 0)
             return padded_rows(tokens + self._prompt_rows(key)) - padded_rows(tokens)
@@ -96,13 +101,15 @@ class PassRows:
         return padded_rows(tokens + doc.tokens - doc.root) - padded_rows(tokens)
 
     def _prompt_rows(self, chain: BlockChain) -> int:
-        return PROMPT_BLOCK * sum(d not in self.blocks for d in chain.digests) + chain.tail
+        return (PROMPT_BLOCK * sum(d not in self.blocks for d in chain.digests)
+                + sum(t not in self.blocks for t in chain.tail))
 
     def add(self, doc, key: Hashable | None) -> None:
         self.rows += self.cost(doc, key)
         if isinstance(key, BlockChain):
             self.roots[key.group] = self.roots.get(key.group, 0) + self._prompt_rows(key)
             self.blocks.update(key.digests)
+            self.blocks.update(key.tail)
         elif key is not None:
             self.roots[key] = self.roots.get(key, doc.root) + doc.tokens - doc.root
 

@@ -48,13 +48,6 @@ def shared_rows(context: int, prompts: list[list[int]]) -> int:
     return padded_rows(context + sum(len(p) - context for p in prompts))
 
 
-def counted_rows(context: int, prompts: list[list[int]]) -> int:
-    """The rows the packer and the queue count for them: the context's whole blocks once,
-    each prompt's tail whole (what tails share is not known before they are laid out)."""
-    whole = context - context % PROMPT_BLOCK
-    return padded_rows(whole + sum(len(p) - whole for p in prompts))
-
-
 @pytest.mark.parametrize("context", CONTEXTS)
 def test_prompts_sharing_a_context_read_it_once(tiny_engine, context):
     prompts = items(tiny_engine, 1, context)
@@ -65,15 +58,28 @@ def test_prompts_sharing_a_context_read_it_once(tiny_engine, context):
     (flat, _), = merged
     assert flat.length == shared_rows(context, prompts) < sum(d.length for d in docs)
     assert flat.root == context - context % PROMPT_BLOCK
-    # the packer and the queue count no fewer rows than the pass holds
+    # the packer and the queue count the same rows
     (one_pass,) = pack(docs, 1 << 20, keys)
-    assert one_pass.rows == counted_rows(context, prompts) >= flat.length
+    assert one_pass.rows == flat.length
     fill = PassRows()
     fill.add_parts(tiny_engine.row_parts(request(prompts)))
     assert fill.rows == one_pass.rows
     # a prompt with another top-N shares nothing
     other = prompt_doc(prompts[0], 0, 3, 0)
     assert one_pass.cost(other, root_key(other, window)) == other.length
+
+
+def test_the_packer_counts_the_rows_prompts_take(tiny_engine):
+    """Items of several context lengths, prompts that part at once or after a few shared tail
+    tokens, two top-Ns: the rows the packer counts for the pass are the rows merge lays out."""
+    rng = random.Random(7)
+    prompts = [(p, top) for seed, context in enumerate((20, 130, 300, 300, 256))
+               for top in (1, 5) for p in items(tiny_engine, seed, context, n_options=3)]
+    prompts += [(p[:-1] + [99, 98, 97][:rng.randint(1, 3)], top) for p, top in prompts[:6]]
+    docs = [prompt_doc(p, 0, top, 0) for p, top in prompts]
+    keys = [root_key(d, tiny_engine.config.sliding_window) for d in docs]
+    (one_pass,) = pack(docs, 1 << 20, keys)
+    assert one_pass.rows == sum(flat.length for flat, _ in merge(docs, keys, 0))
 
 
 @pytest.mark.parametrize("context", CONTEXTS)

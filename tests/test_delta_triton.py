@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import random
-from pathlib import Path
 
 import pytest
 import torch
