@@ -31,8 +31,8 @@ from .runner import DocScores
 def root_key(doc: FlatDoc, window: int) -> Hashable | None:
     """What documents must share to be merged (None: never merged). A completion prompt: its
     blocks (prompts merge on their first block, or on having none, and share all the leading
-    blocks and tail tokens they have in common). Whether the sliding window cuts a scoring document picks the CPU attention's
-    masks, so only documents that agree on it merge."""
+    blocks and tail tokens they have in common). Whether the sliding window cuts a scoring
+    document picks the CPU attention's masks, so only documents that agree on it merge."""
     if doc.prompts is not None:
         (prompt,) = doc.prompts.prompts
         return prompt.chain
