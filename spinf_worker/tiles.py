@@ -7,6 +7,7 @@ rows padded to READOUT_TILE. All are fixed: changing one moves scores' bits.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 from array import array
 from collections.abc import Hashable, Sequence
@@ -101,8 +102,13 @@ class PassRows:
         return padded_rows(tokens + doc.tokens - doc.root) - padded_rows(tokens)
 
     def _prompt_rows(self, chain: BlockChain) -> int:
-        return (PROMPT_BLOCK * sum(d not in self.blocks for d in chain.digests)
-                + sum(t not in self.blocks for t in chain.tail))
+        return (PROMPT_BLOCK * self._absent(chain.digests) + self._absent(chain.tail))
+
+    def _absent(self, chain: tuple) -> int:
+        """How many of a chain's names this pass lacks: a name is here only with every name
+        before it in its chain (they are added chain by chain), so the first one missing is
+        found by bisection."""
+        return len(chain) - bisect.bisect_left(chain, True, key=lambda n: n not in self.blocks)
 
     def add(self, doc, key: Hashable | None) -> None:
         self.rows += self.cost(doc, key)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterator
 
+from ..tiles import PassRows
 from .layout import FlatDoc
 from .merge import Part, PromptPart, merge, root_key, split
 from .packer import pack
@@ -34,7 +35,9 @@ class PassScheduler:
         self.runner, self.max_pass_tokens, self.after_pass = runner, max_pass_tokens, after_pass
         self.window = runner.model.cfg.sliding_window
         self.waiting: list[tuple[Hashable, FlatDoc, Hashable | None]] = []   # + root key
-        self.waiting_rows = 0
+        # the rows the waiting documents take merged (documents sharing a root once): a
+        # pass's worth of prompts of one context is far fewer rows than their own lengths
+        self.waiting_rows = PassRows()
         self.in_flight: tuple[Members, PendingPass] | None = None
         self.device_s: float | None = None   # the device's time on the passes read back (CUDA)
         self.passes = 0                      # passes launched
@@ -42,17 +45,18 @@ class PassScheduler:
     def add(self, tag: Hashable, doc: FlatDoc) -> list[tuple[Hashable, DocScores]]:
         """Queue a document; returns the (tag, scores) of the documents finished meanwhile."""
         self.hold(tag, doc)
-        if (self.waiting_rows >= self.max_pass_tokens * IDLE_FILL
+        if (self.waiting_rows.rows >= self.max_pass_tokens * IDLE_FILL
                 and self.runner.starts_at_once()):
             return [done for batch in self._launch(keep_last=False) for done in batch]
-        if self.waiting_rows < self.max_pass_tokens * FILL_SLACK:
+        if self.waiting_rows.rows < self.max_pass_tokens * FILL_SLACK:
             return []
         return [done for batch in self._launch(keep_last=True) for done in batch]
 
     def hold(self, tag: Hashable, doc: FlatDoc) -> None:
         """Queue a document without launching anything (the next ``flush`` runs it)."""
-        self.waiting.append((tag, doc, root_key(doc, self.window)))
-        self.waiting_rows += doc.length
+        key = root_key(doc, self.window)
+        self.waiting.append((tag, doc, key))
+        self.waiting_rows.add(doc, key)
 
     def flush(self) -> Iterator[list[tuple[Hashable, DocScores]]]:
         """Run everything still waiting; yields the documents not returned before, pass by
@@ -82,7 +86,9 @@ class PassScheduler:
         launched = passes[:len(passes) - len(held)]
         jobs = [[self.waiting[i] for i in p.docs] for p in launched]
         self.waiting = [self.waiting[i] for p in held for i in p.docs]
-        self.waiting_rows = sum(doc.length for _, doc, _ in self.waiting)
+        self.waiting_rows = PassRows()
+        for _, doc, key in self.waiting:
+            self.waiting_rows.add(doc, key)
         for docs in jobs:
             merged = merge([doc for _, doc, _ in docs], [key for *_, key in docs],
                            self.runner.pad_id)
