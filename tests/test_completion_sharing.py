@@ -13,9 +13,11 @@ import numpy as np
 import pytest
 
 from spinf_worker.completions import CompletionRequest
+from spinf_worker.engine import prompt_blocks
 from spinf_worker.engine.completion import prompt_doc
 from spinf_worker.engine.merge import merge, root_key, split
 from spinf_worker.engine.packer import pack
+from spinf_worker.engine.prompt_blocks import Prompt
 from spinf_worker.tiles import PROMPT_BLOCK, PassRows, padded_rows
 
 from .service.test_completions import TOL, oracle_logprobs
@@ -80,6 +82,27 @@ def test_the_packer_counts_the_rows_prompts_take(tiny_engine):
     keys = [root_key(d, tiny_engine.config.sliding_window) for d in docs]
     (one_pass,) = pack(docs, 1 << 20, keys)
     assert one_pass.rows == sum(flat.length for flat, _ in merge(docs, keys, 0))
+
+
+@pytest.mark.parametrize("length", [1, 50, PROMPT_BLOCK, PROMPT_BLOCK + 1, 300, 384])
+def test_a_prompt_alone_is_laid_out_as_the_tries_lay_it_out(length):
+    """lay_out's shortcut for one prompt gives the FlatDoc the tries give it."""
+    rng = random.Random(length)
+    ids = [2, *(rng.randrange(10, 4000) for _ in range(length - 1))]
+    for first in sorted({0, length // 2, length - 1}):
+        prompt = Prompt(ids, first, 3)
+        fast, tries = prompt_blocks._alone(prompt, 0), prompt_blocks._shared([prompt], 0)
+        assert (fast.root, fast.tokens, fast.length) == (tries.root, tries.tokens, tries.length)
+        for name in ("input_ids", "positions", "span_end", "readout_rows"):
+            assert np.array_equal(np.asarray(getattr(fast, name)),
+                                  np.asarray(getattr(tries, name))), name
+        assert np.array_equal(fast.echo.next_ids, tries.echo.next_ids)
+        for name in ("ids", "pos", "end", "parent"):
+            assert np.array_equal(getattr(fast.block, name), getattr(tries.block, name)), name
+        for name in ("parent", "depth", "anchor"):
+            assert np.array_equal(getattr(fast.prompts, name),
+                                  getattr(tries.prompts, name)), name
+        assert np.array_equal(fast.prompts.readouts[0], tries.prompts.readouts[0])
 
 
 @pytest.mark.parametrize("context", CONTEXTS)

@@ -124,6 +124,7 @@ class TokenTrie:
         self.children: list[dict[int, int]] = [{}]
         self.token: list[int] = [-1]
         self.parent: list[int] = [-1]
+        self.depth: list[int] = [-1]    # 0: a first token
 
     def walk(self, tokens: list[int], group: Hashable | None = None) -> list[int]:
         """The nodes of ``tokens`` below the root, added where missing; a group's first
@@ -137,6 +138,7 @@ class TokenTrie:
                 self.children.append({})
                 self.token.append(tok)
                 self.parent.append(node)
+                self.depth.append(self.depth[node] + 1)
             nodes.append(child)
             node = child
         return nodes
@@ -144,8 +146,7 @@ class TokenTrie:
     def rows(self) -> tuple[np.ndarray, np.ndarray]:
         """Depth-first rows (row of node n, node 0 excluded: row -1) and each node's subtree
         end row."""
-        row = np.full(len(self.token), -1, dtype=np.int64)
-        end = np.zeros(len(self.token), dtype=np.int64)
+        row, end = [-1] * len(self.token), [0] * len(self.token)
         stack, next_row = [(0, False)], 0
         while stack:
             node, done = stack.pop()
@@ -156,7 +157,7 @@ class TokenTrie:
                 row[node], next_row = next_row, next_row + 1
             stack.append((node, True))
             stack.extend((c, False) for c in reversed(self.children[node].values()))
-        return row, end
+        return np.asarray(row, dtype=np.int64), np.asarray(end, dtype=np.int64)
 
     def layout(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Depth first: each node's row (node 0: -1), and per row its token, its depth (0:
@@ -166,11 +167,9 @@ class TokenTrie:
         node_at = np.empty(n, dtype=np.int64)
         node_at[row[1:]] = np.arange(1, n + 1)
         parent = np.asarray(self.parent, dtype=np.int64)
-        depth = np.zeros(n + 1, dtype=np.int64)
-        for node in range(1, n + 1):       # parents are created before their children
-            depth[node] = depth[parent[node]] + 1
-        return (row, np.asarray(self.token, dtype=np.int64)[node_at], depth[node_at] - 1,
-                end[node_at], row[parent[node_at]])
+        return (row, np.asarray(self.token, dtype=np.int64)[node_at],
+                np.asarray(self.depth, dtype=np.int64)[node_at], end[node_at],
+                row[parent[node_at]])
 
 
 @dataclass
@@ -249,8 +248,14 @@ class BranchBlock:
         """The rows of ``trie`` with no options read out of them (a completion prompt's
         tails, engine/prompt_blocks.py), and each node's row."""
         row, ids, pos, end, parent_row = trie.layout()
+        return cls.unread_rows(ids, pos, end, parent_row), row
+
+    @classmethod
+    def unread_rows(cls, ids: np.ndarray, pos: np.ndarray, end: np.ndarray,
+                    parent: np.ndarray) -> BranchBlock:
+        """Branch rows with no options read out of them, laid out already."""
         none = np.zeros(0, dtype=np.int64)
-        return cls(ids, pos, end, parent_row, none, none, none, none, none, 0, 0), row
+        return cls(ids, pos, end, parent, none, none, none, none, none, 0, 0)
 
     @classmethod
     def concat(cls, blocks: list[BranchBlock]) -> BranchBlock:

@@ -85,6 +85,45 @@ def lay_out(prompts: list[Prompt], pad_id: int) -> FlatDoc:
     """One FlatDoc of ``prompts`` (all with the same top-N): the blocks they have in common
     laid out once, and under each block the tails that go on from it as one token trie."""
     assert len({p.top for p in prompts}) == 1, "prompts of one document share their top-N"
+    return _alone(prompts[0], pad_id) if len(prompts) == 1 else _shared(prompts, pad_id)
+
+
+def _alone(prompt: Prompt, pad_id: int) -> FlatDoc:
+    """``_shared`` of one prompt, without the tries (every request's prompt is laid out
+    alone first): its tokens row after row, each row read out once."""
+    n, whole = len(prompt.ids), len(prompt.ids) - len(prompt.ids) % PROMPT_BLOCK
+    blocks, tail = whole // PROMPT_BLOCK, n - whole
+    ids = np.full(n + -n % ROW_TILE, pad_id, dtype=np.int64)
+    ids[:n] = prompt.ids
+    positions = np.zeros(len(ids), dtype=np.int64)
+    positions[:n] = np.arange(n)
+    span_end = np.arange(1, len(ids) + 1, dtype=np.int32)
+    span_end[:whole], span_end[whole:n] = whole, n
+    tails = BranchBlock.unread_rows(ids[whole:n], np.arange(tail), np.full(tail, tail),
+                                    np.arange(tail) - 1)
+    read = np.arange(prompt.first, n, dtype=np.int64)
+    return _flat(ids, positions, span_end, whole, tails, read,
+                 np.append(ids[prompt.first + 1:n], -1),
+                 PromptBlocks([prompt], np.arange(blocks) - 1, np.arange(blocks),
+                              np.full(tail, blocks - 1), [np.arange(len(read))]))
+
+
+def _flat(ids: np.ndarray, positions: np.ndarray, span_end: np.ndarray, root: int,
+          tails: BranchBlock, read_rows: np.ndarray, read_next: np.ndarray,
+          prompts: PromptBlocks) -> FlatDoc:
+    """The FlatDoc of a layout: its rows, its tails after ``root``, its readouts ((row,
+    token after it) pairs, each once)."""
+    pad = -len(read_rows) % READOUT_TILE
+    flat = FlatDoc(
+        input_ids=torch.from_numpy(ids), positions=torch.from_numpy(positions),
+        root=root, tokens=root + len(tails.ids), span_end=span_end, block=tails,
+        readout_rows=torch.from_numpy(np.concatenate([read_rows, np.zeros(pad, np.int64)])),
+        echo=EchoReadout(prompts.prompts[0].top, np.ascontiguousarray(read_next)))
+    flat.prompts = prompts
+    return flat
+
+
+def _shared(prompts: list[Prompt], pad_id: int) -> FlatDoc:
     children: list[dict[tuple[int, ...], int]] = [{}]   # node 0: before the first block
     tokens: list[tuple[int, ...]] = [()]
     walks = []
@@ -160,15 +199,8 @@ def lay_out(prompts: list[Prompt], pad_id: int) -> FlatDoc:
     rows_read, next_read = np.concatenate(read_rows), np.concatenate(read_next)
     span = int(next_read.max()) + 2            # tokens + 1 (-1: none)
     keys, inverse = np.unique(rows_read * span + next_read + 1, return_inverse=True)
-    pairs = np.stack([keys // span, keys % span - 1], axis=1)
     inverse = inverse.reshape(-1)
-    pad = -len(pairs) % READOUT_TILE
-    flat = FlatDoc(
-        input_ids=torch.from_numpy(ids), positions=torch.from_numpy(positions),
-        root=root, tokens=tokens_end, span_end=span_end, block=tails,
-        readout_rows=torch.from_numpy(np.concatenate([pairs[:, 0], np.zeros(pad, np.int64)])),
-        echo=EchoReadout(prompts[0].top, np.ascontiguousarray(pairs[:, 1])))
-    flat.prompts = PromptBlocks(list(prompts), np.asarray(parent, dtype=np.int64),
-                                np.asarray(depth, dtype=np.int64), anchor,
-                                np.split(inverse, np.cumsum(counts)[:-1]))
-    return flat
+    return _flat(ids, positions, span_end, root, tails, keys // span, keys % span - 1,
+                 PromptBlocks(list(prompts), np.asarray(parent, dtype=np.int64),
+                              np.asarray(depth, dtype=np.int64), anchor,
+                              np.split(inverse, np.cumsum(counts)[:-1])))
