@@ -230,6 +230,9 @@ def test_cancel_gives_unanswered_lines_an_error_and_ignores_late_results(tiny_en
         batch = client.post("/batches", json={"input_file_id": input_file["id"],
                                               "endpoint": "/v1/score"}).json()
         batch_in(client, batch["id"], "in_progress")
+        # cancelled once some lines are queued (on a loaded machine the first may come later)
+        wait_for(lambda: client.get(f"/batches/{batch['id']}").json()["request_counts"]
+                 ["total"] > 0, WAIT_S, 0.05, "a line queued")
         cancelling = client.post(f"/batches/{batch['id']}/cancel")
         assert cancelling.status_code == 200, cancelling.text
         assert cancelling.json()["status"] in ("cancelling", "cancelled")

@@ -320,7 +320,8 @@ async def test_requests_about_one_text_fill_a_pass_as_one(redis, keys, settings,
         fill.add_parts(tiny_engine.row_parts(request))
     alone = sum(tiny_engine.rows(r) for r in requests)
     assert fill.rows * 4 <= alone          # the root counted once
-    settings = settings.model_copy(update={"max_pass_tokens": fill.rows, "max_wait_ms": 2000})
+    # a pass of 512 rows: the worker's first read takes 512 / ROW_TILE = 4 entries
+    settings = settings.model_copy(update={"max_pass_tokens": 4 * ROW_TILE, "max_wait_ms": 2000})
     producer = Producer(redis, keys, settings)
     jobs = [(await producer.submit(Submission(r)))[0] for r in requests]
     worker = Worker(tiny_engine, redis, keys, settings)
@@ -335,12 +336,12 @@ async def test_requests_about_one_text_fill_a_pass_as_one(redis, keys, settings,
 @pytest.mark.asyncio
 async def test_completion_prompts_sharing_a_context_fill_a_pass_as_one(redis, keys, settings,
                                                                       tiny_engine):
-    """lm-eval's one completions request per option: the prompts share the context's blocks
-    in a pass (engine/prompt_blocks.py), and the worker counts those blocks once when it fills
-    a pass, so the requests take one pass, where counted alone they would not fit in it; each
-    answer is what the request gets alone."""
+    """lm-eval's one completions request per option: the prompts share the context in a pass
+    (its whole blocks and the rest of it, engine/prompt_blocks.py), and the worker counts it
+    once when it fills a pass, so the requests take one pass, where counted alone they would
+    not fit in it; each answer is what the request gets alone."""
     from spinf_worker.completions import CompletionRequest
-    from spinf_worker.tiles import PROMPT_BLOCK, PassRows
+    from spinf_worker.tiles import PROMPT_BLOCK, ROW_TILE, PassRows, padded_rows
 
     context = [tiny_engine.checkpoint.bos_token_id, *(10 + k % 500 for k in range(299))]
     requests = [CompletionRequest.parse({"prompt": [context + [600 + k, 700 + k]],
@@ -350,8 +351,11 @@ async def test_completion_prompts_sharing_a_context_fill_a_pass_as_one(redis, ke
     for request in requests:
         fill.add_parts(tiny_engine.row_parts(request))
     alone = sum(tiny_engine.rows(r) for r in requests)
-    assert fill.rows == PROMPT_BLOCK * (2 + 4) and alone == PROMPT_BLOCK * 3 * 4
-    settings = settings.model_copy(update={"max_pass_tokens": fill.rows, "max_wait_ms": 2000})
+    # the context's 300 tokens once, each prompt's two own tokens, in whole row tiles
+    assert fill.rows == padded_rows(300 + 4 * 2) == PROMPT_BLOCK * 3
+    assert alone == PROMPT_BLOCK * 3 * 4
+    # a pass of 512 rows: the worker's first read takes 512 / ROW_TILE = 4 entries
+    settings = settings.model_copy(update={"max_pass_tokens": 4 * ROW_TILE, "max_wait_ms": 2000})
     producer = Producer(redis, keys, settings)
     jobs = [(await producer.submit(Submission(
         {"model": None, "completion": r.model_dump(mode="json")})))[0] for r in requests]
