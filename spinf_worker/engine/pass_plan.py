@@ -47,9 +47,10 @@ def pass_rows(docs: list[FlatDoc], rows: int, pad_id: int) -> np.ndarray:
     (itself; a completion prompt's tail row, its anchor block's last row, or -1)."""
     out = np.empty((PASS_ROWS, rows), dtype=np.int32)
     out[0], out[1], out[2], out[5], out[6] = pad_id, 0, -1, -1, -1
-    # a padding row: its subtree is itself, and so is its path (its root is empty)
-    out[3], out[4] = np.arange(1, rows + 1, dtype=np.int32), np.arange(rows, dtype=np.int32)
-    out[7] = out[4]
+    # a padding row: its subtree is itself, and so is its path (its root is empty); every
+    # row but a prompt's tail sees the root as itself
+    out[3] = np.arange(1, rows + 1, dtype=np.int32)
+    out[4] = out[7] = np.arange(rows, dtype=np.int32)
     start = 0
     for i, doc in enumerate(docs):
         end = start + doc.length
