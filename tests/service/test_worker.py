@@ -320,8 +320,7 @@ async def test_requests_about_one_text_fill_a_pass_as_one(redis, keys, settings,
         fill.add_parts(tiny_engine.row_parts(request))
     alone = sum(tiny_engine.rows(r) for r in requests)
     assert fill.rows * 4 <= alone          # the root counted once
-    # a pass of 512 rows: the worker's first read takes 512 / ROW_TILE = 4 entries
-    settings = settings.model_copy(update={"max_pass_tokens": 4 * ROW_TILE, "max_wait_ms": 2000})
+    settings = settings.model_copy(update={"max_pass_tokens": fill.rows, "max_wait_ms": 2000})
     producer = Producer(redis, keys, settings)
     jobs = [(await producer.submit(Submission(r)))[0] for r in requests]
     worker = Worker(tiny_engine, redis, keys, settings)
