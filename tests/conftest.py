@@ -10,6 +10,8 @@ import copy
 import inspect
 import json
 import os
+import subprocess
+import sys
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -53,9 +55,6 @@ def triton_interpreted(module: str, check: str, timeout: float = WAIT_S) -> None
     Triton's interpreter: TRITON_INTERPRET is read as triton's own functions and each kernel
     are decorated, at import, so it must be set before triton is imported at all (this
     process may have imported it compiled)."""
-    import subprocess
-    import sys
-
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
     done = subprocess.run([sys.executable, "-c", f"from {module} import {check}; {check}()"],
                           cwd=Path(__file__).parents[1], env=env, capture_output=True,

@@ -132,18 +132,18 @@ def packed_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pla
                                                     block.window if sliding else block.mask,
                                                     scale)
             for anchor_path, tiles in doc.tails:
-                _branch_tiles(branch_q, branch_out, k_doc[anchor_path], v_doc[anchor_path],
-                              k_doc, v_doc, tiles, sliding, scale)
+                _attend_branch_tiles(branch_q, branch_out, k_doc[anchor_path],
+                                     v_doc[anchor_path], k_doc, v_doc, tiles, sliding, scale)
             continue
         root = slice(base, base + doc.root)
         out[root] = _root_attention(q[root], k[root], v[root], doc, sliding, scale)
-        _branch_tiles(branch_q, branch_out, k[root], v[root], k_doc, v_doc, doc.branches,
-                      sliding, scale)
+        _attend_branch_tiles(branch_q, branch_out, k[root], v[root], k_doc, v_doc,
+                             doc.branches, sliding, scale)
     return out
 
 
-def _branch_tiles(branch_q, branch_out, k_root, v_root, k_doc, v_doc,
-                  buckets: list[BranchTiles], sliding: bool, scale: float) -> None:
+def _attend_branch_tiles(branch_q, branch_out, k_root, v_root, k_doc, v_doc,
+                         buckets: list[BranchTiles], sliding: bool, scale: float) -> None:
     """Branch rows that see one root (``k_root``, ``v_root``), BRANCH_TILE rows at a time,
     written into ``branch_out``; their paths index ``k_doc``, ``v_doc``."""
     for tiles in buckets:
