@@ -173,10 +173,42 @@ def run_engine(args: argparse.Namespace, contexts: list[str]) -> dict[str, float
         seconds[way] = time.perf_counter() - t0
         if failed := [o for o in out if isinstance(o, Exception)]:
             raise RuntimeError(f"{way}: {failed[0]}")
+        if args.profile:
+            profile_call(engine, way, requests, args.device)
     del engine
     if args.device == "cuda":
         torch.cuda.empty_cache()
     return seconds
+
+
+def profile_call(engine, way: str, requests: list, device: str, rows: int = 25) -> None:
+    """One more call of ``way``: the device's busiest kernels (torch.profiler) and the host's
+    busiest functions (cProfile), to stdout."""
+    import cProfile
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    t0 = time.perf_counter()
+    with profile(activities=activities) as prof:
+        engine.score_batch(requests)
+        if device == "cuda":
+            torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    if device == "cuda":
+        busy = sum(e.self_device_time_total for e in events) / 1e6
+        print(f"== {way}: {wall:.3f} s under the profiler, kernels {busy:.3f} s")
+        print(events.table(sort_by="self_cuda_time_total", row_limit=rows))
+    host = cProfile.Profile()
+    host.enable()
+    engine.score_batch(requests)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    host.disable()
+    print(f"== {way}: the host's busiest functions")
+    pstats.Stats(host).sort_stats("tottime").print_stats(rows)
 
 
 def split_service(args: argparse.Namespace, src: Path, tmp: Path, model_dir: Path):
@@ -243,6 +275,9 @@ def main() -> None:
                     help="also both ways in-process, before the service (the ratio's ceiling)")
     ap.add_argument("--engine-only", action="store_true",
                     help="only the two in-process ways: no service, no transformers")
+    ap.add_argument("--profile", action="store_true",
+                    help="with --engine/--engine-only: one more call of each way profiled "
+                         "(device kernels and host functions, to stdout)")
     ap.add_argument("--api-workers", type=int, default=0, metavar="N",
                     help="the service as separate processes: a private redis-server "
                          "(--redis-server), `spinf-serve api --workers N` and one `worker` "
