@@ -28,6 +28,7 @@ import socket
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import structlog
 
@@ -84,6 +85,17 @@ def parse_devices(spec: str, gpus: int | None = None) -> list[str]:
     if not devices:
         raise DevicesError("--devices: name at least one device")
     return devices
+
+
+def shared_without_mps(devices: list[str]) -> list[str]:
+    """The GPUs named more than once while no MPS control daemon answers (its pipe,
+    ``$CUDA_MPS_PIPE_DIRECTORY/control``, default ``/tmp/nvidia-mps``). Without MPS the
+    processes of one GPU take turns on it, context by context; under MPS their kernels run
+    side by side (two 270M engines on one H100: 80,485 questions/s together, against 70,664
+    taking turns and ~75,000 for one alone; benchmarks/RESULTS.md)."""
+    shared = sorted({d for d in devices if d.startswith("cuda:") and devices.count(d) > 1})
+    pipe = Path(os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps")
+    return [] if (pipe / "control").exists() else shared
 
 
 @dataclass
@@ -152,6 +164,9 @@ class WorkerPool:
     async def run(self, stop: asyncio.Event) -> None:
         """Run and supervise every child until ``stop`` is set; then stop them all. A child
         that cannot run (exit 2) stops the pool with its error."""
+        if shared := shared_without_mps(self.devices):
+            log.warning("several worker processes share a GPU without MPS: they will take "
+                        "turns on it; start `nvidia-cuda-mps-control -d` first", gpus=shared)
         keepers = [asyncio.create_task(self._keep(child, stop)) for child in self.children]
         try:
             await asyncio.gather(*keepers)

@@ -203,23 +203,6 @@ def test_finish_reasons(tiny_engine):
     assert first not in again[0].text and all(first not in f.text for f in again)
 
 
-def test_top_picks_the_largest_with_ties_to_the_lower_column():
-    from spinf_worker.engine.decode import _strict_top, _top
-
-    x = torch.tensor([[-1.0, -0.5, -0.5, -math.inf, -2.0, -0.0],
-                      [-math.inf, -math.inf, -3.0, -0.25, -0.25, -7.0]])
-    values, picks = _strict_top(x, 4)          # the CUDA way, checked here
-    assert picks.tolist() == [[5, 1, 2, 0], [3, 4, 2, 5]]
-    assert torch.equal(values, x.gather(1, picks))
-    many = torch.randn(64, 1000).log_softmax(-1)
-    want = torch.topk(many, 6, dim=1)          # distinct values: the same picks
-    for top in (_top, _strict_top):
-        values, picks = top(many, 6)
-        assert torch.equal(values, want.values) and torch.equal(picks, want.indices)
-        for row in (0, 17, 63):                # a row's picks are its own
-            assert torch.equal(top(many[row:row + 1], 6)[1][0], picks[row])
-
-
 def test_rows_logsumexp_alone_and_pairwise():
     from spinf_worker.engine.decode import _logsumexp_rows, _pairwise_logsumexp
 

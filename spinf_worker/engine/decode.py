@@ -27,6 +27,7 @@ import torch
 
 from ..extract_values import ValueGrammar
 from ..tiles import ROW_TILE
+from .top_tokens import strict_top
 
 SAMPLE_TOP_K = 40   # continuations a sampled token is drawn from when the request names none
 
@@ -249,26 +250,6 @@ def _on_device(values: list[int], device: torch.device) -> torch.Tensor:
     return t
 
 
-def _top(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's ``k`` largest values and their columns, largest first; a row's picks its
-    own whatever rows are beside it. On the CPU torch.topk works row by row alike; CUDA's
-    picks its way by the number of rows, which can change the picks among equal values."""
-    if not x.is_cuda:
-        return torch.topk(x, k, dim=1)
-    return _strict_top(x, k)
-
-
-def _strict_top(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``_top`` in a strict order (value, then the lower column): the same picks however
-    topk works."""
-    bits = x.contiguous().view(torch.int32)
-    order = bits ^ ((bits >> 31) & 0x7FFFFFFF)        # ordered as the floats are
-    keys = order.long().bitwise_left_shift_(32)
-    keys += (0xFFFFFFFF - torch.arange(x.shape[1], device=x.device))
-    picks = torch.topk(keys, k, dim=1).indices
-    return x.gather(1, picks), picks
-
-
 def _logsumexp_rows(x: torch.Tensor) -> torch.Tensor:
     """log(sum(exp)) of each row of ``x`` [rows, n] in float64, each row's bits its own: on
     the CPU torch.logsumexp row by row; on CUDA, whose reductions split a row by how many
@@ -432,7 +413,7 @@ class SlotDecoder:
                 columns = vocab.extensions(*key[:2])[0]
                 mine = logprobs[index[at:at + len(members), None], columns]
             at += len(members)
-            values, picks = _top(mine, key[-1])
+            values, picks = strict_top(mine, key[-1])
             parts += [values.double().flatten(), picks.double().flatten()]
         # fp32 logprobs and token indices are exact in float64
         read = torch.cat(parts).tolist()

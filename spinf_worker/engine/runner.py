@@ -21,6 +21,7 @@ from . import host_math
 from .host_staging import HostStaging, settled
 from .layout import FlatDoc
 from .pass_plan import cuda_pass_plan, pass_rows
+from .top_tokens import strict_top
 
 READOUT_CHUNK = 1024  # LM-head rows at a time (a multiple of READOUT_TILE)
 PASS_BUCKET = 4096    # CUDA passes are padded to a multiple of this
@@ -303,9 +304,9 @@ class ModelRunner:
                 picked = part.gather(1, ids.clamp(min=0)[:, None])[:, 0]
                 token_lp[a_row - at:z_row - at] = torch.where(
                     ids >= 0, picked, torch.full_like(picked, float("nan")))
-                best = part.topk(top_lp.shape[1], dim=1)
-                top_lp[a_row - at:z_row - at] = best.values
-                top_ids[a_row - at:z_row - at] = best.indices
+                best, best_ids = strict_top(part, top_lp.shape[1])
+                top_lp[a_row - at:z_row - at] = best
+                top_ids[a_row - at:z_row - at] = best_ids
         echo_parts = {i: parts[1:] for i, parts in echo.items()}
         events = None
         if began is not None:

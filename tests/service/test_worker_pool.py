@@ -19,7 +19,12 @@ import redis as redis_sync
 
 from spinf_worker.queue.keys import GROUP, Keys
 from spinf_worker.queue.settings import ServiceSettings
-from spinf_worker.worker_pool import DevicesError, WorkerPool, parse_devices
+from spinf_worker.worker_pool import (
+    DevicesError,
+    WorkerPool,
+    parse_devices,
+    shared_without_mps,
+)
 
 from ..conftest import WAIT_S
 from .live import ROOT, api_process, wait_for
@@ -59,6 +64,15 @@ def test_workers_sharing_a_gpu_get_names_of_their_own():
     assert [c.name for c in pool.children] == ["h-gpu0", "h-gpu1", "h-gpu0-2", "h-cpu3"]
     assert [pool._command(c)[1]["CUDA_VISIBLE_DEVICES"] for c in pool.children[:3]] == [
         "0", "1", "0"]
+
+
+def test_gpus_shared_without_mps_are_named(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
+    devices = ["cuda:0", "cuda:1", "cuda:0", "cpu", "cpu"]
+    assert shared_without_mps(devices) == ["cuda:0"]
+    assert shared_without_mps(["cuda:0", "cuda:1"]) == []
+    (tmp_path / "control").touch()            # the control daemon's pipe: MPS runs
+    assert shared_without_mps(devices) == []
 
 
 def registrations(client: redis_sync.Redis, keys: Keys) -> dict[str, dict]:
