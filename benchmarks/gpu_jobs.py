@@ -100,6 +100,7 @@ TINY_QWEN3_5 = dict(QWEN3_5_27B, hidden_size=64, intermediate_size=128, num_hidd
 
 LONG_LENGTHS, TINY_LONG_LENGTHS = [512, 2048, 8192, 32768], [256, 1024]
 HYBRID_LENGTHS = [512, 2048, 8192]
+CHUNKED_FROM = 256       # hybrid-long's chunked form: roots of this many rows or more
 SWEEP_QUESTIONS, TINY_SWEEP_QUESTIONS = [7, 14, 28, 56, 112, 224], [7, 56, 112]
 SWEEP_LENGTHS, TINY_SWEEP_LENGTHS = [256, 512, 1024, 2048, 4096, 8192], [64, 256]
 
@@ -350,10 +351,11 @@ def job_hybrid_long(bench: Bench) -> None:
         from spinf_worker.kernels import delta_triton
 
         modes.append("recurrent")
-        chunked = bench.row["chunked_root_rows"] = delta_triton.CHUNKED_ROOT
+        chunked = delta_triton.CHUNKED_ROOT
+        bench.row["chunked_root_rows"] = CHUNKED_FROM
     for mode in modes:
-        if mode == "recurrent":      # every root under the threshold: token by token
-            delta_triton.CHUNKED_ROOT = 1 << 62
+        if not bench.tiny:           # recurrent: every root token by token
+            delta_triton.CHUNKED_ROOT = CHUNKED_FROM if mode == "chunked" else 1 << 62
         for length in lengths:
             bench.release()
             docs = bench.windows(length, max(2, bench.args.long_tokens // length))

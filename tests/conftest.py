@@ -50,12 +50,14 @@ def shared_data(name: str) -> Path:
 
 
 
-def triton_interpreted(module: str, check: str, timeout: float = WAIT_S) -> None:
+def triton_interpreted(module: str, check: str, timeout: float = WAIT_S,
+                       env: dict[str, str] | None = None) -> None:
     """Run ``check`` (a function of the test module ``module``) in a process of its own under
     Triton's interpreter: TRITON_INTERPRET is read as triton's own functions and each kernel
     are decorated, at import, so it must be set before triton is imported at all (this
     process may have imported it compiled)."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    env = {**os.environ, **(env or {}), "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join(sys.path)}
     done = subprocess.run([sys.executable, "-c", f"from {module} import {check}; {check}()"],
                           cwd=Path(__file__).parents[1], env=env, capture_output=True,
                           text=True, timeout=timeout)

@@ -29,7 +29,9 @@ VOCAB = 512
 
 
 def interpreted(check: str) -> None:
-    triton_interpreted(__name__, check)
+    """``check`` under the interpreter, roots of 256 rows or more by chunks (off by
+    default: not yet fast on a GPU)."""
+    triton_interpreted(__name__, check, env={"SPINF_DELTA_CHUNKED_ROOT": "256"})
 
 
 def interpreted_rule():

@@ -43,8 +43,10 @@ from .attention import AttentionPlan
 # blocks, so wider ones read them fewer times
 ROOT_BV, ROOT_WARPS = 8, 1
 BRANCH_BV, BRANCH_WARPS = 32, 4
-# roots of at least this many rows go by chunks; SPINF_DELTA_CHUNKED_ROOT=0: none does
-_CHUNKED = os.environ.get("SPINF_DELTA_CHUNKED_ROOT", "256")
+# roots of at least this many rows go by chunks; SPINF_DELTA_CHUNKED_ROOT=0 (the default):
+# none does. On an H100 the chunk kernels took 59x the token-by-token scan's time for roots of
+# 512 and 2,048 rows (benchmarks/delta_roots.py), so they wait to be made fast
+_CHUNKED = os.environ.get("SPINF_DELTA_CHUNKED_ROOT", "0")
 if not _CHUNKED.isdigit():
     raise ValueError(f"SPINF_DELTA_CHUNKED_ROOT={_CHUNKED!r}: expected a row count (0: never)")
 CHUNKED_ROOT = int(_CHUNKED) or 1 << 62

@@ -146,6 +146,7 @@ def test_long_roots_by_chunks(monkeypatch, triton_calls):
     fp64, a long document's bits alone vs packed among short and long ones."""
     from spinf_worker.kernels import delta_triton
 
+    monkeypatch.setattr(delta_triton, "CHUNKED_ROOT", 256)      # off by default
     rng = random.Random(5)
     target = random_doc(rng, 700, 6)
     plan, ids = pass_of([target], "cuda")
