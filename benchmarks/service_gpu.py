@@ -418,9 +418,9 @@ def _client_process(url: str, items: list[tuple[int, dict]], concurrency: int,
 
 
 def run_concurrent(url: str, requests: list[dict], clients: int, procs: int
-                   ) -> tuple[float, list, float]:
+                   ) -> tuple[float, list, float, dict]:
     """(seconds from the first request sent to the last answer, bodies in request order, the
-    client processes' CPU seconds)."""
+    client processes' CPU seconds, where a request's time went: latency_shares)."""
     ctx = multiprocessing.get_context("spawn")
     out, start = ctx.Queue(), ctx.Barrier(procs)
     shares = [[(i, r) for i, r in enumerate(requests) if i % procs == p] for p in range(procs)]
@@ -441,7 +441,24 @@ def run_concurrent(url: str, requests: list[dict], clients: int, procs: int
     bodies = [None] * len(requests)
     for i, body, _ in results:
         bodies[i] = body
-    return seconds, bodies, cpu_s
+    return seconds, bodies, cpu_s, latency_shares([(s, body) for _, body, s in results])
+
+
+def latency_shares(answers: list[tuple[float, dict]]) -> dict:
+    """Of (latency in seconds, reply body) pairs: the p50 / p99 latency and the medians of
+    each share of it: waiting in the stream for a pass (the reply's ``timing.queue_ms``), the
+    pass to the answer (``score_ms``), and the rest (the API, the stores after the pass and
+    the reply path, the client)."""
+    latencies = sorted(s for s, _ in answers)
+    shares = [(t["queue_ms"], t["score_ms"], s * 1000 - t["queue_ms"] - t["score_ms"])
+              for s, body in answers if (t := body.get("timing") or {}).get("queue_ms")
+              is not None and t.get("score_ms") is not None]
+    columns = list(zip(*shares, strict=True)) if shares else [(), (), ()]
+    return dict(p50_s=statistics.median(latencies) if latencies else None,
+                p99_s=latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))]
+                if latencies else None,
+                **{f"{name}_p50_ms": round(statistics.median(column), 1) if column else None
+                   for name, column in zip(("queue", "score", "rest"), columns, strict=True)})
 
 
 async def run_interactive(client: httpx.AsyncClient, requests: list[dict], trickle_s: float
@@ -450,7 +467,7 @@ async def run_interactive(client: httpx.AsyncClient, requests: list[dict], trick
     batch's output is read only after the last single is answered: reading and parsing it
     in this client's one event loop would delay the singles' replies by seconds."""
     batch = asyncio.create_task(submit_batch(client, requests, "bulk2"))
-    latencies, singles, sent, k = [], [], [], 0
+    singles, sent, k = [], [], 0
     t0 = time.perf_counter()
     while not batch.done():
         body = dict(requests[k % len(requests)])
@@ -462,25 +479,15 @@ async def run_interactive(client: httpx.AsyncClient, requests: list[dict], trick
     # each request: (seconds after the batch was submitted, its latency, and of it the ms it
     # waited in the stream for its pass and the ms from that pass's start to its answer), to
     # place outliers and tell the worker's share from the API's and the reply path's
-    timeline = []
+    timeline, answers = [], []
     for at, task in zip(sent, singles, strict=True):
         body, s = await task
-        latencies.append(s)
+        answers.append((s, body))
         timing = body.get("timing") or {}
         timeline.append([round(at, 3), round(s, 4), timing.get("queue_ms"),
                          timing.get("score_ms")])
-    latencies.sort()
-    # medians of each share: waiting in the stream, the pass to the answer, and the rest (the
-    # API, the stores after the pass and the reply path)
-    shares = [(q, sc, s * 1000 - q - sc) for _, s, q, sc in timeline
-              if q is not None and sc is not None]
-    columns = list(zip(*shares, strict=True)) if shares else [(), (), ()]
-    medians = {f"{name}_p50_ms": round(statistics.median(column), 1) if column else None
-               for name, column in zip(("queue", "score", "rest"), columns, strict=True)}
-    return dict(batch_seconds=seconds, singles=len(latencies), timeline=timeline,
-                p50_s=statistics.median(latencies) if latencies else None,
-                p99_s=latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))]
-                if latencies else None, **medians)
+    return dict(batch_seconds=seconds, singles=len(answers), timeline=timeline,
+                **latency_shares(answers))
 
 
 # ---- phases -------------------------------------------------------------------------------
@@ -559,7 +566,7 @@ async def run_service(args: argparse.Namespace, service: Service, requests: list
             own0 = time.process_time()
             since = utc_now()
             with profiled(args.profile, name, service.pids()["worker"]):
-                seconds, bodies, client_cpu = await run()
+                seconds, bodies, client_cpu, shares = await run()
             until = utc_now()
             m1, c1 = await metrics(client), tier_cpu_s(service.pids())
             cpu = {k: c1[k] - c0[k] for k in c0}
@@ -571,6 +578,8 @@ async def run_service(args: argparse.Namespace, service: Service, requests: list
                             for k in ("spinf_passes_total", "spinf_pass_rows_total"))
             out = phase(name, seconds, bodies, reference, busy, engine, cpu)
             out[f"{name}_worker_gc_s"] = round(collector, 3)
+            out.update({f"{name}_{k}": (round(v, 4) if isinstance(v, float) else v)
+                        for k, v in shares.items()})
             out[f"{name}_passes"] = int(passes)
             out[f"{name}_mean_pass_s"] = round(busy / passes, 4) if passes else None
             # how full the worker's passes are (partial ones go to a starved device)
@@ -580,7 +589,7 @@ async def run_service(args: argparse.Namespace, service: Service, requests: list
 
         async def batch():
             seconds, bodies = await run_batch(client, requests, "bulk")
-            return seconds, bodies, 0.0
+            return seconds, bodies, 0.0, {}
 
         async def concurrent():
             return await asyncio.to_thread(run_concurrent, service.url, requests,

@@ -51,7 +51,13 @@ if not _CHUNKED.isdigit():
     raise ValueError(f"SPINF_DELTA_CHUNKED_ROOT={_CHUNKED!r}: expected a row count (0: never)")
 CHUNKED_ROOT = int(_CHUNKED) or 1 << 62
 CHUNK = 64             # rows of a chunk (the torch path's)
-CHUNK_BV, CHUNK_WARPS = 32, 4
+# the chunk kernels' products on tensor cores in three TF32 products each (near fp32, fixed
+# order): "ieee" fp32 products compile to FMA loops that hold whole tiles per thread, and
+# ptxas spilled them to a 19-25 KiB stack a thread (sm_90: 32 registers), ~59x the token-by-
+# token scan's time on an H100; tf32x3 compiles to 255 registers and 0.5-2 KiB of spills
+DOT_PRECISION: tl.constexpr = tl.constexpr("tf32x3")
+SOLVE_WARPS = 8
+CHUNK_BV, CHUNK_WARPS = 16, 4
 DOT_MIN = 16           # tl.dot's smallest side: narrower heads are padded (masked) to it
 
 
@@ -214,14 +220,14 @@ def _chunk_solve_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, u_ptr, w_ptr, star
     v = tl.load(v_ptr + at[:, None] * DV + offs_v[None, :], mask=ok[:, None] & mask_v[None, :],
                 other=0.0)
     k_beta = k * beta[:, None]
-    a = tl.dot(k_beta, tl.trans(k), input_precision="ieee") * _chunk_pairs(decay, offs_c, False)
+    a = tl.dot(k_beta, tl.trans(k), input_precision=DOT_PRECISION) * _chunk_pairs(decay, offs_c, False)
     t = tl.where(offs_c[:, None] == offs_c[None, :], 1.0, 0.0)
     for i in range(1, C):     # row i: e_i - sum_{j < i} a[i, j] t[j]  (a[i, j] = 0 for j >= i)
         a_i = tl.sum(tl.where(offs_c[:, None] == i, a, 0.0), 0)
         t_i = tl.where(offs_c == i, 1.0, -tl.sum(a_i[:, None] * t, 0))
         t = tl.where(offs_c[:, None] == i, t_i[None, :], t)
-    u = tl.dot(t, v * beta[:, None], input_precision="ieee")
-    w = tl.dot(t, k_beta * tl.exp(decay)[:, None], input_precision="ieee")
+    u = tl.dot(t, v * beta[:, None], input_precision=DOT_PRECISION)
+    w = tl.dot(t, k_beta * tl.exp(decay)[:, None], input_precision=DOT_PRECISION)
     out = (i_c.to(tl.int64) * C + offs_c) * H + i_h
     tl.store(u_ptr + out[:, None] * DV + offs_v[None, :], u, mask=mask_v[None, :])
     tl.store(w_ptr + out[:, None] * DK + offs_k[None, :], w, mask=mask_k[None, :])
@@ -249,16 +255,16 @@ def _chunk_state_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, u_ptr, w_ptr, out_ptr, st
         at = (chunk * C + offs_c) * H + i_h
         u = tl.load(u_ptr + at[:, None] * DV + offs_v[None, :], mask=mask_v[None, :], other=0.0)
         w = tl.load(w_ptr + at[:, None] * DK + offs_k[None, :], mask=mask_k[None, :], other=0.0)
-        v_new = u - tl.dot(w, h, input_precision="ieee")
-        attn = tl.dot(q, tl.trans(k), input_precision="ieee") * _chunk_pairs(decay, offs_c, True)
-        o = (tl.dot(q * tl.exp(decay)[:, None], h, input_precision="ieee")
-             + tl.dot(attn, v_new, input_precision="ieee"))
+        v_new = u - tl.dot(w, h, input_precision=DOT_PRECISION)
+        attn = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * _chunk_pairs(decay, offs_c, True)
+        o = (tl.dot(q * tl.exp(decay)[:, None], h, input_precision=DOT_PRECISION)
+             + tl.dot(attn, v_new, input_precision=DOT_PRECISION))
         rows = (start + lo + offs_c) * H + i_h
         tl.store(out_ptr + rows[:, None] * DV + offs_v[None, :], o,
                  mask=ok[:, None] & mask_v[None, :])
         last = tl.sum(tl.where(offs_c == C - 1, decay, 0.0), 0)
         k_dec = k * tl.exp(last - decay)[:, None]
-        h = h * tl.exp(last) + tl.dot(tl.trans(k_dec), v_new, input_precision="ieee")
+        h = h * tl.exp(last) + tl.dot(tl.trans(k_dec), v_new, input_precision=DOT_PRECISION)
         lo += C
         chunk += 1
     at = (i_d * H + i_h).to(tl.int64) * DK
@@ -322,7 +328,7 @@ def tree_delta_rule(plan: AttentionPlan, q, k, v, g, beta) -> torch.Tensor:
         _chunk_solve_kernel[(chunks, heads)](
             q, k, v, g, beta, u, w, tree.root_start, tree.root_len, tree.chunk_doc,
             tree.chunk_at, H=heads, DK=dk, DV=dv, BK=bk_dot, BDV=bv_dot, C=CHUNK,
-            num_warps=CHUNK_WARPS)
+            num_warps=SOLVE_WARPS)
         _chunk_state_kernel[(tree.long_roots.shape[0], heads, triton.cdiv(dv, CHUNK_BV))](
             q, k, g, beta, u, w, out, state, tree.root_start, tree.root_len, tree.first_chunk,
             tree.long_roots, H=heads, DK=dk, DV=dv, BK=bk_dot, BV=CHUNK_BV, C=CHUNK,
