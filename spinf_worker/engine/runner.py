@@ -79,6 +79,45 @@ class DocScores:
         return [torch.from_numpy(self.branch(b)) for b in range(len(self.residual))]
 
 
+class EchoRows:
+    """The readouts of a pass's completion prompts that ask for the same top-N: per readout
+    row, the logprob of the token after it and the row's top-N, computed for the span of rows
+    from the first such prompt's first readout to the last one's last, a LM-head chunk at a
+    time (rows between them, of other documents or padding, are computed and never read:
+    a span is a view of the chunk's log-softmax and one launch per step, where a launch per
+    prompt cost the host more than the rows). Each row's figures come from its own fp32
+    log-softmax row alone."""
+
+    def __init__(self, docs: list[tuple[int, int, int]], top: int, next_ids: torch.Tensor,
+                 device: torch.device):
+        self.docs = docs                        # (document, first readout, readouts)
+        self.lo = docs[0][1]
+        self.hi = docs[-1][1] + docs[-1][2]
+        self.next_ids = next_ids                # [pass readouts] -1: none (or not a prompt)
+        n = next_ids.shape[0]
+        self.token_lp = torch.empty(n, dtype=torch.float32, device=device)
+        self.top_lp = torch.empty(n, top, dtype=torch.float32, device=device)
+        self.top_ids = torch.empty(n, top, dtype=torch.int64, device=device)
+
+    def read(self, logprobs: torch.Tensor, lo: int, hi: int) -> None:
+        """The span's rows among readouts ``lo..hi - 1`` (``logprobs``' rows)."""
+        a, z = max(lo, self.lo), min(hi, self.hi)
+        if a >= z:
+            return
+        part = logprobs[a - lo:z - lo]
+        ids = self.next_ids[a:z]
+        picked = part.gather(1, ids.clamp(min=0)[:, None])[:, 0]
+        self.token_lp[a:z] = torch.where(ids >= 0, picked, torch.full_like(picked, float("nan")))
+        self.top_lp[a:z], self.top_ids[a:z] = strict_top(part, self.top_lp.shape[1])
+
+    def to_host(self) -> None:
+        self.token_lp, self.top_lp, self.top_ids = (
+            t.to("cpu", non_blocking=True) for t in (self.token_lp, self.top_lp, self.top_ids))
+
+    def of(self, at: int, count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return tuple(t[at:at + count] for t in (self.token_lp, self.top_lp, self.top_ids))
+
+
 @dataclass
 class PendingPass:
     """A pass queued on the device: its summands, sorted by readout row, not yet read back."""
@@ -277,13 +316,7 @@ class ModelRunner:
         rows_d, readout_d, token_d = index_d.split([base, n_terms, n_terms])
         values = torch.empty(n_terms, dtype=torch.float32, device=self.device)
         first = {}
-        echo = {}
-        for i, _, count in echo_at:
-            top = docs[i].echo.top
-            next_ids = self._upload(torch.from_numpy(docs[i].echo.next_ids))
-            echo[i] = (next_ids, torch.empty(count, dtype=torch.float32, device=self.device),
-                       torch.empty(count, top, dtype=torch.float32, device=self.device),
-                       torch.empty(count, top, dtype=torch.int64, device=self.device))
+        echoes = self._echo_readouts(docs, echo_at, base)
         for c, lo in enumerate(range(0, base, READOUT_CHUNK)):
             a, b = bounds[c], bounds[c + 1]
             hi = lo + READOUT_CHUNK
@@ -292,36 +325,38 @@ class ModelRunner:
             for r, key in first_at.items():
                 if lo <= r < hi:
                     first[key] = logprobs[r - lo].clone()
-            for i, at, count in echo_at:
-                # the rows of this document's readouts inside this chunk: each row's
-                # figures are read from its own fp32 log-softmax row alone
-                a_row, z_row = max(lo, at), min(hi, at + count)
-                if a_row >= z_row:
-                    continue
-                next_ids, token_lp, top_lp, top_ids = echo[i]
-                part = logprobs[a_row - lo:z_row - lo]
-                ids = next_ids[a_row - at:z_row - at]
-                picked = part.gather(1, ids.clamp(min=0)[:, None])[:, 0]
-                token_lp[a_row - at:z_row - at] = torch.where(
-                    ids >= 0, picked, torch.full_like(picked, float("nan")))
-                best, best_ids = strict_top(part, top_lp.shape[1])
-                top_lp[a_row - at:z_row - at] = best
-                top_ids[a_row - at:z_row - at] = best_ids
-        echo_parts = {i: parts[1:] for i, parts in echo.items()}
+            for echo in echoes:
+                echo.read(logprobs, lo, hi)
         events = None
         if began is not None:
             # the figures the host reads, copied to it now, behind this pass's kernels: its
             # read-back then waits for this pass alone, not for the passes launched after it
             # (a copy queued at read-back time would run after those, on the one stream)
             values = values.to("cpu", non_blocking=True)
-            echo_parts = {i: tuple(p.to("cpu", non_blocking=True) for p in parts)
-                          for i, parts in echo_parts.items()}
+            for echo in echoes:
+                echo.to_host()
             ended = torch.cuda.Event(enable_timing=True)
             ended.record()
             events = (began, ended)
+        echo_parts = {i: echo.of(at, count) for echo in echoes for i, at, count in echo.docs}
         self.unread += 1
         return PendingPass(docs, values, torch.from_numpy(order), first, echo=echo_parts,
                            events=events)
+
+    def _echo_readouts(self, docs: list[FlatDoc], echo_at: list[tuple[int, int, int]],
+                       base: int) -> list[EchoRows]:
+        """The pass's completion prompts' readouts, one EchoRows per top-N asked."""
+        by_top: dict[int, list[tuple[int, int, int]]] = {}
+        for i, at, count in echo_at:
+            by_top.setdefault(docs[i].echo.top, []).append((i, at, count))
+        out = []
+        for top, members in by_top.items():
+            next_ids = np.full(base, -1, dtype=np.int64)
+            for i, at, count in members:
+                next_ids[at:at + count] = docs[i].echo.next_ids
+            out.append(EchoRows(members, top, self._upload(torch.from_numpy(next_ids)),
+                                self.device))
+        return out
 
     def finish(self, pending: PendingPass) -> list[DocScores]:
         """Wait for the pass and turn its summands into per-option logprobs."""
