@@ -41,7 +41,8 @@ OTHER_ENVIRONMENT = {
                           "ops, for comparison)",
     "SPINF_DELTA_CHUNKED_ROOT": "with the `triton` rule: a document's content (its root) of at "
                                 "least this many tokens goes by 64-token chunks instead of "
-                                "token by token (default `256`; `0`: every root token by token)",
+                                "token by token (default `0`: every root token by token; the "
+                                "chunk kernels are not yet faster on a GPU)",
     "SPINF_API_URL": "spinf-client: the API's base URL (default the hosted "
                      "`https://api.spinf.com`); set it to your server's URL",
     "SPINF_API_KEY": "spinf-client: the bearer key (the hosted API's key, or a key of "
