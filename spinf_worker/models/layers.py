@@ -233,7 +233,11 @@ class PackedLM(nn.Module):
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         if self.code_head is None:
-            return torch.log_softmax(logits, dim=-1)
+            if logits.is_cuda:
+                return torch.log_softmax(logits, dim=-1)
+            # in place on the CPU: the same kernel and bits without a second [n, vocab] buffer,
+            # whose fresh pages cost ~2.5x the log-softmax itself (a GiB a 1,024-row chunk)
+            return torch.ops.aten._log_softmax.out(logits, -1, False, out=logits)
         codes = torch.log_softmax(logits / self.code_temperature, dim=-1)
         vocab = self.embed_tokens.weight.shape[0] if self.lm_head is None else (
             self.lm_head.weight.shape[0])
