@@ -24,6 +24,7 @@ invariance check of the engine stages on N documents with the default model on t
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import subprocess
@@ -236,6 +237,7 @@ def static_scales(ckpt: Checkpoint, requests: list[dict], device: str = "cuda") 
         scheme="bf16" if device == "cuda" else "fp32", fuse=False, cuda_graphs=False))
     amax, _ = record_amax(engine, requests)
     del engine
+    gc.collect()         # the bf16 engine's cycles: else its weights outlive it into the next load
     if device == "cuda":
         torch.cuda.empty_cache()
     path = Path(tempfile.mkdtemp()) / SCALES_FILE
