@@ -88,33 +88,34 @@ class EchoRows:
     prompt cost the host more than the rows). Each row's figures come from its own fp32
     log-softmax row alone."""
 
-    def __init__(self, docs: list[tuple[int, int, int]], top: int, next_ids: torch.Tensor,
-                 device: torch.device):
+    def __init__(self, docs: list[tuple[int, int, int]], top: int, next_ids: torch.Tensor):
         self.docs = docs                        # (document, first readout, readouts)
-        self.lo = docs[0][1]
-        self.hi = docs[-1][1] + docs[-1][2]
-        self.next_ids = next_ids                # [pass readouts] -1: none (or not a prompt)
-        n = next_ids.shape[0]
+        self.lo = docs[0][1]                    # the span's first readout in the pass
+        self.next_ids = next_ids                # [span] -1: none (or not a prompt)
+        n, device = next_ids.shape[0], next_ids.device
         self.token_lp = torch.empty(n, dtype=torch.float32, device=device)
         self.top_lp = torch.empty(n, top, dtype=torch.float32, device=device)
         self.top_ids = torch.empty(n, top, dtype=torch.int64, device=device)
 
     def read(self, logprobs: torch.Tensor, lo: int, hi: int) -> None:
         """The span's rows among readouts ``lo..hi - 1`` (``logprobs``' rows)."""
-        a, z = max(lo, self.lo), min(hi, self.hi)
+        a, z = max(lo, self.lo), min(hi, self.lo + self.next_ids.shape[0])
         if a >= z:
             return
         part = logprobs[a - lo:z - lo]
-        ids = self.next_ids[a:z]
+        at = slice(a - self.lo, z - self.lo)
+        ids = self.next_ids[at]
         picked = part.gather(1, ids.clamp(min=0)[:, None])[:, 0]
-        self.token_lp[a:z] = torch.where(ids >= 0, picked, torch.full_like(picked, float("nan")))
-        self.top_lp[a:z], self.top_ids[a:z] = strict_top(part, self.top_lp.shape[1])
+        self.token_lp[at] = torch.where(ids >= 0, picked, torch.full_like(picked, float("nan")))
+        self.top_lp[at], self.top_ids[at] = strict_top(part, self.top_lp.shape[1])
 
     def to_host(self) -> None:
         self.token_lp, self.top_lp, self.top_ids = (
             t.to("cpu", non_blocking=True) for t in (self.token_lp, self.top_lp, self.top_ids))
 
     def of(self, at: int, count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The figures of the prompt whose readouts are ``at..at + count - 1``."""
+        at -= self.lo
         return tuple(t[at:at + count] for t in (self.token_lp, self.top_lp, self.top_ids))
 
 
@@ -316,7 +317,7 @@ class ModelRunner:
         rows_d, readout_d, token_d = index_d.split([base, n_terms, n_terms])
         values = torch.empty(n_terms, dtype=torch.float32, device=self.device)
         first = {}
-        echoes = self._echo_readouts(docs, echo_at, base)
+        echoes = self._echo_readouts(docs, echo_at)
         for c, lo in enumerate(range(0, base, READOUT_CHUNK)):
             a, b = bounds[c], bounds[c + 1]
             hi = lo + READOUT_CHUNK
@@ -343,19 +344,19 @@ class ModelRunner:
         return PendingPass(docs, values, torch.from_numpy(order), first, echo=echo_parts,
                            events=events)
 
-    def _echo_readouts(self, docs: list[FlatDoc], echo_at: list[tuple[int, int, int]],
-                       base: int) -> list[EchoRows]:
+    def _echo_readouts(self, docs: list[FlatDoc], echo_at: list[tuple[int, int, int]]
+                       ) -> list[EchoRows]:
         """The pass's completion prompts' readouts, one EchoRows per top-N asked."""
         by_top: dict[int, list[tuple[int, int, int]]] = {}
         for i, at, count in echo_at:
             by_top.setdefault(docs[i].echo.top, []).append((i, at, count))
         out = []
         for top, members in by_top.items():
-            next_ids = np.full(base, -1, dtype=np.int64)
+            lo, (_, last, count) = members[0][1], members[-1]
+            next_ids = np.full(last + count - lo, -1, dtype=np.int64)
             for i, at, count in members:
-                next_ids[at:at + count] = docs[i].echo.next_ids
-            out.append(EchoRows(members, top, self._upload(torch.from_numpy(next_ids)),
-                                self.device))
+                next_ids[at - lo:at - lo + count] = docs[i].echo.next_ids
+            out.append(EchoRows(members, top, self._upload(torch.from_numpy(next_ids))))
         return out
 
     def finish(self, pending: PendingPass) -> list[DocScores]:
