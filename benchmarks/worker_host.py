@@ -7,7 +7,12 @@ The job: bulk batches of the news job (an article of ../shared/data/news_article
 engine's ``score_batch`` is replaced by one that answers at once with a response of the real
 shape (56 queries, two options each), so what is left is the worker's own work.
 
-    python benchmarks/worker_host.py [--code DIR] [--docs 280] [--repeat 3] [--out FILE]
+    python benchmarks/worker_host.py [--code DIR] [--docs 280] [--repeat 3] [--interactive]
+                                     [--out FILE]
+
+``--interactive``: the same documents as requests (``POST /v1/score``'s entries: the
+interactive stream, a reply notification each, no batch lines), all queued before the worker
+starts, as many callers keep the stream full; the worker's done when every reply came.
 
 ``--code DIR``: measure the ``spinf_worker/`` of another checkout (``git worktree add``), the
 benchmark itself staying this one. ``cpu_ms_per_entry`` is the process's CPU time (every
@@ -117,10 +122,44 @@ async def redis_cpu_s(redis) -> float:
     return info["used_cpu_user"] + info["used_cpu_sys"]
 
 
-async def one_run(engine, docs: list[str], questions: dict, n: int, rows: int) -> dict:
+async def queue_batch(redis, keys, settings, lines: list[dict], n: int):
+    """The lines as one bulk batch, enqueued; returns a coroutine function telling whether
+    it completed."""
     from spinf_worker.queue import batches, files
-    from spinf_worker.queue.keys import Keys
     from spinf_worker.queue.producer import Producer
+
+    content = "".join(json.dumps(line) + "\n" for line in lines).encode()
+    upload = await files.create_file(redis, keys, content, filename="in.jsonl",
+                                     purpose="batch", ttl_s=600)
+    batch = await batches.create_batch(redis, keys, input_file_id=upload["id"],
+                                       endpoint="/v1/score", completion_window="24h",
+                                       metadata=None, ttl_s=600)
+    settings = settings.model_copy(update={"max_backlog": n + 1})
+    await batches.enqueue_batch(redis, keys, Producer(redis, keys, settings), batch["id"])
+
+    async def done() -> bool:
+        return (await batches.get_batch(redis, keys, batch["id"]))["status"] == "completed"
+    return done
+
+
+async def queue_requests(redis, keys, settings, lines: list[dict], n: int):
+    """The lines' bodies as interactive requests answered to one reply stream, as the API
+    submits ``POST /v1/score``; returns a coroutine function telling whether all were
+    answered (a length read: no reply reader's work lands in the measured process)."""
+    from spinf_worker.queue.producer import Producer, Submission
+
+    producer = Producer(redis, keys, settings.model_copy(update={"max_backlog": n + 1}))
+    for line in lines:
+        await producer.submit(Submission(request=line["body"], reply_to="bench"))
+
+    async def done() -> bool:
+        return await redis.xlen(keys.reply("bench")) >= n
+    return done
+
+
+async def one_run(engine, docs: list[str], questions: dict, n: int, rows: int,
+                  interactive: bool = False) -> dict:
+    from spinf_worker.queue.keys import Keys
     from spinf_worker.queue.redis_client import connect
     from spinf_worker.queue.settings import ServiceSettings
     from spinf_worker.queue.worker import Worker
@@ -133,14 +172,8 @@ async def one_run(engine, docs: list[str], questions: dict, n: int, rows: int) -
     scoring = {**questions, "case_insensitive": False}
     lines = [{"custom_id": f"doc-{i}", "method": "POST", "url": "/v1/score",
               "body": {"text": docs[i % len(docs)], "scoring": scoring}} for i in range(n)]
-    content = "".join(json.dumps(line) + "\n" for line in lines).encode()
-    upload = await files.create_file(redis, keys, content, filename="in.jsonl",
-                                     purpose="batch", ttl_s=600)
-    batch = await batches.create_batch(redis, keys, input_file_id=upload["id"],
-                                       endpoint="/v1/score", completion_window="24h",
-                                       metadata=None, ttl_s=600)
-    settings = settings.model_copy(update={"max_backlog": n + 1})
-    await batches.enqueue_batch(redis, keys, Producer(redis, keys, settings), batch["id"])
+    queue = queue_requests if interactive else queue_batch
+    done = await queue(redis, keys, settings, lines, n)
     engine.stub_s, engine.stub_cpu_s = 0.0, 0.0
     worker = Worker(engine, redis, keys, settings, name="bench")
     stop = asyncio.Event()
@@ -148,7 +181,7 @@ async def one_run(engine, docs: list[str], questions: dict, n: int, rows: int) -
     cpu, loop_cpu = time.process_time(), time.thread_time()
     started = time.perf_counter()
     task = asyncio.create_task(worker.run(stop))
-    while (await batches.get_batch(redis, keys, batch["id"]))["status"] != "completed":
+    while not await done():
         await asyncio.sleep(0.002)
     wall = time.perf_counter() - started
     cpu, loop_cpu = time.process_time() - cpu, time.thread_time() - loop_cpu
@@ -218,6 +251,8 @@ def main() -> None:
     parser.add_argument("--code", type=Path, help="a checkout whose spinf_worker/ to measure")
     parser.add_argument("--docs", type=int, default=280)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--interactive", action="store_true",
+                        help="the documents as requests, not one bulk batch")
     parser.add_argument("--out", type=Path, help="write the figures there as JSON too")
     args = parser.parse_args()
     if args.code is not None:
@@ -229,10 +264,11 @@ def main() -> None:
     freeze_heap()     # as the worker does once its engine is warm
     answering = AnsweringEngine(engine, response_template(questions))
     parse = parse_per_entry(answering, docs, questions, 200)
-    runs = [asyncio.run(one_run(answering, docs, questions, args.docs, rows))
+    runs = [asyncio.run(one_run(answering, docs, questions, args.docs, rows, args.interactive))
             for _ in range(args.repeat)]
     best = min(runs, key=lambda r: r["wall_s"])
-    figures = {"code": str(Path(spinf_worker.__file__).parent), **parse,
+    figures = {"code": str(Path(spinf_worker.__file__).parent),
+               "entries": "interactive" if args.interactive else "bulk", **parse,
                "median_host_ms_per_entry": statistics.median(
                    r["host_ms_per_entry"] for r in runs),
                "median_host_ms_per_pass": statistics.median(r["host_ms_per_pass"] for r in runs),
