@@ -223,6 +223,9 @@ class Service:
             self.env["SPINF_QUANT"] = args.quant
         if args.switch_interval_ms:
             self.env["SPINF_SWITCH_INTERVAL_MS"] = str(args.switch_interval_ms)
+        for setting in args.setting:    # NAME=VALUE: the service's SPINF_NAME
+            name, _, value = setting.partition("=")
+            self.env[f"SPINF_{name.upper()}"] = value
 
     def _start(self, name: str, command: list[str]) -> None:
         log = (self.tmp / f"{name}.log").open("wb")
@@ -653,6 +656,9 @@ def main() -> None:
                         help="the worker's interpreter switch interval (default: Python's)")
     parser.add_argument("--profile", type=Path, default=None,
                         help="a directory for py-spy profiles of the worker in each phase")
+    parser.add_argument("--setting", action="append", default=[], metavar="NAME=VALUE",
+                        help="a service setting (docs/SERVICE.md) for the API and workers, "
+                             "as SPINF_NAME; repeatable")
     args = parser.parse_args()
     name = args.name or f"{Path(args.model).name}-{args.quant}"
     commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
@@ -670,7 +676,7 @@ def main() -> None:
            "model": args.model, "load_format": args.load_format, "quant": args.quant,
            "docs": len(requests), "api_workers": args.api_workers, "clients": args.clients,
            "client_procs": args.client_procs,
-           "switch_interval_ms": args.switch_interval_ms,
+           "switch_interval_ms": args.switch_interval_ms, "settings": args.setting,
            "device_workers": args.device_workers,
            "case_insensitive": args.case_insensitive}
     with MemorySampler() as engine_memory:
