@@ -57,6 +57,11 @@ class ServiceSettings(BaseSettings):
                                 "only up to this many rows, so a request waits for a short "
                                 "pass of its own, not a full one. None: a quarter of the "
                                 "pass budget")
+    interactive_bulk_pass_tokens: int | None = Field(
+        None, ge=1, description="while requests keep coming (one read within the last "
+                                "second), a pass of bulk entries alone holds at most this "
+                                "many rows, so a request arriving meanwhile waits behind "
+                                "shorter passes (still two deep). None: whole passes")
     interactive_window_ms: int = Field(
         0, ge=0, description="for this long after an interactive request, a pass of bulk "
                              "entries alone is queued on the device only when none other is "

@@ -51,6 +51,8 @@ REPLY_TTL_S = 3600           # the reply stream of an API instance that went awa
 MAX_RETRY_DELAY_S = 5.0      # Redis unreachable: wait up to this long between attempts
 PRUNE_CONSUMER_IDLE_MS = 3_600_000   # consumers this quiet with nothing pending are gone
 MAX_FINISHING = 2            # passes read back but not yet stored: past it, no pass starts
+REQUESTS_RECENT_S = 1.0      # requests "keep coming" while one was read this recently
+
 
 def now_ms() -> int:
     return int(time.time() * 1000)
@@ -369,7 +371,7 @@ class Worker:
             claimed, self._claimed = self._claimed, []
             await self._admit(claimed, redelivered=True)
         rows = self._fill(self._ready).rows   # as the packer will count them: roots once
-        full = rows >= self.budget
+        full = rows >= self.bulk_budget()
         waited_ms = (time.monotonic() - min(e.arrived for e in self._ready)) * 1000 \
             if self._ready else 0.0
         # a pass that is not full waits for entries being parsed (read to fill it) even past
@@ -575,6 +577,15 @@ class Worker:
         """Rows up to which bulk entries fill a pass that holds interactive ones."""
         return min(self.budget, self.settings.interactive_pass_tokens or self.budget // 4)
 
+    def bulk_budget(self) -> int:
+        """Rows a pass of bulk entries alone holds now: the budget, or while requests keep
+        coming (one read within REQUESTS_RECENT_S) ``interactive_bulk_pass_tokens``, so that
+        a request arriving meanwhile waits for shorter passes on the device."""
+        rows = self.settings.interactive_bulk_pass_tokens
+        if rows is None or time.monotonic() - self._interactive_seen >= REQUESTS_RECENT_S:
+            return self.budget
+        return min(self.budget, rows)
+
     @staticmethod
     def _fill(entries: list[Entry]) -> PassRows:
         """The rows of ``entries`` in one pass, documents of the same content sharing a root
@@ -596,11 +607,11 @@ class Worker:
         """The entries of a pass, those left out and the pass's rows: interactive first, in
         order. Interactive entries fill the whole budget; bulk ones join them only up to
         ``interactive_budget``, so the pass a request waits for is short (a pass without
-        interactive entries is filled to the budget)."""
+        interactive entries is filled to ``bulk_budget``)."""
         interactive = self.keys.interactive
         ordered = sorted(entries, key=lambda e: e.stream != interactive)
         bulk_budget = self.interactive_budget if ordered[0].stream == interactive \
-            else self.budget
+            else self.bulk_budget()
         batch, rest, fill = [], [], PassRows()
         for entry in ordered:
             limit = self.budget if entry.stream == interactive else bulk_budget

@@ -22,7 +22,7 @@ from spinf_worker.protocol import ScoreRequest
 from spinf_worker.queue.keys import GROUP
 from spinf_worker.queue.producer import IdempotencyKeyReused, Producer, Submission
 from spinf_worker.queue.replies import ReplyListener
-from spinf_worker.queue.worker import Worker
+from spinf_worker.queue.worker import REQUESTS_RECENT_S, Worker
 from spinf_worker.tiles import ROW_TILE
 
 from ..conftest import WAIT_S
@@ -940,3 +940,47 @@ async def test_bulk_fills_a_pass_with_an_interactive_request_only_up_to_its_budg
     batch = await dispatched()          # interactive entries fill the whole budget
     assert sum(e.stream == keys.interactive for e in batch) == len(singles)
     assert sum(e.rows for e in batch) > 3 * rows
+
+
+@pytest.mark.asyncio
+async def test_bulk_passes_are_shorter_while_requests_keep_coming(
+        redis, keys, settings, tiny_engine):
+    """With interactive_bulk_pass_tokens set, a pass of bulk entries alone holds at most
+    that many rows while requests keep coming (one read within REQUESTS_RECENT_S), so the
+    next request waits behind a short pass; with none read that recently, the whole
+    budget."""
+    rows = tiny_engine.rows(ScoreRequest.parse(body(0)))
+    settings = settings.model_copy(update={"interactive_bulk_pass_tokens": 3 * rows})
+    producer = Producer(redis, keys, settings)
+    worker = Worker(tiny_engine, redis, keys, settings)
+    assert worker.bulk_budget() == worker.budget > 3 * rows     # no request read yet
+    for i in range(3 * worker.budget // rows + 3):
+        await producer.submit(Submission(body(i), priority="bulk"))
+    await worker._create_groups()
+    worker._need_groups = False
+
+    async def dispatched() -> list:
+        before = list(worker._ready)
+        worker._dispatch()
+        batch = [e for e in before if e not in worker._ready]
+        await asyncio.wait_for(worker._drain(), WAIT_S)
+        return batch
+
+    await _read_until(worker, worker.budget)
+    single, _ = await producer.submit(Submission(body(999)))
+    await worker._take_interactive()
+    assert worker.bulk_budget() == 3 * rows
+    batch = await dispatched()          # the request's own pass
+    assert [e.job for e in batch if e.stream == keys.interactive] == [single]
+
+    await _read_until(worker, worker.budget)
+    batch = await dispatched()          # bulk alone, a request read just now: short
+    assert all(e.stream == keys.bulk for e in batch)
+    assert 0 < sum(e.rows for e in batch) <= 3 * rows
+
+    worker._interactive_seen -= REQUESTS_RECENT_S     # the last request long ago
+    await _read_until(worker, worker.budget)
+    batch = await dispatched()          # bulk alone, no request lately: the whole budget
+    assert sum(e.rows for e in batch) > worker.budget - rows
+    (result,) = await results_of(redis, keys, [single])
+    assert result["status_code"] == 200
