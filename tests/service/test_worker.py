@@ -889,6 +889,29 @@ async def test_a_request_joins_a_bulk_pass_waiting_to_launch(redis, keys, settin
     assert [r["status_code"] for r in await results_of(redis, keys, bulk[:3])] == [200] * 3
 
 
+async def _bulk_worker(redis, keys, settings, engine, passes: int
+                       ) -> tuple[Producer, Worker, int]:
+    """A worker (groups created) with ``passes`` whole passes of bulk entries queued, and
+    the rows one takes."""
+    rows = engine.rows(ScoreRequest.parse(body(0)))
+    producer = Producer(redis, keys, settings)
+    worker = Worker(engine, redis, keys, settings)
+    for i in range(passes * worker.budget // rows + passes):
+        await producer.submit(Submission(body(i), priority="bulk"))
+    await worker._create_groups()
+    worker._need_groups = False
+    return producer, worker, rows
+
+
+async def _dispatched(worker: Worker) -> list:
+    """The entries of the pass ``_dispatch`` starts over the ready ones, once it is done."""
+    before = list(worker._ready)
+    worker._dispatch()
+    batch = [e for e in before if e not in worker._ready]
+    await asyncio.wait_for(worker._drain(), WAIT_S)
+    return batch
+
+
 async def _read_until(worker: Worker, rows: int) -> None:
     """Read and parse entries until the ready ones hold at least ``rows`` rows."""
     while sum(e.rows for e in worker._ready) < rows:
@@ -905,39 +928,26 @@ async def test_bulk_fills_a_pass_with_an_interactive_request_only_up_to_its_budg
     filled to the whole budget, and so is a pass of interactive entries alone."""
     rows = tiny_engine.rows(ScoreRequest.parse(body(0)))
     settings = settings.model_copy(update={"interactive_pass_tokens": 3 * rows})
-    producer = Producer(redis, keys, settings)
-    worker = Worker(tiny_engine, redis, keys, settings)
+    producer, worker, _ = await _bulk_worker(redis, keys, settings, tiny_engine, 2)
     assert worker.interactive_budget == 3 * rows < worker.budget
-    for i in range(2 * worker.budget // rows + 2):
-        await producer.submit(Submission(body(i), priority="bulk"))
-    await worker._create_groups()
-    worker._need_groups = False
-
-    async def dispatched() -> list:
-        before = list(worker._ready)
-        worker._dispatch()
-        batch = [e for e in before if e not in worker._ready]
-        await asyncio.wait_for(worker._drain(), WAIT_S)
-        return batch
-
     await _read_until(worker, worker.budget)
     single, _ = await producer.submit(Submission(body(999)))
     await worker._take_interactive()
-    batch = await dispatched()
+    batch = await _dispatched(worker)
     assert [e.job for e in batch if e.stream == keys.interactive] == [single]
     assert 0 < sum(e.rows for e in batch if e.stream == keys.bulk) <= 3 * rows
     (result,) = await results_of(redis, keys, [single])
     assert result["status_code"] == 200
 
     await _read_until(worker, worker.budget)
-    batch = await dispatched()          # bulk alone: the whole budget
+    batch = await _dispatched(worker)          # bulk alone: the whole budget
     assert all(e.stream == keys.bulk for e in batch)
     assert sum(e.rows for e in batch) > worker.budget - rows
 
     singles = [(await producer.submit(Submission(body(1000 + i))))[0]
                for i in range(worker.budget // rows)]
     await worker._take_interactive()
-    batch = await dispatched()          # interactive entries fill the whole budget
+    batch = await _dispatched(worker)          # interactive entries fill the whole budget
     assert sum(e.stream == keys.interactive for e in batch) == len(singles)
     assert sum(e.rows for e in batch) > 3 * rows
 
@@ -951,36 +961,23 @@ async def test_bulk_passes_are_shorter_while_requests_keep_coming(
     budget."""
     rows = tiny_engine.rows(ScoreRequest.parse(body(0)))
     settings = settings.model_copy(update={"interactive_bulk_pass_tokens": 3 * rows})
-    producer = Producer(redis, keys, settings)
-    worker = Worker(tiny_engine, redis, keys, settings)
+    producer, worker, _ = await _bulk_worker(redis, keys, settings, tiny_engine, 3)
     assert worker.bulk_budget() == worker.budget > 3 * rows     # no request read yet
-    for i in range(3 * worker.budget // rows + 3):
-        await producer.submit(Submission(body(i), priority="bulk"))
-    await worker._create_groups()
-    worker._need_groups = False
-
-    async def dispatched() -> list:
-        before = list(worker._ready)
-        worker._dispatch()
-        batch = [e for e in before if e not in worker._ready]
-        await asyncio.wait_for(worker._drain(), WAIT_S)
-        return batch
-
     await _read_until(worker, worker.budget)
     single, _ = await producer.submit(Submission(body(999)))
     await worker._take_interactive()
     assert worker.bulk_budget() == 3 * rows
-    batch = await dispatched()          # the request's own pass
+    batch = await _dispatched(worker)          # the request's own pass
     assert [e.job for e in batch if e.stream == keys.interactive] == [single]
 
     await _read_until(worker, worker.budget)
-    batch = await dispatched()          # bulk alone, a request read just now: short
+    batch = await _dispatched(worker)          # bulk alone, a request read just now: short
     assert all(e.stream == keys.bulk for e in batch)
     assert 0 < sum(e.rows for e in batch) <= 3 * rows
 
     worker._interactive_seen -= REQUESTS_RECENT_S     # the last request long ago
     await _read_until(worker, worker.budget)
-    batch = await dispatched()          # bulk alone, no request lately: the whole budget
+    batch = await _dispatched(worker)          # bulk alone, no request lately: the whole budget
     assert sum(e.rows for e in batch) > worker.budget - rows
     (result,) = await results_of(redis, keys, [single])
     assert result["status_code"] == 200
