@@ -55,6 +55,7 @@ import argparse
 import asyncio
 import contextlib
 import datetime
+import gc
 import json
 import multiprocessing
 import os
@@ -604,6 +605,11 @@ async def run_service(args: argparse.Namespace, service: Service, requests: list
             row.update(await measured("concurrent", concurrent))
         if "interactive" not in args.phases:
             return row
+        # the earlier phases' replies frozen out of the collector's walks: once this
+        # process's loop stalled ~0.9 s (its trickle stopped sending; the service had
+        # answered), most likely a full collection over them
+        gc.collect()
+        gc.freeze()
         m0, since = await metrics(client), utc_now()
         inter = await run_interactive(client, requests, args.trickle_ms / 1000)
         m1, until = await metrics(client), utc_now()

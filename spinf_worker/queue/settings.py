@@ -61,7 +61,8 @@ class ServiceSettings(BaseSettings):
         None, ge=1, description="while requests keep coming (one read within the last "
                                 "second), a pass of bulk entries alone holds at most this "
                                 "many rows, so a request arriving meanwhile waits behind "
-                                "shorter passes (still two deep). None: whole passes")
+                                "shorter passes (still two deep). None: half the pass "
+                                "budget; the budget or more: whole passes")
     interactive_window_ms: int = Field(
         0, ge=0, description="for this long after an interactive request, a pass of bulk "
                              "entries alone is queued on the device only when none other is "

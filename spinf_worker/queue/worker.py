@@ -579,11 +579,12 @@ class Worker:
 
     def bulk_budget(self) -> int:
         """Rows a pass of bulk entries alone holds now: the budget, or while requests keep
-        coming (one read within REQUESTS_RECENT_S) ``interactive_bulk_pass_tokens``, so that
-        a request arriving meanwhile waits for shorter passes on the device."""
-        rows = self.settings.interactive_bulk_pass_tokens
-        if rows is None or time.monotonic() - self._interactive_seen >= REQUESTS_RECENT_S:
+        coming (one read within REQUESTS_RECENT_S) ``interactive_bulk_pass_tokens`` (half
+        the budget by default), so that a request arriving meanwhile waits for shorter
+        passes on the device."""
+        if time.monotonic() - self._interactive_seen >= REQUESTS_RECENT_S:
             return self.budget
+        rows = self.settings.interactive_bulk_pass_tokens or self.budget // 2
         return min(self.budget, rows)
 
     @staticmethod

@@ -939,6 +939,7 @@ async def test_bulk_fills_a_pass_with_an_interactive_request_only_up_to_its_budg
     (result,) = await results_of(redis, keys, [single])
     assert result["status_code"] == 200
 
+    worker._interactive_seen -= REQUESTS_RECENT_S     # no request lately
     await _read_until(worker, worker.budget)
     batch = await _dispatched(worker)          # bulk alone: the whole budget
     assert all(e.stream == keys.bulk for e in batch)
@@ -955,10 +956,10 @@ async def test_bulk_fills_a_pass_with_an_interactive_request_only_up_to_its_budg
 @pytest.mark.asyncio
 async def test_bulk_passes_are_shorter_while_requests_keep_coming(
         redis, keys, settings, tiny_engine):
-    """With interactive_bulk_pass_tokens set, a pass of bulk entries alone holds at most
-    that many rows while requests keep coming (one read within REQUESTS_RECENT_S), so the
-    next request waits behind a short pass; with none read that recently, the whole
-    budget."""
+    """A pass of bulk entries alone holds at most interactive_bulk_pass_tokens rows (half
+    the budget by default) while requests keep coming (one read within REQUESTS_RECENT_S),
+    so the next request waits behind a short pass; with none read that recently, the
+    whole budget."""
     rows = tiny_engine.rows(ScoreRequest.parse(body(0)))
     settings = settings.model_copy(update={"interactive_bulk_pass_tokens": 3 * rows})
     producer, worker, _ = await _bulk_worker(redis, keys, settings, tiny_engine, 3)
@@ -967,6 +968,10 @@ async def test_bulk_passes_are_shorter_while_requests_keep_coming(
     single, _ = await producer.submit(Submission(body(999)))
     await worker._take_interactive()
     assert worker.bulk_budget() == 3 * rows
+    default = Worker(tiny_engine, redis, keys, settings.model_copy(
+        update={"interactive_bulk_pass_tokens": None}))
+    default._interactive_seen = worker._interactive_seen
+    assert default.bulk_budget() == default.budget // 2     # half a pass by default
     batch = await _dispatched(worker)          # the request's own pass
     assert [e.job for e in batch if e.stream == keys.interactive] == [single]
 
