@@ -25,6 +25,10 @@ on one H200), on random weights of the models' shapes (as ``--load-format dummy`
 - ``hybrid``: the news job on the Qwen3.5-27B shape (48 Gated DeltaNet layers, 16 gated
   full-attention ones), bf16 then fp8 (``--schemes``): questions/s, a document's bits alone vs
   packed, peak memory.
+- ``decider``: the news questions put to a decision model on the Qwen3.5-27B shape, as the
+  hosted pplx-decider answers them: its own prompt format, each answer one of 255 code
+  tokens read out over the codes alone (a question offers ``DECISION_OPTIONS`` of them):
+  questions/s, a document's bits alone vs packed, peak memory.
 - ``hybrid-long``: the 56 questions over documents of 512, 2k and 8k tokens (``--lengths``) on
   the Qwen3.5-27B shape, the DeltaNet roots by chunks (kernels/delta_triton.py's default for
   roots of CHUNKED_ROOT rows or more) and token by token: questions/s, tokens/s, a document's
@@ -97,6 +101,10 @@ TINY_QWEN3_5 = dict(QWEN3_5_27B, hidden_size=64, intermediate_size=128, num_hidd
                     num_attention_heads=2, num_key_value_heads=1, head_dim=32,
                     linear_num_key_heads=2, linear_num_value_heads=4,
                     linear_key_head_dim=16, linear_value_head_dim=16)
+
+# the hosted decision model's readout: 255 codes, each one token; a question offers a few
+DECISION_CODES, DECISION_OPTIONS = 255, 8
+DECISION_PROMPT = {"content": "Item:\n{content}\n", "question": "\nQ: {question}\nCode:"}
 
 LONG_LENGTHS, TINY_LONG_LENGTHS = [512, 2048, 8192, 32768], [256, 1024]
 HYBRID_LENGTHS = [512, 2048, 8192]
@@ -339,6 +347,65 @@ def job_hybrid(bench: Bench) -> None:
                               "bit_identical_alone_vs_packed", "peak_gib", "load_peak_gib")])
 
 
+def decision_codes(tokenizer, n: int) -> list[str]:
+    """``n`` codes of one token each, in id order: lower-case ASCII words of the vocabulary
+    that encode back to their own token alone."""
+    codes = []
+    for token_id in range(tokenizer.get_vocab_size()):
+        text = tokenizer.decode([token_id])
+        if (2 <= len(text) <= 6 and text.isascii() and text.isalpha() and text.islower()
+                and tokenizer.encode(text, add_special_tokens=False).ids == [token_id]):
+            codes.append(text)
+            if len(codes) == n:
+                return codes
+    raise SystemExit(f"the tokenizer has fewer than {n} one-token codes")
+
+
+def decider_checkpoint(config: dict, tokenizer, codes: list[str]):
+    """A random checkpoint of ``config``'s shape served as a decision model over ``codes``
+    (the manifest a checkpoint's spinf-manifest.json would give)."""
+    from spinf_worker.manifest import Decision
+    from spinf_worker.manifest import load as load_manifest
+
+    ckpt = random_checkpoint(config, tokenizer)
+    ckpt.manifest = load_manifest(None, "decider", config).model_copy(update={
+        "capabilities": ["score"],
+        "decision": Decision(codes=codes, prompt=DECISION_PROMPT)})
+    return ckpt
+
+
+def decision_requests(docs: list[str], questions: dict, options: list[str]) -> list[dict]:
+    """The news questions' texts (their templates' "Question: ...?"), each offering
+    ``options``, about each document."""
+    queries = [{"id": q["id"], "options": options,
+                "template": q["template"].split("Question: ", 1)[-1].split("\n", 1)[0]
+                + "{?}"} for q in questions["queries"]]
+    return [{"text": d, "scoring": {"queries": queries, "case_insensitive": False}}
+            for d in docs]
+
+
+def job_decider(bench: Bench) -> None:
+    """The news questions to a decision model of 255 codes on the Qwen3.5-27B shape."""
+    codes = decision_codes(bench.tokenizer, DECISION_CODES)
+    requests = decision_requests(bench.articles(bench.args.docs), bench.questions,
+                                 codes[:DECISION_OPTIONS])
+    bench.release()
+    ckpt = decider_checkpoint(TINY_QWEN3_5 if bench.tiny else QWEN3_5_27B, bench.tokenizer,
+                              codes)
+    engine = Engine(ckpt, device=bench.device, settings=EngineSettings(scheme=bench.scheme))
+    load_peak = bench.peak_gib()
+    figures, responses = bench.measure(engine, requests)
+    figures["load_peak_gib"] = load_peak
+    figures["codes"], figures["options_per_question"] = len(codes), DECISION_OPTIONS
+    figures["bit_identical_alone_vs_packed"] = invariance(engine, requests, responses,
+                                                          len(requests) // 2)
+    bench.record("decider", figures)
+    bench.save()
+    summary(bench, [f"decider_{k}" for k in (
+        "questions_per_s", "tokens_per_s", "seconds", "passes",
+        "bit_identical_alone_vs_packed", "peak_gib", "load_peak_gib")])
+
+
 def job_hybrid_long(bench: Bench) -> None:
     """Long documents on the Qwen3.5-27B shape, the DeltaNet roots by chunks and token by
     token (every root below the chunked path's threshold)."""
@@ -437,7 +504,7 @@ def summary(bench: Bench, keys: list[str]) -> None:
 
 
 JOBS = {"slots": job_slots, "long": job_long, "27b": job_27b, "sweeps": job_sweeps,
-        "hybrid": job_hybrid, "hybrid-long": job_hybrid_long}
+        "hybrid": job_hybrid, "hybrid-long": job_hybrid_long, "decider": job_decider}
 
 
 def main() -> None:
