@@ -9,9 +9,9 @@
 # LD_LIBRARY_PATH (redis-server's libraries), DATA, TOKENIZER, M270, M12B.
 #
 # The carried folder is kept in $GPU_HOST/carried: later calls on the same machine need not
-# carry it again (a call's carry is at most 64 MiB). Wheels in .dev/extra (carried by a call of
-# their own: av, which the CLI needs, gpu_host_prepare.sh puts there; py-spy say) are
-# installed too, each once.
+# carry it again (a call's carry is at most 64 MiB). Wheels in .dev/extra* (av, which the CLI
+# needs, and Pillow in .dev/extra-media, as gpu_host_prepare.sh puts them; py-spy say), in
+# whichever call carried them, are installed too, each once.
 GPU_HOST=${GPU_HOST:-/root/gpu-host}
 mkdir -p "$GPU_HOST/site" "$GPU_HOST/tokenizer" "$GPU_HOST/models"
 if [ -d "$PWD/.dev/gpu-host" ] && [ ! -d "$GPU_HOST/carried" ]; then
@@ -22,7 +22,7 @@ if [ ! -f "$GPU_HOST/site/.installed" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
       --target "$GPU_HOST/site" "$CARRIED"/wheels/*.whl && touch "$GPU_HOST/site/.installed"
 fi
-for wheel in "$PWD"/.dev/extra/*.whl; do    # each once, whichever call carried it
+for wheel in "$PWD"/.dev/extra*/*.whl; do   # each once, whichever call carried it
   [ -f "$wheel" ] && [ ! -f "$GPU_HOST/site/.extra-$(basename "$wheel")" ] || continue
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target "$GPU_HOST/site" "$wheel" && touch "$GPU_HOST/site/.extra-$(basename "$wheel")"

@@ -7,13 +7,14 @@
 #
 #     [SPINF_TOKENIZER=DIR] [SPINF_SHARED_DATA=DIR] bash benchmarks/gpu_host_prepare.sh
 #
-# Carry .dev/gpu-host (about 26 MB) to the GPU host, then there: `source
+# Carry .dev/gpu-host (about 20 MB) to the GPU host, then there: `source
 # benchmarks/gpu_host_env.sh`. The CLI checks that its extras are installed before it starts a
 # command, so their wheels come along (feedparser, trafilatura, soxr; without trafilatura's own
-# dependencies, which only feed ingestion imports) and av's (34 MB) goes to .dev/extra: a call
-# of its own carries it before the service benchmarks (a call's carry, checkout included, is
-# at most 64 MiB). PLOTS=1 adds matplotlib and its dependencies (~17 MB more: the sweeps'
-# PNGs can be drawn here from their JSON).
+# dependencies, which only feed ingestion imports) and av's (34 MB) goes to .dev/extra: with
+# .dev/gpu-host and the checkout, one call's carry (at most 64 MiB) holds both, so the
+# service benchmarks can run in the first call. Pillow (7 MB; images: media_gpu.py) goes to
+# .dev/extra-media, for a call of its own. PLOTS=1 adds matplotlib and its dependencies
+# (~17 MB more: the sweeps' PNGs can be drawn here from their JSON).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OUT=$ROOT/.dev/gpu-host
@@ -31,7 +32,7 @@ rm -rf "$OUT" && mkdir -p "$OUT/wheels" "$OUT/redis" "$OUT/tokenizer" "$OUT/data
     fastapi starlette pydantic pydantic-settings python-dotenv annotated-types \
     typing-inspection annotated-doc uvicorn httptools uvloop redis hiredis structlog python-multipart \
     platformdirs orjson gguf spinf-client prometheus-client httpx httpcore h11 anyio sniffio idna \
-    certifi pyyaml pytest pluggy iniconfig packaging pillow tenacity pytest-asyncio \
+    certifi pyyaml pytest pluggy iniconfig packaging tenacity pytest-asyncio \
     standardwebhooks python-dateutil six typing-extensions opentelemetry-api \
     feedparser feedparser-sgmllib trafilatura soxr \
     $([ "${PLOTS:-0}" = 1 ] && echo matplotlib contourpy cycler fonttools kiwisolver pyparsing)
@@ -43,6 +44,9 @@ CORE=$(unzip -p "$OUT"/wheels/pydantic-2*.whl '*/METADATA' \
 mkdir -p "$ROOT/.dev/extra" && rm -f "$ROOT"/.dev/extra/av-*.whl
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --platform manylinux_2_28_x86_64 -d "$ROOT/.dev/extra" av
+mkdir -p "$ROOT/.dev/extra-media" && rm -f "$ROOT"/.dev/extra-media/pillow-*.whl
+"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    --platform manylinux_2_28_x86_64 -d "$ROOT/.dev/extra-media" pillow
 
 REDIS=$(command -v redis-server)
 cp "$(readlink -f "$REDIS")" "$OUT/redis/redis-server"
