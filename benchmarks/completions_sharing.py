@@ -9,9 +9,10 @@ stream, evenly spaced), each followed by one question, with four one-token optio
    dir, the project's packages as of HEAD or the working tree), then every (item, option) as its
    own ``POST /v1/completions`` with lm-eval's ``local-completions`` body (the context and the
    option as one prompt, ``echo``, ``logprobs: 1``, ``max_tokens: 1``, ``temperature: 0``),
-   ``--concurrency`` at a time; the option's log-likelihood is the sum of its tokens' echoed
-   logprobs. Prompts of one pass that begin with the same blocks read them once
-   (engine/prompt_blocks.py): an item's four prompts read its context once.
+   ``--concurrency`` at a time (``--completion-concurrency``: another number); the option's
+   log-likelihood is the sum of its tokens' echoed logprobs. Prompts of one pass that begin
+   with the same blocks read them once (engine/prompt_blocks.py): an item's four prompts read
+   its context once.
 2. **score**: the same service, one ``POST /v1/score`` per item (the context as the content,
    the question as the template, the four options), same concurrency.
 3. **transformers**: the checkpoint in transformers, one forward per (item, option) sequence
@@ -241,7 +242,8 @@ def serve(args: argparse.Namespace, src: Path, tmp: Path, model_dir: Path,
             model = client.get("/v1/models").json()["data"][0]["id"]
         completions, c_s = asyncio.run(timed_posts(service.url, "/v1/completions",
                                                    completion_bodies(model, contexts),
-                                                   args.concurrency))
+                                                   args.completion_concurrency
+                                                   or args.concurrency))
         scored, s_s = asyncio.run(timed_posts(service.url, "/v1/score", score_bodies(contexts),
                                               args.concurrency))
     except BaseException:
@@ -258,6 +260,10 @@ def main() -> None:
     ap.add_argument("--items", type=int, default=500)
     ap.add_argument("--context-tokens", type=int, default=300)
     ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--completion-concurrency", type=int, default=None, metavar="N",
+                    help="/v1/completions requests in flight (default: --concurrency); "
+                         "four times --concurrency keeps as many items in flight as the "
+                         "score way (an item is one request per option)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="the service's device and the transformers baseline's")
     ap.add_argument("--model", default=None, help="default: the packaged one")
@@ -306,7 +312,8 @@ def main() -> None:
              threads=torch.get_num_threads(), load_avg_1m_at_start=load_at_start,
              model=args.model, load_format=args.load_format, quant=args.quant,
              items=args.items, options=len(OPTIONS), context_tokens=args.context_tokens,
-             concurrency=args.concurrency, api_workers=args.api_workers)
+             concurrency=args.concurrency, api_workers=args.api_workers,
+             completion_concurrency=args.completion_concurrency or args.concurrency)
     if served is not None:
         model, completions, c_s, scored, s_s = served
         c_scores = completion_scores(tok, contexts, completions)
