@@ -21,7 +21,7 @@ d. **interactive**: a trickle of single ``POST /v1/score`` requests (one every
    on phase a's passes over their count); each single's timeline entry
    holds its send time, latency, and the ``queue_ms`` and ``score_ms`` of its reply (waiting
    in the stream; from its pass's start to its answer), the rest being the API's and the
-   reply path's.
+   reply path's; ``interactive_bulk_of_batch``: that bulk batch's speed over phase b's.
 
 ``--phases`` picks among b, c and d (the warm-up runs regardless); the clients' CPU seconds
 count from the phase's start barrier.
@@ -628,6 +628,9 @@ async def run_service(args: argparse.Namespace, service: Service, requests: list
         full_pass = row.get("batch_mean_pass_s")
         if full_pass and inter["p99_s"]:
             row["interactive_p99_over_pass"] = round(inter["p99_s"] / full_pass, 2)
+        if row.get("batch_seconds"):    # the bulk job's speed beside the requests, of (b)'s
+            row["interactive_bulk_of_batch"] = round(row["batch_seconds"]
+                                                     / inter["batch_seconds"], 3)
     return row
 
 
