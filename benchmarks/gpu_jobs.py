@@ -59,7 +59,7 @@ from gpu_bench import GEMMA_12B, invariance, nvidia_smi_used_gib, random_checkpo
 
 from spinf_worker.engine import Engine, EngineSettings  # noqa: E402
 from spinf_worker.engine.packer import pack  # noqa: E402
-from spinf_worker.models.loader import load_checkpoint  # noqa: E402
+from spinf_worker.models.loader import Checkpoint, load_checkpoint  # noqa: E402
 from spinf_worker.tools.news_job import (  # noqa: E402
     ARTICLES,
     build_requests,
@@ -142,8 +142,11 @@ class Bench:
     def save(self) -> None:   # after every stage, so a run cut short still leaves its figures
         self.path.write_text(json.dumps(self.row, indent=1))
 
-    def engine(self, config: dict, **settings) -> Engine:
-        return Engine(random_checkpoint(config, self.tokenizer), device=self.device,
+    def engine(self, config: dict | Checkpoint, **settings) -> Engine:
+        """An engine of random weights of ``config``'s shape (or of a checkpoint built so)."""
+        ckpt = config if isinstance(config, Checkpoint) else random_checkpoint(config,
+                                                                               self.tokenizer)
+        return Engine(ckpt, device=self.device,
                       settings=EngineSettings(scheme=self.scheme, **settings))
 
     def release(self) -> None:
@@ -361,7 +364,7 @@ def decision_codes(tokenizer, n: int) -> list[str]:
     raise SystemExit(f"the tokenizer has fewer than {n} one-token codes")
 
 
-def decider_checkpoint(config: dict, tokenizer, codes: list[str]):
+def decider_checkpoint(config: dict, tokenizer, codes: list[str]) -> Checkpoint:
     """A random checkpoint of ``config``'s shape served as a decision model over ``codes``
     (the manifest a checkpoint's spinf-manifest.json would give)."""
     from spinf_worker.manifest import Decision
@@ -390,9 +393,8 @@ def job_decider(bench: Bench) -> None:
     requests = decision_requests(bench.articles(bench.args.docs), bench.questions,
                                  codes[:DECISION_OPTIONS])
     bench.release()
-    ckpt = decider_checkpoint(TINY_QWEN3_5 if bench.tiny else QWEN3_5_27B, bench.tokenizer,
-                              codes)
-    engine = Engine(ckpt, device=bench.device, settings=EngineSettings(scheme=bench.scheme))
+    engine = bench.engine(decider_checkpoint(TINY_QWEN3_5 if bench.tiny else QWEN3_5_27B,
+                                             bench.tokenizer, codes))
     load_peak = bench.peak_gib()
     figures, responses = bench.measure(engine, requests)
     figures["load_peak_gib"] = load_peak

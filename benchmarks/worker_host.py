@@ -122,7 +122,7 @@ async def redis_cpu_s(redis) -> float:
     return info["used_cpu_user"] + info["used_cpu_sys"]
 
 
-async def queue_batch(redis, keys, settings, lines: list[dict], n: int):
+async def queue_batch(redis, keys, settings, lines: list[dict]):
     """The lines as one bulk batch, enqueued; returns a coroutine function telling whether
     it completed."""
     from spinf_worker.queue import batches, files
@@ -134,7 +134,7 @@ async def queue_batch(redis, keys, settings, lines: list[dict], n: int):
     batch = await batches.create_batch(redis, keys, input_file_id=upload["id"],
                                        endpoint="/v1/score", completion_window="24h",
                                        metadata=None, ttl_s=600)
-    settings = settings.model_copy(update={"max_backlog": n + 1})
+    settings = settings.model_copy(update={"max_backlog": len(lines) + 1})
     await batches.enqueue_batch(redis, keys, Producer(redis, keys, settings), batch["id"])
 
     async def done() -> bool:
@@ -142,18 +142,18 @@ async def queue_batch(redis, keys, settings, lines: list[dict], n: int):
     return done
 
 
-async def queue_requests(redis, keys, settings, lines: list[dict], n: int):
+async def queue_requests(redis, keys, settings, lines: list[dict]):
     """The lines' bodies as interactive requests answered to one reply stream, as the API
     submits ``POST /v1/score``; returns a coroutine function telling whether all were
     answered (a length read: no reply reader's work lands in the measured process)."""
     from spinf_worker.queue.producer import Producer, Submission
 
-    producer = Producer(redis, keys, settings.model_copy(update={"max_backlog": n + 1}))
+    producer = Producer(redis, keys, settings)
     for line in lines:
         await producer.submit(Submission(request=line["body"], reply_to="bench"))
 
     async def done() -> bool:
-        return await redis.xlen(keys.reply("bench")) >= n
+        return await redis.xlen(keys.reply("bench")) >= len(lines)
     return done
 
 
@@ -173,7 +173,7 @@ async def one_run(engine, docs: list[str], questions: dict, n: int, rows: int,
     lines = [{"custom_id": f"doc-{i}", "method": "POST", "url": "/v1/score",
               "body": {"text": docs[i % len(docs)], "scoring": scoring}} for i in range(n)]
     queue = queue_requests if interactive else queue_batch
-    done = await queue(redis, keys, settings, lines, n)
+    done = await queue(redis, keys, settings, lines)
     engine.stub_s, engine.stub_cpu_s = 0.0, 0.0
     worker = Worker(engine, redis, keys, settings, name="bench")
     stop = asyncio.Event()

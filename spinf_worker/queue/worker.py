@@ -611,11 +611,11 @@ class Worker:
         interactive entries is filled to ``bulk_budget``)."""
         interactive = self.keys.interactive
         ordered = sorted(entries, key=lambda e: e.stream != interactive)
-        bulk_budget = self.interactive_budget if ordered[0].stream == interactive \
+        bulk_rows = self.interactive_budget if ordered[0].stream == interactive \
             else self.bulk_budget()
         batch, rest, fill = [], [], PassRows()
         for entry in ordered:
-            limit = self.budget if entry.stream == interactive else bulk_budget
+            limit = self.budget if entry.stream == interactive else bulk_rows
             trial = fill.with_parts(entry.parts)
             if not batch or trial.rows <= limit:
                 batch.append(entry)
