@@ -62,7 +62,7 @@ def stub_forward(engine, seed: int = 0) -> None:
     rng = np.random.default_rng(seed)
     vocab = int(engine.config.vocab_size)
 
-    def launch(docs):
+    def launch(docs, keep_roots=()):
         n_terms = sum(len(d.block.term_readout) for d in docs)
         values = torch.from_numpy(-4 * rng.random(n_terms, dtype=np.float32))
         echo = {}

@@ -167,8 +167,8 @@ def instrument(engine, timers: Timers, stub: bool) -> None:
         patch(scheduler, name, "pack")
     launch, cuda_rows = runner.ModelRunner.launch, timers.wrap("launch_cuda", pass_rows)
 
-    def launch_and_rows(self, docs):
-        pending = launch(self, docs)
+    def launch_and_rows(self, docs, keep_roots=()):
+        pending = launch(self, docs, keep_roots)
         rows = -(-sum(d.length for d in docs) // runner.PASS_BUCKET) * runner.PASS_BUCKET
         cuda_rows(docs, rows, self.pad_id)
         return pending

@@ -253,7 +253,8 @@ def load_engine(spec: WorkerSpec, settings: ServiceSettings):
 
     packs = load_sources(settings.packs)      # before the model: a bad pack fails fast
     engine_settings = EngineSettings(scheme=settings.quant, fp8_scales=settings.fp8_scales,
-                                     max_content_tokens=settings.max_content_tokens)
+                                     max_content_tokens=settings.max_content_tokens,
+                                     root_cache_mib=settings.root_cache_mib)
     if settings.max_pass_tokens:
         engine_settings.max_pass_tokens = settings.max_pass_tokens
     engine = Engine.load(spec.model, device=spec.device, settings=engine_settings, packs=packs,

@@ -117,9 +117,9 @@ class _IdleWhenAllRead:
     def starts_at_once(self) -> bool:
         return self.runner.unread == 0
 
-    def launch(self, docs):
+    def launch(self, docs, *args):
         self.launched.append(sum(d.length for d in docs))
-        return self.runner.launch(docs)
+        return self.runner.launch(docs, *args)
 
 
 def test_an_idle_device_gets_a_pass_once_half_of_one_waits(tiny_engine):

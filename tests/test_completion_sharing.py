@@ -138,9 +138,9 @@ def _prompt_rows(engine, monkeypatch) -> list[int]:
     seen: list[int] = []
     launch = engine.runner.launch
 
-    def counting(docs):
+    def counting(docs, *args):
         seen.append(sum(d.length for d in docs if d.prompts is not None))
-        return launch(docs)
+        return launch(docs, *args)
 
     monkeypatch.setattr(engine.runner, "launch", counting)
     return seen

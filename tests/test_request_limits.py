@@ -178,7 +178,7 @@ class _Runner:
     def __init__(self):
         self.passes: list[list[str]] = []
 
-    def launch(self, docs):
+    def launch(self, docs, keep_roots=()):
         self.passes.append([d.name for d in docs])
         return SimpleNamespace(first={}, docs=docs, device_seconds=lambda: None)
 

@@ -39,9 +39,9 @@ class PassLog:
         self.passes: list[list] = []
         launch = runner.launch
 
-        def logged(docs):
+        def logged(docs, *args):
             self.passes.append(list(docs))
-            return launch(docs)
+            return launch(docs, *args)
 
         monkeypatch.setattr(runner, "launch", logged)
 

@@ -40,7 +40,7 @@ class ScoringBatch:
         self.results: list[ScoreResponse | CompletionResponse | SpinfError | None] = (
             [None] * len(requests))
         self.scheduler = PassScheduler(engine.runner, engine.settings.max_pass_tokens,
-                                       engine._decode_slots)
+                                       engine._decode_slots, engine.roots)
         self.floors: dict[tuple, DocScores] = {}   # this batch's floor values, cached or scored
         self.queued: set[tuple] = set()
         # query sets (by id, kept alive here) whose floors this batch has asked for, and

@@ -85,6 +85,9 @@ class FlatDoc:
     prompts: PromptBlocks | None = None
     # max_position, when the layout knows it without reading the rows (BranchBlock.place)
     last_position: int | None = field(default=None, repr=False, compare=False)
+    # a root read in an earlier pass (engine/root_cache.KeptRoot): the rows are the branches'
+    # alone (root == 0), at their positions after the kept root's
+    kept_root: object | None = None
 
     @property
     def length(self) -> int:
@@ -371,6 +374,26 @@ class BranchBlock:
                      for b, (r, path, settings) in self.extract.items()},
             last_position=root + self.top_position,
         )
+
+    def place_on_kept(self, kept, pad_id: int) -> FlatDoc:
+        """The FlatDoc of these branches under a root kept from an earlier pass
+        (engine/root_cache.KeptRoot): their rows alone, at the positions ``place`` gives them
+        after a root of ``kept.rows`` tokens."""
+        tokens = len(self.ids)
+        length = tokens + -tokens % ROW_TILE
+        ids = np.full(length, pad_id, dtype=np.int64)
+        ids[:tokens] = self.ids
+        positions = np.zeros(length, dtype=np.int64)
+        positions[:tokens] = self.pos + kept.rows
+        span_end = np.arange(1, length + 1, dtype=np.int32)
+        span_end[:tokens] = self.end
+        readout_rows = np.zeros(len(self.readout_rows) + -len(self.readout_rows) % READOUT_TILE,
+                                dtype=np.int64)
+        readout_rows[:len(self.readout_rows)] = self.readout_rows
+        return FlatDoc(input_ids=torch.from_numpy(ids), positions=torch.from_numpy(positions),
+                       root=0, tokens=tokens, span_end=span_end, block=self,
+                       readout_rows=torch.from_numpy(readout_rows),
+                       last_position=kept.rows + self.top_position, kept_root=kept)
 
 
 @dataclass

@@ -104,7 +104,10 @@ def _merged(docs: list[FlatDoc], members: list[int], pad_id: int
         return flat, [(i, PromptPart(readouts))
                       for i, readouts in zip(members, flat.prompts.readouts, strict=True)]
     blocks = [docs[i].block for i in members]
-    flat = BranchBlock.concat(blocks).place(first.input_ids[:first.root].tolist(), pad_id)
+    if first.kept_root is not None:    # a root kept from an earlier pass (root_cache.py)
+        flat = BranchBlock.concat(blocks).place_on_kept(first.kept_root, pad_id)
+    else:
+        flat = BranchBlock.concat(blocks).place(first.input_ids[:first.root].tolist(), pad_id)
     flat.media = first.media
     parts, branch, option = [], 0, 0
     for i, block in zip(members, blocks, strict=True):

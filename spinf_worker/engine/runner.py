@@ -21,6 +21,7 @@ from . import host_math
 from .host_staging import HostStaging, settled
 from .layout import FlatDoc
 from .pass_plan import cuda_pass_plan, pass_rows
+from .root_cache import KeptRoot
 from .top_tokens import strict_top
 
 READOUT_CHUNK = 1024  # LM-head rows at a time (a multiple of READOUT_TILE)
@@ -137,6 +138,8 @@ class PendingPass:
         default_factory=dict)
     # CUDA: events recorded before the pass's first kernel and after its last one
     events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+    # the roots kept from this pass (launch's keep_roots): doc index -> its KeptRoot
+    kept_roots: dict[int, KeptRoot] = field(default_factory=dict)
 
     def wait(self) -> None:
         """Block until the pass has run on the device (the interpreter lock released
@@ -231,9 +234,10 @@ class ModelRunner:
         return self.finish(self.launch(docs))
 
     @torch.inference_mode()
-    def launch(self, docs: list[FlatDoc]) -> PendingPass:
+    def launch(self, docs: list[FlatDoc], keep_roots: list[int] = ()) -> PendingPass:
         """Queue a pass on the device and return at once: nothing here waits for the device,
-        so the caller can lay out the next pass while this one runs."""
+        so the caller can lay out the next pass while this one runs. ``keep_roots``: the
+        documents whose roots' keys and values come back (``PendingPass.kept_roots``)."""
         starts, start = [], 0
         for doc in docs:
             starts.append(start)
@@ -254,7 +258,7 @@ class ModelRunner:
             began.record()
             media = any(doc.media for doc in docs)
             # a pass with media runs eagerly: its towers and their features are not captured
-            if self.graphs is not None and not keep and not media:
+            if self.graphs is not None and not keep and not keep_roots and not media:
                 hidden = self.graphs.run(rows_array)
                 return self._readouts(docs, starts, hidden, began)
             inputs = self._stage(rows_array)
@@ -279,9 +283,13 @@ class ModelRunner:
                           for d, s in zip(docs, starts, strict=True) for image in d.media]
         if keep:
             plan.keep_rows = self._upload(torch.cat(keep))
+        plan.keep_roots = [(starts[i], starts[i] + docs[i].root) for i in keep_roots]
         hidden = self.model(ids, pos, plan)
         pending = self._readouts(docs, starts, hidden, began)
         pending.kept, pending.keep_base = plan.kept, keep_base
+        pending.kept_roots = {i: KeptRoot(layers, docs[i].root)
+                              for i, layers in zip(keep_roots, plan.kept_roots or (),
+                                                   strict=True)}
         return pending
 
     def _readouts(self, docs: list[FlatDoc], starts: list[int], hidden: torch.Tensor,
@@ -411,6 +419,14 @@ def doc_span(doc: FlatDoc, start: int, window: int, dev: torch.device,
     "sliding": the sliding-window layers only, "none": the text stays causal; Gemma 4)."""
     span = DocSpan(start, doc.root, doc.tokens)
     windowed = doc.max_position >= window
+    if doc.kept_root is not None:
+        # a kept root (engine/root_cache.py): its branch rows alone, seeing it as they would
+        # see the root's rows in the pass
+        span.kept = doc.kept_root
+        span.branches = _branch_tiles(doc, doc.block.path_buckets,
+                                      torch.arange(doc.kept_root.rows),
+                                      window if windowed else None, dev)
+        return span
     if doc.prompts is not None:
         # a block's shapes and masks follow from its depth alone (its path's length)
         span.blocks = []

@@ -6,7 +6,8 @@ the device starts while the host lays out the rest), not when the whole batch ha
 out, and pass N+1 is queued before pass N is read back: laying out later documents and
 answering earlier ones overlap the device. Which documents share a pass never changes a
 score (batch invariance), so packing as they come is free to do. Documents of a pass that
-share a root run as one (engine/merge.py).
+share a root run as one (engine/merge.py), and a document whose root an earlier pass read
+runs as its branch rows alone on that root's kept keys and values (engine/root_cache.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from ..tiles import PassRows
 from .layout import FlatDoc
 from .merge import Part, PromptPart, merge, root_key, split
 from .packer import pack
+from .root_cache import RootCache, keepable
 from .runner import DocScores, ModelRunner, PendingPass
 
 # per document a pass runs: the (tag, part) of each document merged into it (engine/merge.py)
@@ -30,9 +32,12 @@ IDLE_FILL = 0.5
 
 class PassScheduler:
     def __init__(self, runner: ModelRunner, max_pass_tokens: int,
-                 after_pass: Callable[[PendingPass, list[DocScores]], None] | None = None):
-        """``after_pass``: called on each pass read back (decoding its extraction slots)."""
+                 after_pass: Callable[[PendingPass, list[DocScores]], None] | None = None,
+                 roots: RootCache | None = None):
+        """``after_pass``: called on each pass read back (decoding its extraction slots).
+        ``roots``: the roots kept across passes (None: every pass reads its roots)."""
         self.runner, self.max_pass_tokens, self.after_pass = runner, max_pass_tokens, after_pass
+        self.roots = roots
         self.window = runner.model.cfg.sliding_window
         self.waiting: list[tuple[Hashable, FlatDoc, Hashable | None]] = []   # + root key
         # the rows the waiting documents take merged (documents sharing a root once): a
@@ -55,6 +60,11 @@ class PassScheduler:
     def hold(self, tag: Hashable, doc: FlatDoc) -> None:
         """Queue a document without launching anything (the next ``flush`` runs it)."""
         key = root_key(doc, self.window)
+        if self.roots is not None and key is not None and keepable(doc):
+            kept = self.roots.get(key)
+            if kept is not None:
+                # its branch rows alone; merged only with others on the same kept root
+                doc, key = doc.block.place_on_kept(kept, self.runner.pad_id), ("kept", key)
         self.waiting.append((tag, doc, key))
         self.waiting_rows.add(doc, key)
 
@@ -93,11 +103,25 @@ class PassScheduler:
             merged = merge([doc for _, doc, _ in docs], [key for *_, key in docs],
                            self.runner.pad_id)
             members = [[(docs[i][0], part) for i, part in parts] for _, parts in merged]
-            job = (members, self.runner.launch([flat for flat, _ in merged]))
+            keys = [docs[parts[0][0]][2] for _, parts in merged]
+            keep = self._roots_to_keep([flat for flat, _ in merged], keys)
+            pending = self.runner.launch([flat for flat, _ in merged], keep)
+            for i in keep:
+                self.roots.put(keys[i], pending.kept_roots[i])
+            job = (members, pending)
             self.passes += 1
             previous, self.in_flight = self.in_flight, job
             if previous is not None:
                 yield self._collect(previous)
+
+    def _roots_to_keep(self, flats: list[FlatDoc], keys: list[Hashable | None]) -> list[int]:
+        """The documents of a pass whose roots are to be kept: those that may be and are not
+        yet."""
+        if self.roots is None:
+            return []
+        return [i for i, (flat, key) in enumerate(zip(flats, keys, strict=True))
+                if key is not None and flat.kept_root is None and key not in self.roots.roots
+                and keepable(flat)]
 
     def _collect(self, job: tuple[Members, PendingPass]) -> list[tuple[Hashable, DocScores]]:
         members, pending = job

@@ -82,6 +82,9 @@ class DocSpan:
     # their tails: per anchor block, its path's rows (doc-relative) and the tail rows' tiles
     blocks: list[PromptBlockRows] | None = None
     tails: list[tuple[torch.Tensor, list[BranchTiles]]] = field(default_factory=list)
+    # a root read in an earlier pass (engine/root_cache.KeptRoot): the pass holds its branch
+    # rows alone (root == 0), which see the kept keys and values as the root's
+    kept: object | None = None
 
 
 @dataclass
@@ -102,18 +105,28 @@ class AttentionPlan:
     scan: object | None = None
     # the same tree as kernels/delta_triton.TreeRows reads it on CUDA, built on first use
     delta_rows: object | None = None
+    # roots to keep (engine/root_cache.py): their pass rows [start, end); per root, each
+    # layer's (keys, values) of those rows
+    keep_roots: list[tuple[int, int]] | None = None
+    kept_roots: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] | None = None
 
     def attend(self, q, k, v, *, layer: int, sliding: bool, scale: float) -> torch.Tensor:
         if self.keep_rows is not None:
             if self.kept is None:
                 self.kept = {}
             self.kept[layer] = (k[self.keep_rows], v[self.keep_rows])
-        return packed_tree_attention(q, k, v, self, sliding=sliding, scale=scale)
+        if self.keep_roots:
+            if self.kept_roots is None:
+                self.kept_roots = [{} for _ in self.keep_roots]
+            for kept, (a, b) in zip(self.kept_roots, self.keep_roots, strict=True):
+                kept[layer] = (k[a:b].clone(), v[a:b].clone())
+        return packed_tree_attention(q, k, v, self, sliding=sliding, scale=scale, layer=layer)
 
 
 def packed_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan,
-                          *, sliding: bool, scale: float) -> torch.Tensor:
-    """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq, D]; padding rows come out as zeros."""
+                          *, sliding: bool, scale: float, layer: int = 0) -> torch.Tensor:
+    """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq, D]; padding rows come out as zeros.
+    ``layer``: which of a kept root's keys and values its branch rows see."""
     if plan.flex is not None:
         from .flex_tree import flex_tree_attention
 
@@ -121,6 +134,12 @@ def packed_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pla
     out = torch.zeros_like(q)
     for doc in plan.docs:
         base = doc.start
+        if doc.kept is not None:
+            k_root, v_root = doc.kept.layers[layer]
+            _attend_branch_tiles(q[base:base + doc.tokens], out[base:base + doc.tokens],
+                                 k_root, v_root, k[base:base + doc.tokens],
+                                 v[base:base + doc.tokens], doc.branches, sliding, scale)
+            continue
         branch_q = q[base + doc.root:base + doc.tokens]
         branch_out = out[base + doc.root:base + doc.tokens]
         k_doc, v_doc = k[base:base + doc.tokens], v[base:base + doc.tokens]

@@ -301,7 +301,8 @@ def test_completion_prompts_sharing_blocks_score_as_alone(scheme, cuda_graphs):
     scheduler = PassScheduler(runner, 1 << 16)
     launched = []
     launch = runner.launch
-    runner.launch = lambda flats: launched.append(sum(f.length for f in flats)) or launch(flats)
+    runner.launch = lambda flats, *args: (launched.append(sum(f.length for f in flats))
+                                          or launch(flats, *args))
     for i, d in enumerate(docs):
         scheduler.hold(i, d)
     done = dict(item for batch in scheduler.flush() for item in batch)

@@ -343,3 +343,20 @@ def test_a_worker_whose_warm_up_fails_still_loads_its_engine(tiny_dir, settings,
     assert isinstance(engine, Engine)
     captured = capsys.readouterr()
     assert "compiling the pass sizes ahead failed" in captured.out + captured.err
+
+
+def test_a_worker_keeps_roots_within_its_setting(tiny_dir, settings):
+    """``root_cache_mib`` reaches the worker's engine: a document sent twice is read once,
+    its second scores the first's."""
+    from spinf_worker.serve import WorkerSpec, load_engine
+
+    engine = load_engine(WorkerSpec(model=str(tiny_dir), device="cpu"),
+                         settings.model_copy(update={"root_cache_mib": 4}))
+    assert engine.roots is not None and engine.roots.max_bytes == 4 << 20
+    body = {"messages": [{"role": "user", "content": "the river rose in the night"}],
+            "scoring": {"queries": [{"id": "q", "template": "\n\nFlood?{?}",
+                                     "options": [" yes", " no"]}]}}
+    first = engine.score(body)
+    assert len(engine.roots) >= 1 and engine.roots.hits == 0
+    assert engine.score(body).results == first.results and engine.roots.hits >= 1
+    assert load_engine(WorkerSpec(model=str(tiny_dir), device="cpu"), settings).roots is None
