@@ -25,14 +25,37 @@ def media_attention(model: torch.nn.Module) -> str:
 
 
 def cuda_pass_plan(model: torch.nn.Module, inputs: torch.Tensor,
-                   real_rows: int | None = None) -> AttentionPlan:
+                   real_rows: int | None = None, kept=None) -> AttentionPlan:
     """How a pass's [PASS_ROWS, rows] device rows (``pass_rows``) attend on CUDA.
-    ``real_rows``: compute only those (None: every row, padding too)."""
+    ``real_rows``: compute only those (None: every row, padding too). ``kept``: the kept
+    roots its documents see (``kept_keys``)."""
     from ..kernels.flex_tree import TreeTokens, build_flex_plan
 
     flex = build_flex_plan(TreeTokens.of_pass(inputs), model.cfg.sliding_window,
-                           media_attention(model))
+                           media_attention(model), kept)
     return AttentionPlan([], flex=flex, rows=real_rows or inputs.shape[1])
+
+
+def kept_keys(docs: list[FlatDoc], starts: list[int], device: torch.device):
+    """The kept roots (engine/root_cache.py) of a pass's documents as keys before its own
+    (kernels/flex_tree.KeptKeys), or None when no document has one."""
+    from ..kernels.flex_tree import BLOCK, KEPT_BUCKET, KeptKeys
+
+    kept = [(i, doc.kept_root) for i, doc in enumerate(docs) if doc.kept_root is not None]
+    if not kept:
+        return None
+    offsets = np.cumsum([0, *(-(-root.rows // BLOCK) * BLOCK for _, root in kept)])
+    rows = -(-int(offsets[-1]) // KEPT_BUCKET) * KEPT_BUCKET
+    table = np.empty((4, rows), dtype=np.int32)
+    # a padding key: no document, seen by no row
+    table[0], table[1], table[2], table[3] = -1, np.iinfo(np.int32).max, -1, 0
+    for (i, root), at in zip(kept, offsets, strict=False):
+        keys = slice(int(at), int(at) + root.rows)
+        table[0, keys], table[3, keys] = i, np.arange(root.rows)
+        table[1, keys], table[2, keys] = starts[i], starts[i] + docs[i].tokens
+    doc, lo, end, pos = torch.from_numpy(table).to(device).unbind(0)
+    return KeptKeys([root for _, root in kept], [int(a) for a in offsets[:-1]], rows,
+                    doc, lo, end, pos)
 
 
 def pass_rows(docs: list[FlatDoc], rows: int, pad_id: int) -> np.ndarray:

@@ -20,7 +20,7 @@ from ..tiles import PROMPT_BLOCK
 from . import host_math
 from .host_staging import HostStaging, settled
 from .layout import FlatDoc
-from .pass_plan import cuda_pass_plan, pass_rows
+from .pass_plan import cuda_pass_plan, kept_keys, pass_rows
 from .root_cache import KeptRoot
 from .top_tokens import strict_top
 
@@ -257,13 +257,16 @@ class ModelRunner:
             began = torch.cuda.Event(enable_timing=True)
             began.record()
             media = any(doc.media for doc in docs)
-            # a pass with media runs eagerly: its towers and their features are not captured
-            if self.graphs is not None and not keep and not keep_roots and not media:
+            kept = kept_keys(docs, starts, self.device)
+            # a pass with media runs eagerly: its towers and their features are not captured;
+            # so does one that keeps roots or reads kept ones (their keys are not the graph's)
+            if (self.graphs is not None and not keep and not keep_roots and not media
+                    and kept is None):
                 hidden = self.graphs.run(rows_array)
                 return self._readouts(docs, starts, hidden, began)
             inputs = self._stage(rows_array)
             ids, pos = inputs[0].long(), inputs[1].long()
-            plan = cuda_pass_plan(self.model, inputs, real_rows=start)
+            plan = cuda_pass_plan(self.model, inputs, real_rows=start, kept=kept)
             if media:
                 plan.media = [(s + image.start, self._upload_media(image.pixels), image.kind)
                               for d, s in zip(docs, starts, strict=True) for image in d.media]

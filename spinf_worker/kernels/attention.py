@@ -130,7 +130,8 @@ def packed_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pla
     if plan.flex is not None:
         from .flex_tree import flex_tree_attention
 
-        return flex_tree_attention(q, k, v, plan.flex, sliding=sliding, scale=scale)
+        return flex_tree_attention(q, k, v, plan.flex, sliding=sliding, scale=scale,
+                                   layer=layer)
     out = torch.zeros_like(q)
     for doc in plan.docs:
         base = doc.start

@@ -16,6 +16,10 @@ ways where the model reads images so (``media``: every layer, the sliding-window
 or none): the rule is then causal-or-window OR the same media group, and the key blocks of
 an image's later rows are visited too. Passes are padded to a few fixed sizes so the
 compiled kernels are reused.
+
+Roots kept from earlier passes (engine/root_cache.py) are keys before the pass's own
+(``KeptKeys``): each kept root at a 128-aligned offset of its own, so its branch rows visit
+its key blocks, the same tiles in the same order, as they would the root's rows in the pass.
 """
 
 from __future__ import annotations
@@ -54,33 +58,73 @@ class TreeTokens:
         return cls(inputs[2], inputs[3], inputs[1], inputs[4], inputs[5], inputs[6], inputs[7])
 
 
+KEPT_BUCKET = 4096   # the kept keys are padded to a multiple of this: few compiled shapes
+
+
+@dataclass
+class KeptKeys:
+    """Roots kept from earlier passes, as keys laid out before the pass's own: root ``i``
+    (``roots[i]``, an engine/root_cache.KeptRoot) at key ``offsets[i]`` (a multiple of
+    BLOCK), the rest zeros up to ``rows``. Per key, on the device: its document (-1:
+    padding), the pass rows that see it, ``lo <= row < end``, and its position."""
+
+    roots: list
+    offsets: list[int]
+    rows: int
+    doc: torch.Tensor
+    lo: torch.Tensor
+    end: torch.Tensor
+    pos: torch.Tensor
+
+    def keys(self, layer: int, k: torch.Tensor, v: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's keys and values: the kept roots', then the pass's ``k``, ``v``."""
+        out = []
+        for i, t in enumerate((k, v)):
+            parts, at = [], 0
+            for root, offset in zip(self.roots, self.offsets, strict=True):
+                kept = root.layers[layer][i]
+                parts += [t.new_zeros(offset - at, *t.shape[1:]), kept]
+                at = offset + kept.shape[0]
+            out.append(torch.cat([*parts, t.new_zeros(self.rows - at, *t.shape[1:]), t]))
+        return out[0], out[1]
+
+
 @dataclass
 class FlexPlan:
     full: BlockMask
     window: BlockMask
     tokens: TreeTokens      # the branch rows' own paths (kernels/branch_paths.py)
     window_size: int
+    kept: KeptKeys | None = None
 
 
 MEDIA_RULES = ("none", "sliding", "all")   # where an image's tokens see each other both ways
 
 
-def build_flex_plan(tokens: TreeTokens, window: int, media: str = "none") -> FlexPlan:
+def build_flex_plan(tokens: TreeTokens, window: int, media: str = "none",
+                    kept: KeptKeys | None = None) -> FlexPlan:
     """``media``: the layers on which one image's soft tokens see each other both ways
     ("all": Gemma 3; "sliding": the sliding-window layers, Gemma 4 with bidirectional
-    vision; "none": causal everywhere, a text model's masks exactly)."""
+    vision; "none": causal everywhere, a text model's masks exactly). ``kept``: roots kept
+    from earlier passes, keys before the pass's own."""
     if media not in MEDIA_RULES:
         raise ValueError(f"media rule {media!r} is not one of {MEDIA_RULES}")
     full_media, window_media = media == "all", media != "none"
-    return FlexPlan(_block_mask(tokens, root_mask(tokens, None, full_media), None, full_media),
-                    _block_mask(tokens, root_mask(tokens, window, window_media), window,
-                                window_media), tokens, window)
+    return FlexPlan(
+        _block_mask(tokens, root_mask(tokens, None, full_media, kept), None, full_media, kept),
+        _block_mask(tokens, root_mask(tokens, window, window_media, kept), window,
+                    window_media, kept), tokens, window, kept)
 
 
-def tree_mask(tokens: TreeTokens, window: int | None, media: bool = False):
+def tree_mask(tokens: TreeTokens, window: int | None, media: bool = False,
+              kept: KeptKeys | None = None):
     """The ``mask_mod`` of the tree rule (and the window, if any) over the pass's rows;
-    ``media``: the rows of one media group see each other both ways."""
+    ``media``: the rows of one media group see each other both ways. With ``kept`` keys the
+    keys are those first, then the pass's rows: key ``kept.rows + r`` is row ``r``."""
     end, pos, group, view_row = tokens.end, tokens.pos, tokens.group, tokens.view_row
+    if kept is not None:
+        return _tree_mask_after_kept(tokens, window, media, kept)
 
     def visible(b, h, q, k):
         # Rows follow the tree depth first, so q's ancestors are the rows k before it whose
@@ -101,21 +145,57 @@ def tree_mask(tokens: TreeTokens, window: int | None, media: bool = False):
     return rule if window is None else visible_in_window
 
 
-def root_mask(tokens: TreeTokens, window: int | None, media: bool = False):
-    """The ``mask_mod`` of the tree rule restricted to root keys: what FlexAttention computes."""
-    tree, root_end = tree_mask(tokens, window, media), tokens.root_end
+def _tree_mask_after_kept(tokens: TreeTokens, window: int | None, media: bool,
+                          kept: KeptKeys):
+    """``tree_mask`` over the kept keys, then the pass's rows: per key the pass rows that see
+    it are ``lo <= row < end`` (a pass row's: itself and its subtree; a kept root's: its
+    document's rows in the pass)."""
+    n = tokens.doc.shape[0]
+    rows = torch.arange(n, device=tokens.doc.device, dtype=tokens.end.dtype)
+    lo = torch.cat([kept.lo, rows])
+    end = torch.cat([kept.end, tokens.end])
+    pos = torch.cat([kept.pos, tokens.pos])
+    group = torch.cat([torch.full_like(kept.doc, -1), tokens.group])
+    q_pos, q_group, view_row = tokens.pos, tokens.group, tokens.view_row
+
+    def visible(b, h, q, k):
+        at = view_row[q]
+        return (lo[k] <= at) & (at < end[k])
+
+    def visible_or_same_image(b, h, q, k):
+        return visible(b, h, q, k) | ((q_group[q] == group[k]) & (q_group[q] >= 0))
+
+    rule = visible_or_same_image if media else visible
+
+    def visible_in_window(b, h, q, k):
+        return rule(b, h, q, k) & (q_pos[q] - pos[k] < window)
+
+    return rule if window is None else visible_in_window
+
+
+def root_mask(tokens: TreeTokens, window: int | None, media: bool = False,
+              kept: KeptKeys | None = None):
+    """The ``mask_mod`` of the tree rule restricted to root keys: what FlexAttention computes.
+    (A kept root's keys come before every pass row, so they are all root keys.)"""
+    tree, root_end = tree_mask(tokens, window, media, kept), tokens.root_end
+    shift = 0 if kept is None else kept.rows
 
     def visible_in_root(b, h, q, k):
-        return tree(b, h, q, k) & (k < root_end[q])
+        return tree(b, h, q, k) & (k < root_end[q] + shift)
 
     return visible_in_root
 
 
-def _block_mask(tokens: TreeTokens, mask_mod, window: int | None, media: bool) -> BlockMask:
+def _block_mask(tokens: TreeTokens, mask_mod, window: int | None, media: bool,
+                kept: KeptKeys | None = None) -> BlockMask:
     """Each query block visits its partial key blocks, then its full ones (no ``mask_mod``
     there), each list in block order."""
     n = tokens.doc.shape[0]
     keep, full = root_blocks(tokens, window, media)
+    if kept is not None:
+        kept_keep = kept_blocks(tokens, kept, window)
+        keep = torch.cat([kept_keep, keep], dim=1)
+        full = torch.cat([torch.zeros_like(kept_keep), full], dim=1)
     partial = keep & ~full
 
     def listed(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,9 +203,28 @@ def _block_mask(tokens: TreeTokens, mask_mod, window: int | None, media: bool) -
         order = torch.argsort((~blocks).to(torch.int8), dim=1, stable=True).to(torch.int32)
         return counts[None, None], order[None, None]
 
+    keys = n + (0 if kept is None else kept.rows)
     return BlockMask.from_kv_blocks(*listed(partial), *listed(full), BLOCK_SIZE=BLOCK,
-                                    mask_mod=mask_mod, seq_lengths=(n, n),
+                                    mask_mod=mask_mod, seq_lengths=(n, keys),
                                     compute_q_blocks=False)
+
+
+def kept_blocks(tokens: TreeTokens, kept: KeptKeys, window: int | None) -> torch.Tensor:
+    """[query blocks, kept key blocks] bool: a kept root's blocks are visited by its
+    document's query blocks (all branch rows), within the window; never full."""
+    nb, mb = tokens.doc.shape[0] // BLOCK, kept.rows // BLOCK
+    doc, pos = tokens.doc.view(nb, BLOCK), tokens.pos.view(nb, BLOCK)
+    real = doc >= 0
+    block_doc = doc.amax(1)
+    kept_doc = kept.doc.view(mb, BLOCK).amax(1)
+    keep = (block_doc[:, None] == kept_doc[None, :]) & (block_doc[:, None] >= 0)
+    if window is not None:
+        big = torch.iinfo(torch.int32).max
+        pos_lo = torch.where(real, pos, big).amin(1)
+        kept_real = kept.doc.view(mb, BLOCK) >= 0
+        kept_pos_hi = torch.where(kept_real, kept.pos.view(mb, BLOCK), -1).amax(1)
+        keep &= pos_lo[:, None] - kept_pos_hi[None, :] < window
+    return keep
 
 
 def root_blocks(tokens: TreeTokens, window: int | None, media: bool = False
@@ -187,11 +286,13 @@ def _compiled_flex():
 
 
 def flex_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: FlexPlan, *,
-                        sliding: bool, scale: float) -> torch.Tensor:
-    """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq, D]."""
+                        sliding: bool, scale: float, layer: int = 0) -> torch.Tensor:
+    """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq, D]. ``layer``: which of the kept roots'
+    keys and values the pass's kept documents see."""
     from .branch_paths import add_branch_paths
 
-    qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    k_all, v_all = (k, v) if plan.kept is None else plan.kept.keys(layer, k, v)
+    qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k_all, v_all))
     options = WIDE_HEAD_OPTIONS if q.shape[-1] > 256 else None
     out, aux = _compiled_flex()(qh, kh, vh, block_mask=plan.window if sliding else plan.full,
                                 scale=scale, enable_gqa=q.shape[1] != k.shape[1],
