@@ -189,7 +189,8 @@ def run_spinf(args: argparse.Namespace) -> None:
             engine.score_batch(requests)
         seconds = timed(lambda engine=engine: engine.score_batch(requests), device,
                         1 if args.tiny else 5)
-        questions = questions_answered(checked(engine.score_batch(requests)))
+        cold = checked(engine.score_batch(requests))
+        questions = questions_answered(cold)
         job.save(**{f"spinf_{scheme}_questions_per_s": round(questions / seconds, 1),
                     f"spinf_{scheme}_seconds": round(seconds, 4),
                     f"spinf_{scheme}_questions": questions,
@@ -198,6 +199,26 @@ def run_spinf(args: argparse.Namespace) -> None:
                     f"spinf_{scheme}_peak_gpu_gib": (
                         round(torch.cuda.max_memory_allocated() / 2**30, 2)
                         if device == "cuda" else None)})
+        if args.root_cache_mib:
+            # warm: the documents' roots kept from a first call (root_cache_mib), as vLLM's
+            # warm runs have them in its prefix cache; every figure as cold
+            from spinf_worker.engine.root_cache import RootCache
+
+            engine.roots = RootCache(args.root_cache_mib << 20)
+            engine.score_batch(requests)
+            warm_s = timed(lambda engine=engine: engine.score_batch(requests), device,
+                           1 if args.tiny else 5)
+            warm = checked(engine.score_batch(requests))
+            same = [w.results == c.results for w, c in zip(warm, cold, strict=True)]
+            job.save(**{f"spinf_{scheme}_warm_questions_per_s": round(questions / warm_s, 1),
+                        f"spinf_{scheme}_warm_seconds": round(warm_s, 4),
+                        f"spinf_{scheme}_warm_kept_roots": len(engine.roots),
+                        f"spinf_{scheme}_warm_same_as_cold": all(same),
+                        f"spinf_{scheme}_warm_peak_gpu_gib": (
+                            round(torch.cuda.max_memory_allocated() / 2**30, 2)
+                            if device == "cuda" else None)})
+            if not all(same):
+                raise SystemExit(f"{scheme}: kept roots changed {same.count(False)} responses")
         del engine
 
 
@@ -668,6 +689,12 @@ RATIOS = {   # name: (spinf key, vLLM keys: the best of them)
                                             "vllm_bf16_default_cold", "vllm_fp8_default_cold"]),
     "bf16_default_warm": ("spinf_bf16", ["vllm_bf16_default_warm"]),
     "bf16_best_warm": ("spinf_bf16", ["vllm_bf16_nodetok_warm", "vllm_bf16_default_warm"]),
+    # both sides warm: our roots kept (--root-cache-mib), vLLM's prefix cache
+    "bf16_warm_vs_best_warm": ("spinf_bf16_warm", ["vllm_bf16_nodetok_warm",
+                                                   "vllm_bf16_default_warm"]),
+    "fp8_warm_vs_best_warm": ("spinf_fp8_warm", ["vllm_fp8_nodetok_warm",
+                                                 "vllm_fp8_default_warm",
+                                                 "vllm_bf16_nodetok_warm"]),
 }
 
 
@@ -694,13 +721,16 @@ def merge(parts: list[dict]) -> dict:
 def table(row: dict) -> str:
     """The markdown table for RESULTS.md."""
     rates = {k: v for p in row["parts"].values() for k, v in p.items()}
-    lines = ["| | vLLM cold | vLLM warm | spinf-serve |", "|---|---|---|---|"]
+    lines = ["| | vLLM cold | vLLM warm | spinf-serve | spinf-serve, roots kept |",
+             "|---|---|---|---|---|"]
     for scheme in ("bf16", "fp8"):
         for mode, label in (("default", "logprobs=20"), ("nodetok", "logprobs=20, detokenize=False")):
             cold = rates.get(f"vllm_{scheme}_{mode}_cold_questions_per_s", "")
             warm = rates.get(f"vllm_{scheme}_{mode}_warm_questions_per_s", "")
             ours = rates.get(f"spinf_{scheme}_questions_per_s", "") if mode == "default" else ""
-            lines.append(f"| {scheme}, {label} | {cold} | {warm} | {ours} |")
+            kept = (rates.get(f"spinf_{scheme}_warm_questions_per_s", "")
+                    if mode == "default" else "")
+            lines.append(f"| {scheme}, {label} | {cold} | {warm} | {ours} | {kept} |")
     lines += ["", "| comparison | spinf q/s | vLLM q/s (run) | ratio |", "|---|---|---|---|"]
     for name, r in row["ratio"].items():
         lines.append(f"| {name} | {r['spinf']} | {r['vllm']} ({r['vllm_run']}) | {r['ratio']} |")
@@ -853,6 +883,8 @@ def main() -> None:
     common.add_argument("--weights", type=Path, default=Path("/tmp/peers-weights"),
                         help="agree-*: the shared random weights' HF directory")
     common.add_argument("--agree-docs", type=int, default=4)
+    common.add_argument("--root-cache-mib", type=int, default=0,
+                        help="spinf: also warm, the documents' roots kept (this many MiB)")
     for name, fn, shape in (("spinf", run_spinf, "12b"), ("vllm", run_vllm, "12b"),
                             ("agree-spinf", run_agree_spinf, "1b"),
                             ("agree-vllm", run_agree_vllm, "1b"), ("serve", run_serve, "12b")):

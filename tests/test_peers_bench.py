@@ -60,7 +60,8 @@ def part(part: str, **figures) -> dict:
 
 def test_report_merges_the_parts_with_a_ratio_per_comparison(tmp_path, capsys):
     parts = [
-        part("spinf", spinf_fp8_questions_per_s=2000.0, spinf_bf16_questions_per_s=1100.0),
+        part("spinf", spinf_fp8_questions_per_s=2000.0, spinf_bf16_questions_per_s=1100.0,
+             spinf_bf16_warm_questions_per_s=2100.0),
         part("vllm-bf16", scheme="bf16", vllm_bf16_default_cold_questions_per_s=500.0,
              vllm_bf16_default_warm_questions_per_s=680.0,
              vllm_bf16_nodetok_cold_questions_per_s=750.0,
@@ -90,9 +91,12 @@ def test_report_merges_the_parts_with_a_ratio_per_comparison(tmp_path, capsys):
     assert ratio["fp8_vs_vllm_best_cold"]["ratio"] == round(2000 / 940, 2)
     assert ratio["bf16_default_warm"]["ratio"] == round(1100 / 680, 2)
     assert ratio["bf16_best_warm"]["vllm"] == 1300.0
+    assert ratio["bf16_warm_vs_best_warm"]["ratio"] == round(2100 / 1300, 2)
+    assert "fp8_warm_vs_best_warm" not in ratio        # no fp8 warm figure of ours
     assert row["parts"]["vllm-fp8"]["scheme"] == "fp8"
     out = capsys.readouterr().out
-    assert "| fp8, logprobs=20 | 640.0 | 600.0 | 2000.0 |" in out
+    assert "| fp8, logprobs=20 | 640.0 | 600.0 | 2000.0 |  |" in out
+    assert "| bf16, logprobs=20 | 500.0 | 680.0 | 1100.0 | 2100.0 |" in out
     assert "top-1 agreement 0.99 over 448 options" in out
     assert "vllm_serve_bf16_cold 400.0 q/s, spinf_serve_bf16 1000.0 q/s" in out
 
@@ -149,6 +153,17 @@ def test_sweep_points_ask_the_asked_counts_of_distinct_questions(tmp_path):
     args.length_docs = 1
     assert {len(docs) for label, docs, _ in peers_gpu.sweep_points(job)
             if label["sweep"] == "length"} == {1}
+
+
+def test_spinf_tiny_warm_keeps_roots_and_every_figure(tmp_path, monkeypatch):
+    """The spinf part with --root-cache-mib: the job again on kept roots, its responses
+    those of the cold calls (the part stops otherwise)."""
+    run_main(monkeypatch, "spinf", "--tiny", "--docs", "2", "--doc-tokens", "64",
+             "--root-cache-mib", "16", "--out", str(tmp_path), "--commit", "abc1234")
+    row = only_file(tmp_path, "*-peers-spinf-abc1234.json")
+    assert row["spinf_fp32_warm_same_as_cold"] is True
+    assert row["spinf_fp32_warm_kept_roots"] >= 2
+    assert row["spinf_fp32_warm_questions_per_s"] > 0
 
 
 def test_sweep_spinf_tiny_writes_its_points(tmp_path, monkeypatch):
