@@ -117,3 +117,19 @@ def test_a_template_read_out_at_the_roots_last_row_is_not_kept(keeping, monkeypa
     assert comparable(engine.score(bare)) == want[0]
     assert comparable(engine.score(bare)) == want[0]
     assert not any(d.kept_root for docs in log.passes for d in docs)
+
+
+@pytest.mark.parametrize("keeping", ["tiny_engine"], indirect=True)
+def test_the_queue_counts_a_kept_root_at_its_branch_rows(keeping):
+    """``row_parts_many`` (what a worker fills its passes by) counts a document on a kept root
+    at its branch rows, shared with the others on that root; one whose root is not kept, as
+    before."""
+    engine, on = keeping
+    again, other = request(NEWS, "actor", "about"), request(OTHER, "tone")
+    [[before], [other_before]] = engine.row_parts_many([again, other])
+    on()
+    engine.score(request(NEWS, "topic"))
+    [[part], [other_part]] = engine.row_parts_many([again, other])
+    assert part.key == ("kept", before.key) and part.root == 0
+    assert part.tokens == before.tokens - before.root
+    assert other_part == other_before

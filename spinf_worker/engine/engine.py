@@ -30,10 +30,12 @@ from .completion import PreparedCompletion, TokenPieces, encode_many
 from .decision import code_ids, served_manifest
 from .decode import SlotDecoder, SlotJob
 from .floors import FloorCache
+from .layout import FlatDoc
 from .media import MediaLayout
+from .merge import root_key
 from .prepare import Preparer
 from .presentation import Presenter, choose_mode
-from .root_cache import RootCache
+from .root_cache import RootCache, keepable
 from .runner import DocScores, ModelRunner, PendingPass
 
 KERNEL_VERSION = "prefix-tree-fused-6"   # bump when a change moves any score's bits
@@ -246,7 +248,8 @@ class Engine:
         if len(completions) > 1:
             self.encode_completions(completions)
         scoring = iter(self.preparer.row_parts_many(
-            [r for r in requests if not isinstance(r, CompletionRequest)]))
+            [r for r in requests if not isinstance(r, CompletionRequest)],
+            self._root_is_kept if self.roots is not None else None))
         out: list[list[RowPart] | Exception] = []
         for request in requests:
             if not isinstance(request, CompletionRequest):
@@ -257,6 +260,12 @@ class Engine:
             except Exception as err:   # noqa: BLE001 - the request's own, handed back
                 out.append(err)
         return out
+
+    def _root_is_kept(self, doc: FlatDoc) -> bool:
+        """Whether ``doc``'s root is kept (engine/root_cache.py): a pass then holds its
+        branch rows alone."""
+        window = self.runner.model.cfg.sliding_window
+        return keepable(doc) and root_key(doc, window) in self.roots.roots
 
     def encode_completions(self, requests: list[CompletionRequest]) -> None:
         """Tokenise the prompts of many completions requests together (in parallel), ahead

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import operator
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ..decision_rules import check_queries, check_slots
@@ -155,13 +155,16 @@ class Preparer:
             raise parts
         return parts
 
-    def row_parts_many(self, raws: Sequence[dict | ScoreRequest]
+    def row_parts_many(self, raws: Sequence[dict | ScoreRequest],
+                       kept: Callable[[FlatDoc], bool] | None = None
                        ) -> list[list[RowPart] | SpinfError]:
         """``row_parts`` of each request, a request's own error in place of its parts. Each is
         prepared whole (``prepare_batch``: parsed, its contents tokenised with the others' in
         parallel, laid out and checked) and kept for the pass that scores it, which then
         takes it as it is (the queue parses entries on a thread of their own: the thread
-        running passes does not do it again). Media are decoded by that pass, not here."""
+        running passes does not do it again). Media are decoded by that pass, not here.
+        ``kept``: whether a document's root is kept from an earlier pass
+        (engine/root_cache.py): its part is then its branch rows alone."""
         prepared = self._prepare(raws, media=False)
         for raw, p in zip(raws, prepared, strict=True):
             if not isinstance(p, SpinfError) and not any(d.images for d in p.docs):
@@ -171,9 +174,7 @@ class Preparer:
             with contextlib.suppress(KeyError):
                 self._kept.popitem(last=False)
         # media: equal text may hold other pixels; counted alone (merge.root_key tells)
-        return [p if isinstance(p, SpinfError) else
-                [RowPart(None if d.images or d.text_only is not None else ("text", d.text),
-                         d.flat.root, d.flat.tokens) for d in p.docs]
+        return [p if isinstance(p, SpinfError) else [_row_part(d, kept) for d in p.docs]
                 for p in prepared]
 
     def prepare_batch(self, raws: Sequence[dict | ScoreRequest],
@@ -396,3 +397,12 @@ class Preparer:
         while len(self._query_sets) > QUERY_SET_CACHE:
             self._query_sets.popitem(last=False)
         return found
+
+
+def _row_part(doc: Prepared, kept: Callable[[FlatDoc], bool] | None) -> RowPart:
+    """A document's rows as the queue fills passes by them: on a kept root, its branch rows
+    alone, shared with the others on that root."""
+    key = None if doc.images or doc.text_only is not None else ("text", doc.text)
+    if key is not None and kept is not None and kept(doc.flat):
+        return RowPart(("kept", key), 0, doc.flat.tokens - doc.flat.root)
+    return RowPart(key, doc.flat.root, doc.flat.tokens)
