@@ -29,6 +29,9 @@ _STATS_COUNTERS = {
     "spinf_pass_rows": ("rows", "Rows of all passes, padding included."),
     "spinf_pass_real_rows": ("real_rows", "Rows of all passes holding real tokens."),
     "spinf_dead_letters": ("dead", "Work entries moved to the dead-letter stream."),
+    "spinf_kept_roots": ("kept_roots", "Documents laid out on a root kept from an earlier pass "
+                         "(`root_cache_mib`): their root rows not read again."),
+    "spinf_kept_root_rows": ("kept_root_rows", "Root rows those documents did not read again."),
     "spinf_worker_busy_seconds": ("seconds_busy", "Seconds the workers' devices spent running "
                                   "passes (CUDA: from a pass's first kernel to its last; CPU: "
                                   "the engine thread's)."),

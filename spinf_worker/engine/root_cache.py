@@ -53,6 +53,7 @@ class RootCache:
         self.bytes = 0
         self.roots: OrderedDict[Hashable, KeptRoot] = OrderedDict()
         self.hits = self.misses = 0
+        self.rows_saved = 0      # the kept roots' rows of the hits: rows not read again
 
     def __len__(self) -> int:
         return len(self.roots)
@@ -63,6 +64,7 @@ class RootCache:
             self.misses += 1
             return None
         self.hits += 1
+        self.rows_saved += root.rows
         self.roots.move_to_end(key)
         return root
 

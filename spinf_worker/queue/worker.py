@@ -107,16 +107,18 @@ def score_counts(response: ScoreResponse) -> tuple[int, int, int, int]:
             response._padded_rows)
 
 
-def pass_counts(outcomes: list, busy_s: float, engine_s: float, gc_s: float
-                ) -> dict[str, int | float]:
-    """What a pass adds to the stats hash (docs/QUEUE.md)."""
+def pass_counts(outcomes: list, busy_s: float, engine_s: float, gc_s: float,
+                kept: tuple[int, int] = (0, 0)) -> dict[str, int | float]:
+    """What a pass adds to the stats hash (docs/QUEUE.md). ``kept``: its documents laid out
+    on kept roots, and those roots' rows."""
     counts = [score_counts(o) for o in outcomes if isinstance(o, ScoreResponse)]
     tokens = sum(c[2] for c in counts)
     # a document takes its rows padded to the tile: real_rows/rows is the fill
     return {"passes": 1, "docs": sum(c[0] for c in counts), "tokens": tokens,
             "questions": sum(c[1] for c in counts),
             "real_rows": tokens, "rows": sum(c[3] for c in counts),
-            "seconds_busy": busy_s, "seconds_engine": engine_s, "seconds_gc": gc_s}
+            "seconds_busy": busy_s, "seconds_engine": engine_s, "seconds_gc": gc_s,
+            "kept_roots": kept[0], "kept_root_rows": kept[1]}
 
 
 @dataclass
@@ -211,6 +213,18 @@ class Worker:
         self._need_groups = True
         self._interactive_seen = -math.inf    # when an interactive entry was last admitted
         self._collector = CollectorClock()    # the cyclic collector's seconds, told per pass
+        self._kept_told = (0, 0)              # the engine's kept-root hits and rows, told so far
+
+    def _kept_roots_since(self) -> tuple[int, int]:
+        """Documents laid out on kept roots, and those roots' rows, since the last call (the
+        engine counts them as passes are laid out; an engine in a process of its own, none)."""
+        roots = getattr(self.engine, "roots", None)
+        if roots is None:
+            return 0, 0
+        now = (roots.hits, roots.rows_saved)
+        since = (now[0] - self._kept_told[0], now[1] - self._kept_told[1])
+        self._kept_told = now
+        return since
 
     @property
     def budget(self) -> int:
@@ -770,7 +784,8 @@ class Worker:
             # where launching a pass runs it)
             busy_s = pass_.engine_s if pass_.device_s is None else pass_.device_s
             await self._finish(answered, pass_counts(outcomes, busy_s, pass_.engine_s,
-                                                     self._collector.take()))
+                                                     self._collector.take(),
+                                                     self._kept_roots_since()))
             pass_.mark("stored")
             requests = sum(e.stream == self.keys.interactive for e in live)
             self.log.info("pass done", docs=len(live), requests=requests,

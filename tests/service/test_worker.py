@@ -333,6 +333,37 @@ async def test_requests_about_one_text_fill_a_pass_as_one(redis, keys, settings,
 
 
 @pytest.mark.asyncio
+async def test_requests_about_a_text_read_before_run_on_its_kept_root(redis, keys, settings,
+                                                                      tiny_engine):
+    """With kept roots (``root_cache_mib``), requests about a text an earlier pass read lay
+    out their questions' rows alone (engine/root_cache.py); the stats count them
+    (``kept_roots``, ``kept_root_rows``), and every answer is what the request gets alone."""
+    from spinf_worker.engine.root_cache import RootCache
+
+    text = " ".join(f"Line {k}: the river rose and the bridge closed." for k in range(30))
+    requests = [{"text": text, "scoring": {"queries": [{
+        "id": f"q{k}", "template": f"\n\nQuestion {k}: is it bad news?{{?}}",
+        "options": [" yes", " no"]}]}} for k in range(4)]
+    want = [tiny_engine.score(r).model_dump(mode="json")["results"] for r in requests]
+    producer = Producer(redis, keys, settings)
+    old, tiny_engine.roots = tiny_engine.roots, RootCache(64 << 20)
+    try:
+        worker = Worker(tiny_engine, redis, keys, settings)
+        async with running(worker):
+            first = await results_of(redis, keys, [(await producer.submit(
+                Submission(requests[0])))[0]])
+            root_rows = tiny_engine.preparer.prepare_batch([requests[0]])[0].docs[0].flat.root
+            jobs = [(await producer.submit(Submission(r)))[0] for r in requests[1:]]
+            results = first + await results_of(redis, keys, jobs)
+    finally:
+        tiny_engine.roots = old
+    assert [r["body"]["results"] for r in results] == want
+    stats = await redis.hgetall(keys.stats)
+    assert int(stats["kept_roots"]) == 3
+    assert int(stats["kept_root_rows"]) == 3 * root_rows
+
+
+@pytest.mark.asyncio
 async def test_completion_prompts_sharing_a_context_fill_a_pass_as_one(redis, keys, settings,
                                                                       tiny_engine):
     """lm-eval's one completions request per option: the prompts share the context in a pass
