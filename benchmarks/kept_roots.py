@@ -13,7 +13,7 @@ Every response on kept roots is checked equal to the cold one (the run stops oth
         [--quant bf16] [--data DIR] [--out benchmarks/results] [--commit X]
     python benchmarks/kept_roots.py --shape 12b --tokenizer DIR --device cuda --quant bf16
 
-Writes ``<out>/<date>-kept-roots-<device>-<model>-<commit>.json`` and prints a table.
+Writes ``<out>/<date>-kept-roots-<device>-<model>-<scheme>-<commit>.json`` and prints a table.
 """
 
 from __future__ import annotations
@@ -138,7 +138,8 @@ def main() -> None:
         print(way, row["ways"][way], flush=True)
     engine.roots = None
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"{row['date']}-kept-roots-{args.device}-{name}-{commit}.json"
+    path = args.out / (f"{row['date']}-kept-roots-{args.device}-{name}-{engine.scheme}-"
+                       f"{commit}.json")
     path.write_text(json.dumps(row, indent=2) + "\n")
     print(f"\n{path}\n| way | requests | questions | cold q/s | kept roots q/s | speedup |")
     print("|---|---|---|---|---|---|")

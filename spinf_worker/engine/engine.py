@@ -76,9 +76,9 @@ class EngineSettings:
     floor_cache_size: int = field(default=100_000, metadata={
         "doc": "floor values kept in the in-process LRU"})
     root_cache_mib: int = field(default=0, metadata={
-        "doc": "MiB of roots' keys and values kept across passes and calls (the CPU), so a "
-               "document sent again reads only its questions' rows; the least recently used "
-               "go first. 0: off"})
+        "doc": "MiB of roots' keys and values kept across passes and calls (device memory on "
+               "CUDA), so a document sent again reads only its questions' rows, its scores "
+               "unchanged; the least recently used go first. 0: off"})
     presentation: str = field(default="auto", metadata={
         "doc": "`auto` | `raw` | `chat`: how content is shown to the model (auto: the chat "
                "template for an instruct model that has one, else the raw text)"})
@@ -161,10 +161,9 @@ class Engine:
                                  decision=decision, max_inputs=limits.max_inputs,
                                  capabilities=tuple(self.manifest.capabilities))
         self.floors = FloorCache(self.settings.floor_cache_size)
-        # kept roots: on the CPU's attention (CUDA's block masks do not read them yet), and
-        # not for DeltaNet layers, which carry a state rather than keys and values
+        # kept roots: not for DeltaNet layers, which carry a state rather than keys and values
         self.roots = (RootCache(self.settings.root_cache_mib << 20)
-                      if self.settings.root_cache_mib > 0 and self.device.type == "cpu"
+                      if self.settings.root_cache_mib > 0
                       and not getattr(self.model, "tree_spans", False) else None)
         self.fingerprint = self._fingerprint()
 

@@ -41,7 +41,7 @@ class ServiceSettings(BaseSettings):
                           "it up to the model's context, a request's `limits` only lower it")
     root_cache_mib: int = Field(
         0, ge=0, description="MiB of roots' keys and values a worker keeps across passes "
-                             "(the CPU engine): a document sent again reads only its "
+                             "(device memory on CUDA): a document sent again reads only its "
                              "questions' rows, its scores unchanged. 0: off")
     quant: str = Field("auto", description="the engine's scheme (`--quant`): `auto`, `fp32`, "
                                            "`bf16`, `fp8`, `fp8-static`, `int8`, `int4`")
