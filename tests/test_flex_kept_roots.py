@@ -115,6 +115,9 @@ def test_flex_attention_gives_a_kept_roots_branch_rows_the_same_root_part(seed):
     kept.roots[0].layers[layer] = (fk[root].clone(), fv[root].clone())
     plan = build_flex_plan(TreeTokens.of_pass(torch.from_numpy(pass_rows(docs, rows, 0))),
                            WINDOW, kept=kept)
+    # past dynamo's recompile limit (other tests compile FlexAttention for other shapes) a
+    # call would run eagerly, which reduces otherwise: the engine raises the limit alike
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     compiled = torch.compile(flex_attention, dynamic=False)
     f_branch = slice(f_starts[1] + middle.root, f_starts[1] + middle.tokens)
     branch = slice(starts[1], starts[1] + on_kept.tokens)

@@ -121,48 +121,26 @@ def tree_mask(tokens: TreeTokens, window: int | None, media: bool = False,
               kept: KeptKeys | None = None):
     """The ``mask_mod`` of the tree rule (and the window, if any) over the pass's rows;
     ``media``: the rows of one media group see each other both ways. With ``kept`` keys the
-    keys are those first, then the pass's rows: key ``kept.rows + r`` is row ``r``."""
-    end, pos, group, view_row = tokens.end, tokens.pos, tokens.group, tokens.view_row
+    keys are those first, then the pass's rows: key ``kept.rows + r`` is row ``r``, and the
+    pass rows that see a key are ``lo <= row < end`` (a pass row's: itself and its subtree; a
+    kept root's: its document's rows in the pass)."""
+    end, pos, group, lo = tokens.end, tokens.pos, tokens.group, None
     if kept is not None:
-        return _tree_mask_after_kept(tokens, window, media, kept)
+        rows = torch.arange(tokens.doc.shape[0], device=end.device, dtype=end.dtype)
+        lo = torch.cat([kept.lo, rows])
+        end, pos = torch.cat([kept.end, end]), torch.cat([kept.pos, pos])
+        group = torch.cat([torch.full_like(kept.doc, -1), group])
+    q_pos, q_group, view_row = tokens.pos, tokens.group, tokens.view_row
 
     def visible(b, h, q, k):
         # Rows follow the tree depth first, so q's ancestors are the rows k before it whose
         # subtree reaches it; a padding row's subtree is itself only. A prompt's tail row
         # sees what its anchor's last row sees.
         at = view_row[q]
-        return (k <= at) & (at < end[k])
+        return ((k if lo is None else lo[k]) <= at) & (at < end[k])
 
     def visible_or_same_image(b, h, q, k):
         # an image's rows are root rows of one document: the rest of the rule holds for them
-        return visible(b, h, q, k) | ((group[q] == group[k]) & (group[q] >= 0))
-
-    rule = visible_or_same_image if media else visible
-
-    def visible_in_window(b, h, q, k):
-        return rule(b, h, q, k) & (pos[q] - pos[k] < window)
-
-    return rule if window is None else visible_in_window
-
-
-def _tree_mask_after_kept(tokens: TreeTokens, window: int | None, media: bool,
-                          kept: KeptKeys):
-    """``tree_mask`` over the kept keys, then the pass's rows: per key the pass rows that see
-    it are ``lo <= row < end`` (a pass row's: itself and its subtree; a kept root's: its
-    document's rows in the pass)."""
-    n = tokens.doc.shape[0]
-    rows = torch.arange(n, device=tokens.doc.device, dtype=tokens.end.dtype)
-    lo = torch.cat([kept.lo, rows])
-    end = torch.cat([kept.end, tokens.end])
-    pos = torch.cat([kept.pos, tokens.pos])
-    group = torch.cat([torch.full_like(kept.doc, -1), tokens.group])
-    q_pos, q_group, view_row = tokens.pos, tokens.group, tokens.view_row
-
-    def visible(b, h, q, k):
-        at = view_row[q]
-        return (lo[k] <= at) & (at < end[k])
-
-    def visible_or_same_image(b, h, q, k):
         return visible(b, h, q, k) | ((q_group[q] == group[k]) & (q_group[q] >= 0))
 
     rule = visible_or_same_image if media else visible
