@@ -40,7 +40,7 @@ class AmaxRecorder:
         self._launch = engine.runner.launch
         engine.runner.launch = self._launch_pass
 
-    def _launch_pass(self, docs):
+    def _launch_pass(self, docs, keep_roots=()):
         ranges, start = [], 0
         for doc in docs:
             ranges.append((start, start + doc.tokens))   # a document's padding rows follow
@@ -48,7 +48,7 @@ class AmaxRecorder:
         self._real = ranges
         self.rows += sum(b - a for a, b in ranges)
         try:
-            return self._launch(docs)
+            return self._launch(docs, keep_roots)
         finally:
             self._real = None
 
