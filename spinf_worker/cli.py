@@ -123,7 +123,8 @@ def cmd_score(args: argparse.Namespace) -> int:
     except PackError as err:
         print(f"spinf-serve: {err}", file=sys.stderr)
         return 2
-    settings = EngineSettings(scheme=args.quant or "auto", fp8_scales=args.fp8_scales)
+    settings = EngineSettings(scheme=args.quant or "auto", fp8_scales=args.fp8_scales,
+                              root_cache_mib=args.root_cache_mib)
     if args.max_pass_tokens:
         settings.max_pass_tokens = args.max_pass_tokens
     try:
@@ -679,6 +680,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="JSON file with the scoring block for lines that have none")
     score.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if present)")
     score.add_argument("--max-pass-tokens", type=int, default=None)
+    score.add_argument("--root-cache-mib", type=int, default=0, metavar="MIB",
+                       help="keep the roots read (this many MiB): a line about a text read "
+                            "before reads only its questions (default 0: off)")
     score.add_argument("--quant", default=None, choices=QUANT_SCHEMES, help=QUANT_HELP)
     score.add_argument("--fp8-scales", default=None, metavar="FILE", help=FP8_SCALES_HELP)
     score.add_argument("--packs", action="append", default=[], metavar="SOURCE",

@@ -89,6 +89,27 @@ def test_score_with_a_pack_from_a_directory(tmp_path, tiny_dir):
     assert bad.returncode == 2 and "nowhere" in bad.stderr
 
 
+def test_score_keeps_roots_and_the_same_figures(tmp_path, tiny_dir):
+    """`score --root-cache-mib`: lines asking one question each about the same text (the
+    first pass keeps its root, the later ones read their questions alone) answer exactly as
+    without it."""
+    text = " ".join(f"Line {k}: the river rose and the bridge closed." for k in range(20))
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"id": f"l{k}", "text": text, "scoring": {"queries": [{
+        "id": "q", "template": f"\n\nQuestion {k}: bad news?{{?}}",
+        "options": [" yes", " no"]}]}}) + "\n" for k in range(6)))
+    outs = []
+    for extra in ([], ["--root-cache-mib", "16", "--max-pass-tokens", "256"]):
+        out = tmp_path / f"out{len(outs)}.jsonl"
+        proc = subprocess.run(
+            [sys.executable, "-m", "spinf_worker.cli", "score", str(src), "-o", str(out), "-q",
+             "--model", str(tiny_dir), "--device", "cpu", *extra],
+            capture_output=True, text=True, cwd=ROOT, timeout=600)
+        assert proc.returncode == 0, proc.stderr
+        outs.append([json.loads(line)["results"] for line in out.read_text().splitlines()])
+    assert outs[0] == outs[1] and len(outs[0]) == 6
+
+
 def test_load_format_flag_reaches_the_service_settings(monkeypatch):
     from spinf_worker.cli import _service_settings, build_parser
 
