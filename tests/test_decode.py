@@ -218,3 +218,23 @@ def test_rows_logsumexp_alone_and_pairwise():
                           rtol=0, atol=1e-12)
     assert _pairwise_logsumexp(x[:, :1])[0] == x[0, 0]
     assert _logsumexp_rows(x[:, :0]).tolist() == [-math.inf] * 5
+
+
+def test_a_slot_answers_alone_as_beside_slots_of_other_lengths(default_engine):
+    """A slot decoded beside slots whose contexts are longer or shorter (other documents of
+    its pass) gives the answers it gives alone, bit for bit: its products' shapes are its own
+    (DecodePlan: its context padded to its own width, beams in fixed tiles)."""
+    from .test_engine_parity import NEWS
+    from .test_root_merge import COUNT
+
+    def asked(text: str) -> dict:
+        return {"messages": [{"role": "user", "content": text}],
+                "scoring": {"queries": [COUNT]}}
+
+    short, long = asked("Rates rose twice, then 3 more times."), asked(NEWS)
+    for mine, other in ((short, long), (long, short)):
+        alone = default_engine.score(mine).results
+        assert alone[0].queries[0].combinations[0].answers      # something was decoded
+        for batch in ([other, mine], [mine, other]):
+            together = default_engine.score_batch(batch)[batch.index(mine)]
+            assert together.results == alone

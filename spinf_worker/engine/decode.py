@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..extract_values import ValueGrammar
-from ..tiles import ROW_TILE
+from ..tiles import BRANCH_TILE, ROW_TILE
 from .top_tokens import strict_top
 
 SAMPLE_TOP_K = 40   # continuations a sampled token is drawn from when the request names none
@@ -72,6 +72,12 @@ class Found:
     sequence: int = 0                # a generated slot: which of its n sequences
 
 
+def context_width(lengths: torch.Tensor) -> torch.Tensor:
+    """The width a slot's context of ``lengths`` entries is padded to on the CPU: whole row
+    tiles, a function of the slot's own length alone."""
+    return -(-lengths // ROW_TILE) * ROW_TILE
+
+
 @dataclass
 class DecodePlan:
     """Attention for decoding steps (the model calls ``attend`` once per layer)."""
@@ -105,21 +111,40 @@ class DecodePlan:
                              self.ctx_len, gen_pos, self.beam_slot, self.q_pos,
                              self.window if sliding else None, scale, out)
             return out
-        rows = self.ctx_rows[self.beam_slot]
+        # A beam's products have a shape of its own: BRANCH_TILE beams at a time, over a context
+        # padded to its slot's own width (context_width), so its bits never depend on the
+        # other slots decoded beside it (their context lengths, their number).
+        widths = context_width(self.ctx_len)[self.beam_slot]
+        for width in torch.unique(widths).tolist():
+            chosen = torch.nonzero(widths == width).flatten()
+            for lo in range(0, chosen.shape[0], BRANCH_TILE):
+                tile = chosen[lo:lo + BRANCH_TILE]
+                real = tile.shape[0]
+                tile = torch.cat((tile, tile[:1].expand(BRANCH_TILE - real)))
+                o = self._attend_tile(q[tile], kept_k, kept_v, gk[tile], gv[tile],
+                                      gen_pos[tile], tile, width, sliding, scale)
+                out[tile[:real]] = o[:real]
+        return out
+
+    def _attend_tile(self, q, kept_k, kept_v, gk, gv, gen_pos, beams, width: int,
+                     sliding: bool, scale: float) -> torch.Tensor:
+        """CPU: one tile of beams over their slots' contexts (``width`` entries) and their
+        own generated tokens."""
+        slots = self.beam_slot[beams]
+        rows = self.ctx_rows[slots, :width]
         keys = torch.cat((kept_k[rows], gk), 1)
         values = torch.cat((kept_v[rows], gv), 1)
-        pos = torch.cat((self.ctx_pos[self.beam_slot], gen_pos), 1)
-        ok = torch.cat((self.ctx_ok[self.beam_slot],
-                        torch.ones(n, gk.shape[1], dtype=torch.bool, device=q.device)), 1)
+        pos = torch.cat((self.ctx_pos[slots, :width], gen_pos), 1)
+        ok = torch.cat((self.ctx_ok[slots, :width],
+                        torch.ones(q.shape[0], gk.shape[1], dtype=torch.bool,
+                                   device=q.device)), 1)
         if sliding:
-            ok &= (self.q_pos[:, None] - pos) < self.window
-        hkv = keys.shape[2]
+            ok &= (self.q_pos[beams][:, None] - pos) < self.window
+        n, hkv = q.shape[0], keys.shape[2]
         qg = q.view(n, hkv, -1, q.shape[-1])
         s = torch.einsum("nkgd,nlkd->nkgl", qg, keys) * scale
         s = s.masked_fill(~ok[:, None, None, :], float("-inf"))
-        o = torch.einsum("nkgl,nlkd->nkgd", torch.softmax(s, -1), values).reshape(q.shape)
-        out[:n] = o
-        return out
+        return torch.einsum("nkgl,nlkd->nkgd", torch.softmax(s, -1), values).reshape(q.shape)
 
     def begin_step(self) -> None:
         """Before a step's forward: the positions its beams attend to, once for all layers."""
@@ -293,7 +318,7 @@ class SlotDecoder:
                ) -> list[list[Found]]:
         """Every slot's answers: a searched slot's most likely first, a generated slot's in
         sequence order."""
-        width = max(int(j.context_rows.shape[0]) for j in jobs)
+        width = int(context_width(torch.tensor([j.context_rows.shape[0] for j in jobs])).max())
         rows = torch.zeros(len(jobs), width, dtype=torch.long)
         ok = torch.zeros(len(jobs), width, dtype=torch.bool)
         pos = torch.zeros(len(jobs), width, dtype=torch.long)
