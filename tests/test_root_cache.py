@@ -133,3 +133,27 @@ def test_the_queue_counts_a_kept_root_at_its_branch_rows(keeping):
     assert part.key == ("kept", before.key) and part.root == 0
     assert part.tokens == before.tokens - before.root
     assert other_part == other_before
+
+
+@pytest.mark.parametrize("keeping", ["default_engine", "tiny_engine"], indirect=True)
+def test_extraction_slots_decode_from_a_kept_root(keeping, monkeypatch):
+    """A document with extraction slots on a kept root: its slots decode from the kept root's
+    keys and values and their branch's, and answer as without kept roots (two such documents
+    in one pass too)."""
+    from .test_root_merge import COUNT
+
+    engine, on = keeping
+    asked = {"messages": [{"role": "user", "content": NEWS}],
+             "scoring": {"queries": [COUNT, BY_ID["tone"]]}}
+    other = {"messages": [{"role": "user", "content": OTHER}],
+             "scoring": {"queries": [COUNT]}}
+    want = without_kept(engine, [asked, other])
+    on()
+    log = PassLog(engine.runner, monkeypatch)
+    engine.score_batch([request(NEWS, "topic"), request(OTHER, "topic")])   # keeps both roots
+    got = [comparable(r) for r in engine.score_batch([asked, other])]
+    assert got == want
+    docs = log.passes[-1]
+    assert sum(1 for d in docs if d.kept_root is not None and d.extract) == 2
+    answers = [q.combinations[0].answers for q in engine.score(asked).results[0].queries[:1]]
+    assert answers == [want[0][0][0].queries[0].combinations[0].answers]

@@ -302,8 +302,8 @@ class Engine:
             doc = pending.docs[i]
             _, context, settings = doc.extract[b]
             rows = torch.tensor(context)
-            jobs.append(SlotJob(rows + pending.keep_base[i], doc.positions[rows], first,
-                                **settings))
+            jobs.append(SlotJob(rows + pending.keep_base[i], doc.context_positions(rows),
+                                first, **settings))
             keys.append((i, b))
         for (i, b), found in zip(keys, self.decoder.decode(jobs, pending.kept), strict=True):
             scores[i].found[b] = found

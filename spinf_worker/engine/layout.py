@@ -101,6 +101,14 @@ class FlatDoc:
             return self.last_position
         return int(self.positions[: self.tokens].max())
 
+    def context_positions(self, rows: torch.Tensor) -> torch.Tensor:
+        """The positions of an extraction slot's context ``rows`` (``extract``'s): on a kept
+        root, its rows come first, at positions 0 onwards."""
+        if self.kept_root is None:
+            return self.positions[rows]
+        root = self.kept_root.rows
+        return torch.where(rows < root, rows, self.positions[(rows - root).clamp(min=0)])
+
     @cached_property
     def paths(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Per branch token its own path (its branch ancestors and itself, as rows of this
@@ -390,9 +398,13 @@ class BranchBlock:
         readout_rows = np.zeros(len(self.readout_rows) + -len(self.readout_rows) % READOUT_TILE,
                                 dtype=np.int64)
         readout_rows[:len(self.readout_rows)] = self.readout_rows
+        # an extraction slot's context: the kept root's rows, then its branch's (the rows of
+        # the keys and values the pass keeps for this document: runner.ModelRunner.launch)
+        extract = {b: (r, [*range(kept.rows), *(kept.rows + p for p in path)], settings)
+                   for b, (r, path, settings) in self.extract.items()}
         return FlatDoc(input_ids=torch.from_numpy(ids), positions=torch.from_numpy(positions),
                        root=0, tokens=tokens, span_end=span_end, block=self,
-                       readout_rows=torch.from_numpy(readout_rows),
+                       readout_rows=torch.from_numpy(readout_rows), extract=extract,
                        last_position=kept.rows + self.top_position, kept_root=kept)
 
 

@@ -8,8 +8,9 @@ the same (engine/merge.root_key), and a later pass that needs that root lays out
 branch rows: they attend to the kept keys and values as they would to the root's rows in the
 pass, in the same products, so every score keeps its bits (tests/test_root_cache.py).
 
-Kept: text roots of documents scored by their options (no media, no extraction slots, no
-completion prompts), whose readouts all lie in the branches (a template with no text before
+Kept: text roots of scoring documents (no media, no completion prompts; extraction slots
+decode from the kept root's keys and values and their branch's), whose readouts all lie in
+the branches (a template with no text before
 its slot reads out at the root's last row), on models whose layers are all attention
 (DeltaNet layers carry a state instead). The least recently used roots go first once the
 byte budget is spent.
@@ -41,7 +42,7 @@ class KeptRoot:
 
 def keepable(doc: FlatDoc) -> bool:
     """Whether ``doc``'s root may be kept, or read from here (see the module's docstring)."""
-    return (doc.prompts is None and not doc.media and not doc.extract and doc.root > 0
+    return (doc.prompts is None and not doc.media and doc.root > 0
             and bool((doc.block.readout_rows >= 0).all()))
 
 

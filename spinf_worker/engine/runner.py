@@ -243,11 +243,14 @@ class ModelRunner:
             starts.append(start)
             start += doc.length
         keep, keep_base, kept_rows = [], {}, 0
+        # per document with extraction slots: its kept root (or None) and its rows' count
+        kept_parts: list[tuple[KeptRoot | None, int]] = []
         for i, (doc, at) in enumerate(zip(docs, starts, strict=True)):
             if doc.extract:
                 keep_base[i] = kept_rows
                 keep.append(torch.arange(at, at + doc.tokens))
-                kept_rows += doc.tokens
+                kept_parts.append((doc.kept_root, doc.tokens))
+                kept_rows += doc.tokens + (doc.kept_root.rows if doc.kept_root else 0)
         if self.device.type == "cuda":
             # A few fixed pass sizes, so compiled kernels and captured graphs are reused.
             rows = -(-start // PASS_BUCKET) * PASS_BUCKET
@@ -289,7 +292,7 @@ class ModelRunner:
         plan.keep_roots = [(starts[i], starts[i] + docs[i].root) for i in keep_roots]
         hidden = self.model(ids, pos, plan)
         pending = self._readouts(docs, starts, hidden, began)
-        pending.kept, pending.keep_base = plan.kept, keep_base
+        pending.kept, pending.keep_base = _with_kept_roots(plan.kept, kept_parts), keep_base
         pending.kept_roots = {i: KeptRoot(layers, docs[i].root)
                               for i, layers in zip(keep_roots, plan.kept_roots or (),
                                                    strict=True)}
@@ -400,6 +403,29 @@ class ModelRunner:
         for i, parts in pending.echo.items():
             out[i].echo = tuple(part.numpy() for part in parts)
         return out
+
+
+def _with_kept_roots(kept: dict[int, tuple[torch.Tensor, torch.Tensor]] | None,
+                     parts: list[tuple[KeptRoot | None, int]]
+                     ) -> dict[int, tuple[torch.Tensor, torch.Tensor]] | None:
+    """The kept keys and values of the documents with extraction slots, each document's
+    kept root's (if it has one) before its rows in the pass: what their slots' contexts
+    index (FlatDoc.extract)."""
+    if kept is None or all(root is None for root, _ in parts):
+        return kept
+    out = {}
+    for layer, pair in kept.items():
+        joined = []
+        for j in (0, 1):
+            pieces, at = [], 0
+            for root, rows in parts:
+                if root is not None:
+                    pieces.append(root.layers[layer][j])
+                pieces.append(pair[j][at:at + rows])
+                at += rows
+            joined.append(torch.cat(pieces))
+        out[layer] = (joined[0], joined[1])
+    return out
 
 
 def renormalised(logprobs: np.ndarray, owner: np.ndarray, branches: int) -> np.ndarray:
