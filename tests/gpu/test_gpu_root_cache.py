@@ -1,14 +1,15 @@
 """Kept roots on CUDA (skipped without CUDA; engine/root_cache.py, kernels/flex_tree.KeptKeys):
 documents sent again run as their branch rows on their roots' kept keys and values, and every
 figure of every response is the one the engine gives without kept roots, bf16 and fp8, with
-kept and unkept documents in one pass, in either order."""
+kept and unkept documents in one pass, in either order; documents with extraction slots decode
+from their kept roots and answer as without them."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from .test_gpu_extraction import _documents, _engine
+from .test_gpu_extraction import SLOTS, _documents, _engine
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -57,3 +58,19 @@ def test_kept_roots_keep_every_figure(tiny_tokenizer_dir, scheme):
     assert [_figures(r) for r in engine.score_batch(again)] == want_again
     for k in (0, 5):
         assert _figures(engine.score_batch([again[k]])[0]) == want_again[k]
+
+
+@pytest.mark.parametrize("scheme", ["bf16", "fp8"])
+def test_extraction_slots_on_kept_roots_answer_as_without(tiny_tokenizer_dir, scheme):
+    engine = _engine(tiny_tokenizer_dir, scheme)
+    texts = _documents()
+    first = [{"text": t, "scoring": {"queries": QUERIES[:1]}} for t in texts]
+    slots = [{"text": t, "scoring": {"queries": SLOTS, "case_insensitive": False}}
+             for t in texts]
+    want = [_figures(r) for r in engine.score_batch(slots)]
+    engine.roots = RootCache(256 << 20)
+    engine.score_batch(first[::2])                 # half the roots kept
+    assert [_figures(r) for r in engine.score_batch(slots)] == want
+    assert [_figures(r) for r in engine.score_batch(slots[::-1])][::-1] == want
+    for k in (0, 3):
+        assert _figures(engine.score_batch([slots[k]])[0]) == want[k]
