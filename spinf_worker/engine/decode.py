@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -82,6 +83,7 @@ def context_width(lengths: torch.Tensor) -> torch.Tensor:
 class DecodePlan:
     """Attention for decoding steps (the model calls ``attend`` once per layer)."""
 
+    decoding: ClassVar[bool] = True    # a step's few rows: its GEMMs take a step's tiles
     kept: dict[int, tuple[torch.Tensor, torch.Tensor]]   # per layer: the pass's kept K, V
     ctx_rows: torch.Tensor           # [slots, L]: each slot's context, rows into ``kept``
     ctx_pos: torch.Tensor            # [slots, L]: their positions
@@ -94,6 +96,8 @@ class DecodePlan:
     gen_v: dict[int, torch.Tensor] = field(default_factory=dict)
     gen_pos: torch.Tensor = None     # [beams, t]
     step_pos: torch.Tensor = None    # [beams, t + 1]: gen_pos and this step's q_pos
+    chunks: dict[int, torch.Tensor] = field(default_factory=dict)   # CUDA: beams by slot,
+    # once a step for all layers (per chunk size: a model's layers may group heads apart)
 
     def attend(self, q, k, v, *, layer: int, sliding: bool, scale: float) -> torch.Tensor:
         n = self.beam_slot.shape[0]
@@ -104,12 +108,15 @@ class DecodePlan:
         kept_k, kept_v = self.kept[layer]
         out = q.new_zeros(-(-n // ROW_TILE) * ROW_TILE, *q.shape[1:])
         gen_pos = self.step_pos
-        if q.is_cuda:   # each beam from its own keys alone (kernels/decode_attention.py)
-            from ..kernels.decode_attention import decode_attention
+        if q.is_cuda:   # a slot's beams read its context once (kernels/decode_attention.py)
+            from ..kernels.decode_attention import beam_chunks, beams_per_program, decode_attention
 
+            beams = beams_per_program(q.shape[1] // kept_k.shape[1])
+            if beams not in self.chunks:
+                self.chunks[beams] = beam_chunks(self.beam_slot, beams)
             decode_attention(q, kept_k, kept_v, gk, gv, self.ctx_rows, self.ctx_pos,
                              self.ctx_len, gen_pos, self.beam_slot, self.q_pos,
-                             self.window if sliding else None, scale, out)
+                             self.window if sliding else None, scale, out, self.chunks[beams])
             return out
         # A beam's products have a shape of its own: BRANCH_TILE beams at a time, over a context
         # padded to its slot's own width (context_width), so its bits never depend on the
@@ -149,6 +156,7 @@ class DecodePlan:
     def begin_step(self) -> None:
         """Before a step's forward: the positions its beams attend to, once for all layers."""
         self.step_pos = torch.cat((self.gen_pos, self.q_pos[:, None]), 1)
+        self.chunks = {}
 
     def advance(self, parents: torch.Tensor) -> None:
         """Keep the beams ``parents`` (indices into this step's beams), in that order."""

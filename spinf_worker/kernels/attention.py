@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cache
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -93,6 +94,7 @@ class AttentionPlan:
     keys and values of those rows to be kept (``kept[layer] = (k, v)``), for decoding
     extraction slots from the same read afterwards."""
 
+    decoding: ClassVar[bool] = False   # a pass's rows: its GEMMs take a pass's tiles
     docs: list[DocSpan]          # CPU: one span per document
     flex: object | None = None   # CUDA: a flex_tree.FlexPlan for the whole pass
     keep_rows: torch.Tensor | None = None

@@ -1,11 +1,14 @@
 """A decoding step's attention on CUDA: each beam's new row against its slot's kept context
 and its own generated tokens (engine/decode.py).
 
-One program per (beam, key-value head) reads that beam's keys straight from the pass's kept
-K/V through its slot's row list (no per-beam copies), in fixed blocks of keys with an online
-softmax in fp32: the context's blocks in order, then the generated tokens'. A beam's result
-thus depends on its own slot and tokens alone, never on how many beams or slots share the
-step, nor on the longest context among them (a batched product over a padded width would).
+One program per (chunk of one slot's beams, key-value head): the slot's context keys are
+read once for all its beams (straight from the pass's kept K/V through the slot's row list,
+no per-beam copies), each block's scores and weighted values one ``tl.dot`` over the chunk's
+rows, in fixed blocks of keys with an online softmax in fp32: the context's blocks in
+order, then each beam's own generated tokens (a block updates only that beam's rows). A
+slot's beams are always decoded together (a document alone or packed holds all of them)
+and chunked in their own order, so a beam's result depends on its slot alone, never on how
+many beams or slots share the step, nor on the longest context among them.
 """
 
 from __future__ import annotations
@@ -14,107 +17,155 @@ import torch
 import triton
 import triton.language as tl
 
-TILE_ELEMENTS = 8192    # query heads x keys x head dim of one block: registers per program
+BEAM_ROWS = 16           # query rows of one program: a slot's beams x a head group's heads
+IEEE = "ieee"            # fp32 inputs (the tests') multiplied exactly; bf16 as they are
 
 
 @triton.jit
-def _attend_block(q, k, v, key_ok, m, total, acc, scale):
-    """Fold one block of keys into the running max, sum and weighted values (fp32)."""
-    s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale           # [G, BLOCK]
-    s = tl.where(key_ok[None, :], s, float("-inf"))
+def _attend_block(q, k, v, key_ok, mine, m, total, acc, scale, DOT_PRECISION: tl.constexpr):
+    """Fold one block of keys into the running max, sum and weighted values (fp32) of the
+    rows ``mine``; other rows keep theirs untouched."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale      # [M, BLOCK]
+    s = tl.where(key_ok & mine[:, None], s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)    # nothing seen yet: no NaN
     alpha = tl.exp(m - m_safe)
     p = tl.exp(s - m_safe[:, None])
-    total = total * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-    return m_new, total, acc
+    pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    total = tl.where(mine, total * alpha + tl.sum(p, axis=1), total)
+    acc = tl.where(mine[:, None], acc * alpha[:, None] + pv, acc)
+    return tl.where(mine, m_new, m), total, acc
 
 
 @triton.jit
-def _decode_kernel(q_ptr, kk_ptr, kv_ptr, gk_ptr, gv_ptr, o_ptr, ctx_rows_ptr, ctx_pos_ptr,
-                   ctx_len_ptr, gen_pos_ptr, beam_slot_ptr, q_pos_ptr,
+def _decode_kernel(q_ptr, kk_ptr, kv_ptr, gk_ptr, gv_ptr, o_ptr, chunks_ptr, ctx_rows_ptr,
+                   ctx_pos_ptr, ctx_len_ptr, gen_pos_ptr, beam_slot_ptr, q_pos_ptr,
                    q_st, q_sh, kk_st, kk_sh, kv_st, kv_sh, gk_sb, gk_st, gk_sh,
                    gv_sb, gv_st, gv_sh, o_st, o_sh, ctx_st, gen_pos_st, n_gen, scale, window,
-                   GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   DIM_P2: tl.constexpr, BLOCK: tl.constexpr, WINDOWED: tl.constexpr):
-    beam = tl.program_id(0)
+                   BEAMS: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr, BLOCK: tl.constexpr,
+                   GEN_BLOCK: tl.constexpr, WINDOWED: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr):
+    chunk = tl.program_id(0)             # up to BEAMS beams of one slot
     head = tl.program_id(1)              # key-value head; its GROUP query heads together
-    slot = tl.load(beam_slot_ptr + beam)
-    q_pos = tl.load(q_pos_ptr + beam)
-    n_ctx = tl.load(ctx_len_ptr + slot)
-    g = tl.arange(0, GROUP_P2)
-    d = tl.arange(0, DIM_P2)
-    j = tl.arange(0, BLOCK)
-    d_ok = d < HEAD_DIM
-    q_heads = head * GROUP + g
-    q = tl.load(q_ptr + beam * q_st + q_heads[:, None] * q_sh + d[None, :],
-                mask=(g < GROUP)[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-    m = tl.full([GROUP_P2], float("-inf"), tl.float32)
-    total = tl.zeros([GROUP_P2], tl.float32)
-    acc = tl.zeros([GROUP_P2, DIM_P2], tl.float32)
-    at = n_ctx * 0     # a tensor, not a constant: it changes in the loop
-    while at < n_ctx:                           # the slot's root and template branch
-        key_ok = at + j < n_ctx
-        rows = tl.load(ctx_rows_ptr + slot * ctx_st + at + j, mask=key_ok, other=0)
-        if WINDOWED:
-            pos = tl.load(ctx_pos_ptr + slot * ctx_st + at + j, mask=key_ok, other=0)
-            key_ok = key_ok & (q_pos - pos < window)
-        tile_ok = key_ok[:, None] & d_ok[None, :]
-        k = tl.load(kk_ptr + rows[:, None] * kk_st + head * kk_sh + d[None, :], mask=tile_ok,
-                    other=0.0).to(tl.float32)
-        v = tl.load(kv_ptr + rows[:, None] * kv_st + head * kv_sh + d[None, :], mask=tile_ok,
-                    other=0.0).to(tl.float32)
-        m, total, acc = _attend_block(q, k, v, key_ok, m, total, acc, scale)
-        at += BLOCK
-    t0 = beam * 0
-    while t0 < n_gen:                           # the beam's own tokens, this step's last
-        t = t0 + j
-        key_ok = t < n_gen
-        if WINDOWED:
-            pos = tl.load(gen_pos_ptr + beam * gen_pos_st + t, mask=key_ok, other=0)
-            key_ok = key_ok & (q_pos - pos < window)
-        tile_ok = key_ok[:, None] & d_ok[None, :]
-        k = tl.load(gk_ptr + beam * gk_sb + t[:, None] * gk_st + head * gk_sh + d[None, :],
-                    mask=tile_ok, other=0.0).to(tl.float32)
-        v = tl.load(gv_ptr + beam * gv_sb + t[:, None] * gv_st + head * gv_sh + d[None, :],
-                    mask=tile_ok, other=0.0).to(tl.float32)
-        m, total, acc = _attend_block(q, k, v, key_ok, m, total, acc, scale)
-        t0 += BLOCK
-    out = acc / total[:, None]
-    tl.store(o_ptr + beam * o_st + q_heads[:, None] * o_sh + d[None, :],
-             out.to(o_ptr.dtype.element_ty), mask=(g < GROUP)[:, None] & d_ok[None, :])
+    first = tl.load(chunks_ptr + chunk * BEAMS)
+    if first >= 0:
+        slot = tl.load(beam_slot_ptr + first)
+        n_ctx = tl.load(ctx_len_ptr + slot)
+        r = tl.arange(0, BEAMS * GROUP_P2)           # row: (beam of the chunk, query head)
+        which = r // GROUP_P2
+        g = r % GROUP_P2
+        beam = tl.load(chunks_ptr + chunk * BEAMS + which)
+        row_ok = (beam >= 0) & (g < GROUP)
+        beam = tl.where(beam >= 0, beam, first)
+        q_pos = tl.load(q_pos_ptr + beam)
+        d = tl.arange(0, DIM_P2)
+        d_ok = d < HEAD_DIM
+        q_heads = head * GROUP + g
+        rows_ok = row_ok[:, None] & d_ok[None, :]
+        q = tl.load(q_ptr + beam[:, None] * q_st + q_heads[:, None] * q_sh + d[None, :],
+                    mask=rows_ok, other=0.0)
+        m = tl.full([BEAMS * GROUP_P2], float("-inf"), tl.float32)
+        total = tl.zeros([BEAMS * GROUP_P2], tl.float32)
+        acc = tl.zeros([BEAMS * GROUP_P2, DIM_P2], tl.float32)
+        j = tl.arange(0, BLOCK)
+        at = n_ctx * 0     # a tensor, not a constant: it changes in the loop
+        while at < n_ctx:                           # the slot's context, read once for its beams
+            key_in = at + j < n_ctx
+            rows = tl.load(ctx_rows_ptr + slot * ctx_st + at + j, mask=key_in, other=0)
+            key_ok = tl.broadcast_to(key_in[None, :], (BEAMS * GROUP_P2, BLOCK))
+            if WINDOWED:
+                pos = tl.load(ctx_pos_ptr + slot * ctx_st + at + j, mask=key_in, other=0)
+                key_ok = key_ok & (q_pos[:, None] - pos[None, :] < window)
+            tile_ok = key_in[:, None] & d_ok[None, :]
+            k = tl.load(kk_ptr + rows[:, None] * kk_st + head * kk_sh + d[None, :],
+                        mask=tile_ok, other=0.0)
+            v = tl.load(kv_ptr + rows[:, None] * kv_st + head * kv_sh + d[None, :],
+                        mask=tile_ok, other=0.0)
+            m, total, acc = _attend_block(q, k, v, key_ok, row_ok, m, total, acc, scale,
+                                          DOT_PRECISION)
+            at += BLOCK
+        t_in = tl.arange(0, GEN_BLOCK)
+        for b in range(BEAMS):                      # each beam's own tokens, this step's last
+            own = tl.load(chunks_ptr + chunk * BEAMS + b)
+            if own >= 0:
+                mine = row_ok & (which == b)
+                t0 = chunk * 0    # a tensor: n_gen may be specialised to a constant
+                while t0 < n_gen:
+                    t = t0 + t_in
+                    gen_in = t < n_gen
+                    key_ok = tl.broadcast_to(gen_in[None, :], (BEAMS * GROUP_P2, GEN_BLOCK))
+                    if WINDOWED:
+                        pos = tl.load(gen_pos_ptr + own * gen_pos_st + t, mask=gen_in, other=0)
+                        key_ok = key_ok & (q_pos[:, None] - pos[None, :] < window)
+                    tile_ok = gen_in[:, None] & d_ok[None, :]
+                    k = tl.load(gk_ptr + own * gk_sb + t[:, None] * gk_st + head * gk_sh
+                                + d[None, :], mask=tile_ok, other=0.0)
+                    v = tl.load(gv_ptr + own * gv_sb + t[:, None] * gv_st + head * gv_sh
+                                + d[None, :], mask=tile_ok, other=0.0)
+                    m, total, acc = _attend_block(q, k, v, key_ok, mine, m, total, acc, scale,
+                                                  DOT_PRECISION)
+                    t0 += GEN_BLOCK
+        out = acc / tl.where(row_ok, total, 1.0)[:, None]
+        tl.store(o_ptr + beam[:, None] * o_st + q_heads[:, None] * o_sh + d[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=rows_ok)
 
 
-def block_keys(group: int, head_dim: int) -> int:
-    """Keys per block for a head layout: fixed by the model's shape, never by the step."""
-    per_key = triton.next_power_of_2(group) * triton.next_power_of_2(head_dim)
-    return max(1, min(64, TILE_ELEMENTS // per_key))
+def beams_per_program(group: int) -> int:
+    """Beams of one slot a program attends for together: BEAM_ROWS query rows (or one beam
+    where a head group alone is more), fixed by the model's shape, never by the step."""
+    return max(1, BEAM_ROWS // triton.next_power_of_2(group))
+
+
+def block_keys(head_dim: int) -> int:
+    """Context keys per block: fixed by the model's shape, never by the step (its K and V
+    tiles fit shared memory)."""
+    return 64 if head_dim <= 256 else 32
+
+
+def beam_chunks(beam_slot: torch.Tensor, beams: int) -> torch.Tensor:
+    """[n, beams] int32: row c lists the beams of chunk c, at most ``beams`` of one slot
+    (-1 padded); rows past the last chunk are all -1. On the device, without reading back:
+    once per step, for every layer."""
+    n = beam_slot.shape[0]
+    order = torch.argsort(beam_slot, stable=True)
+    slots = beam_slot[order]
+    rank = torch.arange(n, device=beam_slot.device) - torch.searchsorted(slots, slots)
+    chunk = torch.cumsum(rank % beams == 0, 0) - 1
+    out = torch.full((n, beams), -1, dtype=torch.int32, device=beam_slot.device)
+    out[chunk, rank % beams] = order.to(torch.int32)
+    return out
 
 
 def decode_attention(q: torch.Tensor, kept_k: torch.Tensor, kept_v: torch.Tensor,
                      gen_k: torch.Tensor, gen_v: torch.Tensor, ctx_rows: torch.Tensor,
                      ctx_pos: torch.Tensor, ctx_len: torch.Tensor, gen_pos: torch.Tensor,
                      beam_slot: torch.Tensor, q_pos: torch.Tensor, window: int | None,
-                     scale: float, out: torch.Tensor) -> None:
+                     scale: float, out: torch.Tensor, chunks: torch.Tensor | None = None
+                     ) -> None:
     """Write each beam's attention into ``out`` [n, Hq, D]. q: [n, Hq, D]; kept_k/v: [R, Hkv, D]
     (the pass's kept rows); gen_k/v: [n, T, Hkv, D] (the beam's tokens, this step's last);
     ctx_rows / ctx_pos: [slots, L] (a slot's context: rows into kept_k/v and their positions,
     its first ctx_len[slot] entries); gen_pos: [n, T]; beam_slot, q_pos: [n]. ``window``:
-    the sliding window (None: a global layer)."""
+    the sliding window (None: a global layer). ``chunks``: ``beam_chunks(beam_slot,
+    beams_per_program(group))``, computed once per step (here when not given)."""
     n, heads, dim = q.shape
     kv_heads = kept_k.shape[1]
     group = heads // kv_heads
+    beams = beams_per_program(group)
+    if chunks is None:
+        chunks = beam_chunks(beam_slot, beams)
     q, kept_k, kept_v, gen_k, gen_v = (t if t.stride(-1) == 1 else t.contiguous()
                                        for t in (q, kept_k, kept_v, gen_k, gen_v))
     ctx_rows, ctx_pos, gen_pos = (t.contiguous() for t in (ctx_rows, ctx_pos, gen_pos))
     assert ctx_rows.stride(0) == ctx_pos.stride(0) and out.stride(-1) == 1
+    assert chunks.shape == (n, beams)
     _decode_kernel[(n, kv_heads)](
-        q, kept_k, kept_v, gen_k, gen_v, out, ctx_rows, ctx_pos, ctx_len, gen_pos, beam_slot,
-        q_pos, q.stride(0), q.stride(1), kept_k.stride(0), kept_k.stride(1), kept_v.stride(0),
-        kept_v.stride(1), gen_k.stride(0), gen_k.stride(1), gen_k.stride(2), gen_v.stride(0),
-        gen_v.stride(1), gen_v.stride(2), out.stride(0), out.stride(1), ctx_rows.stride(0),
-        gen_pos.stride(0), gen_k.shape[1], scale, window or 0,
-        GROUP=group, GROUP_P2=triton.next_power_of_2(group), HEAD_DIM=dim,
-        DIM_P2=triton.next_power_of_2(dim), BLOCK=block_keys(group, dim),
-        WINDOWED=window is not None, num_warps=4)
+        q, kept_k, kept_v, gen_k, gen_v, out, chunks, ctx_rows, ctx_pos, ctx_len, gen_pos,
+        beam_slot, q_pos, q.stride(0), q.stride(1), kept_k.stride(0), kept_k.stride(1),
+        kept_v.stride(0), kept_v.stride(1), gen_k.stride(0), gen_k.stride(1), gen_k.stride(2),
+        gen_v.stride(0), gen_v.stride(1), gen_v.stride(2), out.stride(0), out.stride(1),
+        ctx_rows.stride(0), gen_pos.stride(0), gen_k.shape[1], scale, window or 0,
+        BEAMS=beams, GROUP=group, GROUP_P2=triton.next_power_of_2(group), HEAD_DIM=dim,
+        DIM_P2=triton.next_power_of_2(dim), BLOCK=block_keys(dim), GEN_BLOCK=16,
+        WINDOWED=window is not None, DOT_PRECISION=IEEE, num_warps=4)

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from ..quant.fp8 import FP8, INV_FP8_MAX
 from .rowwise import store_quantized_row
-from .triton_matmul import CONFIGS, tile_of, tile_product
+from .triton_matmul import config, tile_of, tile_product
 
 CHUNK = 1024   # gelu_mul: columns per step of a row too wide to hold at once
 ONE_READ_MAX = 16384   # gelu_mul: rows up to this wide are held in registers and read once
@@ -279,20 +279,21 @@ ACTIVATIONS = {"gelu_tanh": 0, "silu": 1}
 
 def gate_up_act(weight: torch.Tensor, weight_scale: torch.Tensor | None, x: torch.Tensor,
                 x_scale: torch.Tensor | None = None, *, act: str = "gelu_tanh",
-                out_scale: torch.Tensor | None = None):
+                out_scale: torch.Tensor | None = None, step: bool = False):
     """``act(x @ gate.T) * (x @ up.T)`` (``act``: gelu_tanh for Gemma, silu for Llama and
     Qwen) for a gate|up ``weight`` [2 I, K] whose rows alternate gate, up
     (layers.FUSED_PROJECTIONS, interleaved): bf16 [m, I], or with fp8 weights (``x`` fp8
     with its ``x_scale``: per row, or 0-dim static) ``(fp8, per-row scale)`` for the down
     projection; ``out_scale`` (the down projection's static input scale, 0-dim):
     ``(fp8, out_scale)``, quantised in the GEMM's epilogue. With GELU, the same bits as the
-    plain GEMM followed by ``gelu_mul`` (or ``quantize_static_fp8``)."""
+    plain GEMM followed by ``gelu_mul`` (or ``quantize_static_fp8``). ``step``: a decoding
+    step's rows (their GEMM tiles, triton_matmul.STEP_CONFIGS)."""
     m, k = x.shape
     n = weight.shape[0]
     quant = weight_scale is not None
     static_out = quant and out_scale is not None
     h = torch.empty(m, n // 2, dtype=FP8 if static_out else torch.bfloat16, device=x.device)
-    bm, bn, bk, gm, warps, stages = CONFIGS[x.dtype]
+    bm, bn, bk, gm, warps, stages = config(x.dtype, step)
     tiles = triton.cdiv(n, bn)
     amax = (out_scale if static_out else
             torch.empty(m, tiles, dtype=torch.float32, device=x.device) if quant else h)

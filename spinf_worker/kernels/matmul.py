@@ -29,20 +29,22 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, tile: int = ROW_TILE) ->
 
 def linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None,
            *, x_scale: torch.Tensor | None = None, input_scale: torch.Tensor | None = None,
-           tile: int = ROW_TILE, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+           tile: int = ROW_TILE, out_dtype: torch.dtype | None = None,
+           step: bool = False) -> torch.Tensor:
     """A bias-free linear layer, batch-invariant on every device.
 
     CPU: fixed-shape library products, tile after tile. CUDA: the fixed-tiling Triton GEMM;
     with an fp8 weight (``weight_scale`` set) the activations are quantised per token, or
     with the static ``input_scale`` (0-dim) when given, unless ``x`` already is fp8 with its
-    ``x_scale`` (per row, or the static one: from a fused kernel)."""
+    ``x_scale`` (per row, or the static one: from a fused kernel). ``step``: a decoding
+    step's GEMM (CUDA: its own tiles, triton_matmul.STEP_CONFIGS)."""
     if not x.is_cuda:
         return tiled_linear(x, weight, tile)
     from .rowwise import quantize_rows_fp8, quantize_static_fp8
     from .triton_matmul import matmul
 
     if weight_scale is None:
-        return matmul(x, weight, out_dtype=out_dtype)
+        return matmul(x, weight, out_dtype=out_dtype, step=step)
     if x_scale is None:
         out_dtype = out_dtype or x.dtype
         if input_scale is None:
@@ -50,4 +52,4 @@ def linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | N
         else:
             x, x_scale = quantize_static_fp8(x, input_scale), input_scale
     return matmul(x, weight, a_scale=x_scale, w_scale=weight_scale,
-                  out_dtype=out_dtype or torch.bfloat16)
+                  out_dtype=out_dtype or torch.bfloat16, step=step)

@@ -4,7 +4,10 @@ One fixed tiling per operand dtype and no split-K, whatever M is: every output t
 K in the same BLOCK_K steps in the same order, so a row's bits never depend on how many
 rows share the pass (cuBLAS picks its algorithm, and sometimes a split-K, from M). The
 config is fixed, never autotuned per shape: autotuning would make the choice, and so the
-bits, depend on the first shape a process happened to see.
+bits, depend on the first shape a process happened to see. Extraction slots' decoding steps
+(a few hundred rows, where a pass has thousands) take tiles of their own, ``STEP_CONFIGS``:
+with a pass's tiles their GEMMs would run fewer programs than the GPU has SMs. Which table
+a GEMM uses is fixed by the call site (a pass or a step), never by its row count.
 
 Scales (fp8 W8A8): ``a_scale`` per row (per token: a per-tensor scale computed per pass would
 mix documents) or one static scale fixed before any pass (a 0-dim tensor: ``A_SCALAR``),
@@ -25,6 +28,18 @@ CONFIGS = {
     torch.float8_e4m3fn: (128, 256, 128, 8, 8, 3),
     torch.float32: (64, 64, 32, 8, 4, 2),
 }
+# the same for decoding steps' GEMMs (engine/decode.py)
+STEP_CONFIGS = {
+    torch.bfloat16: (64, 128, 64, 8, 4, 4),
+    torch.float16: (64, 128, 64, 8, 4, 4),
+    torch.float8_e4m3fn: (64, 128, 128, 8, 4, 4),
+    torch.float32: (64, 64, 32, 8, 4, 2),
+}
+
+
+def config(dtype: torch.dtype, step: bool = False) -> tuple[int, ...]:
+    """The tiling of a GEMM of ``dtype`` operands: a pass's, or a decoding step's."""
+    return (STEP_CONFIGS if step else CONFIGS)[dtype]
 
 
 @triton.jit
@@ -84,10 +99,10 @@ def _matmul_kernel(a_ptr, w_ptr, out_ptr, a_scale_ptr, w_scale_ptr, M, N, K,
 
 
 def matmul(a: torch.Tensor, w: torch.Tensor, *, a_scale: torch.Tensor | None = None,
-           w_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
-           ) -> torch.Tensor:
+           w_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+           step: bool = False) -> torch.Tensor:
     """``a``: [M, K] row-major; ``w``: [N, K] row-major (a Linear's weight); ``a_scale``:
-    [M] per row, or 0-dim (a static scale)."""
+    [M] per row, or 0-dim (a static scale); ``step``: a decoding step's GEMM."""
     assert a.dtype == w.dtype and a.shape[1] == w.shape[1]
     a, w = a.contiguous(), w.contiguous()
     m, k = a.shape
@@ -95,7 +110,7 @@ def matmul(a: torch.Tensor, w: torch.Tensor, *, a_scale: torch.Tensor | None = N
     out = torch.empty(m, n, dtype=out_dtype or a.dtype, device=a.device)
     if m == 0:
         return out
-    bm, bn, bk, gm, warps, stages = CONFIGS[a.dtype]
+    bm, bn, bk, gm, warps, stages = config(a.dtype, step)
     has_scale = a_scale is not None
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     _matmul_kernel[grid](a, w, out, a_scale if has_scale else a, w_scale if has_scale else w,

@@ -8,7 +8,8 @@ static input scale), the gate|up GEMM with ``act(gate) * up`` in its epilogue (f
 quantised there for the down GEMM), the down GEMM, and again residual + the next layer's
 pre-norm. Only the pass's real rows (``plan.rows``) are computed; attention sees the padded
 pass, whose padding rows are zeros and see only themselves. Every kernel computes a row from
-that row alone, so a row's bits never depend on the other rows.
+that row alone, so a row's bits never depend on the other rows. A decoding step's GEMMs
+(``plan.decoding``) take tiles of their own (kernels/triton_matmul.STEP_CONFIGS).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ def fused_forward(layers, final_norm, x: torch.Tensor, rows: int, plan,
     # fp8 W8A8: the fused kernels hand the next GEMM its fp8 input (int8 is weight-only),
     # quantised per token or, fp8-static, by that GEMM's input_scale
     quant = layers[0].self_attn.qkv_proj.weight.dtype == FP8
+    step = plan.decoding
 
     def heads(n: int) -> torch.Tensor:
         t = torch.empty(rows, n, hd, dtype=x.dtype, device=x.device)
@@ -65,12 +67,12 @@ def fused_forward(layers, final_norm, x: torch.Tensor, rows: int, plan,
                       offset=off, static_scale=layers[0].self_attn.qkv_proj.input_scale)
     for i, layer in enumerate(layers):
         att, mlp = layer.self_attn, layer.mlp
-        qkv = att.qkv_proj(*_as_args(h))
+        qkv = att.qkv_proj(*_as_args(h), step=step)
         q, k, v = heads(cfg.num_heads), heads(cfg.num_kv_heads), heads(cfg.num_kv_heads)
         norms = (att.q_norm.weight, att.k_norm.weight) if style.qk_norm else (None, None)
         qk_norm_rope(qkv, *norms, *rope_of(att), eps, q, k, v, offset=off)
         o = plan.attend(q, k, v, layer=att.layer, sliding=att.sliding, scale=style.attn_scale)
-        a = att.o_proj(o[:m].reshape(m, -1))
+        a = att.o_proj(o[:m].reshape(m, -1), step=step)
         if style.sandwich:
             attn_out, mlp_in = layer.post_attention_layernorm, layer.pre_feedforward_layernorm
         else:
@@ -80,10 +82,10 @@ def fused_forward(layers, final_norm, x: torch.Tensor, rows: int, plan,
                           static_scale=gate_up.input_scale)
         if gate_up.weight.dtype in (torch.bfloat16, FP8):
             act = gate_up_act(gate_up.weight, gate_up.weight_scale, *_as_args(h), act=style.act,
-                              out_scale=mlp.down_proj.input_scale)
+                              out_scale=mlp.down_proj.input_scale, step=step)
         else:   # Gemma with int8 weights (gelu_mul: GELU only)
-            act = gelu_mul(gate_up(*_as_args(h)), quant=quant)
-        d = mlp.down_proj(*_as_args(act))
+            act = gelu_mul(gate_up(*_as_args(h), step=step), quant=quant)
+        d = mlp.down_proj(*_as_args(act), step=step)
         last = i + 1 == len(layers)
         pre = final_norm if last else layers[i + 1].input_layernorm
         mlp_out = layer.post_feedforward_layernorm if style.sandwich else None

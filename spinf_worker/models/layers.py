@@ -93,9 +93,10 @@ class Linear(nn.Module):
         else:
             self.set_fp8(stored.weight, stored.weight_scale, input_scale)
 
-    def forward(self, x: torch.Tensor, x_scale: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, x_scale: torch.Tensor | None = None, *,
+                step: bool = False) -> torch.Tensor:
         """``x_scale``: ``x`` is already fp8, quantised with these scales (per row, or the
-        static ``input_scale``)."""
+        static ``input_scale``); ``step``: a decoding step's rows (CUDA: their GEMM tiles)."""
         if self.weight.dtype == torch.int8:
             y = int8_linear(x, self.weight, self.weight_scale)
         elif self.weight.dtype == torch.int32:
@@ -109,7 +110,7 @@ class Linear(nn.Module):
             y = fp8_dynamic_linear(x, self.weight, self.weight_scale)
         else:
             y = linear(x, self.weight, self.weight_scale, x_scale=x_scale,
-                       input_scale=self.input_scale)
+                       input_scale=self.input_scale, step=step)
         return y if self.bias is None else y + self.bias   # row-wise: still batch-invariant
 
 

@@ -33,30 +33,32 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.double() - ref.double()).norm() / ref.double().norm())
 
 
+@pytest.mark.parametrize("step", [False, True])   # a pass's tiles or a decoding step's
 @pytest.mark.parametrize("m", [1, 77, 128, 1000, 4099])
-def test_triton_bf16_matmul(m):
+def test_triton_bf16_matmul(m, step):
     a = torch.randn(m, 640, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(2048, 640, device="cuda", dtype=torch.bfloat16)
-    out = matmul(a, w)
+    out = matmul(a, w, step=step)
     assert rel_err(out, a.double() @ w.double().t()) < 1e-2
     # batch invariance: the first rows alone and inside a larger product, bit for bit
     big = torch.cat([a, torch.randn(3000, 640, device="cuda", dtype=torch.bfloat16)])
-    assert torch.equal(matmul(big, w)[:m], out)
+    assert torch.equal(matmul(big, w, step=step)[:m], out)
 
 
-def test_triton_fp8_matmul_matches_dequantised_reference():
+@pytest.mark.parametrize("step", [False, True])
+def test_triton_fp8_matmul_matches_dequantised_reference(step):
     a = torch.randn(300, 1024, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(768, 1024, device="cuda", dtype=torch.bfloat16)
     aq, sa = quantize_rows(a)
     wq, sw = quantize_weight(w)
-    out = matmul(aq, wq, a_scale=sa, w_scale=sw, out_dtype=torch.bfloat16)
+    out = matmul(aq, wq, a_scale=sa, w_scale=sw, out_dtype=torch.bfloat16, step=step)
     ref = (aq.double() * sa.double()[:, None]) @ (wq.double() * sw.double()[:, None]).t()
     assert rel_err(out, ref) < 1e-2
     assert rel_err(out, a.double() @ w.double().t()) < 6e-2   # fp8 quantisation error
     big = torch.cat([a, torch.randn(900, 1024, device="cuda", dtype=torch.bfloat16)])
     bq, sb = quantize_rows(big)
-    assert torch.equal(matmul(bq, wq, a_scale=sb, w_scale=sw, out_dtype=torch.bfloat16)[:300],
-                       out)
+    assert torch.equal(matmul(bq, wq, a_scale=sb, w_scale=sw, out_dtype=torch.bfloat16,
+                              step=step)[:300], out)
 
 
 @pytest.mark.parametrize("shape", [(1, 640), (300, 3840), (77, 15360), (5, 1000)])

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from ..conftest import TINY_BOS, TINY_EOS, TINY_PAD, tiny_vocab_size
+from ..decode_steps import STEPS, close_to_reference, slots_alone_as_in_their_step
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 if torch.cuda.is_available():
     from spinf_worker.engine import Engine, EngineSettings
-    from spinf_worker.kernels.decode_attention import decode_attention
     from spinf_worker.models.loader import Checkpoint
 
 SLOTS = [
@@ -31,79 +31,21 @@ SLOTS = [
 ]
 
 
-def _step(heads: int, kv_heads: int, dim: int, lens: list[int], beam_slot: list[int],
-          generated: int, seed: int):
-    """A decoding step's inputs on the device: kept K/V, per-slot contexts, beams."""
-    gen = torch.Generator().manual_seed(seed)
-    rows_kept = 400
-    kept_k, kept_v = torch.randn(2, rows_kept, kv_heads, dim, generator=gen).unbind(0)
-    width = max(lens)
-    ctx_rows = torch.zeros(len(lens), width, dtype=torch.long)
-    ctx_pos = torch.zeros(len(lens), width, dtype=torch.long)
-    for s, n in enumerate(lens):
-        ctx_rows[s, :n] = torch.randperm(rows_kept, generator=gen)[:n]
-        ctx_pos[s, :n] = torch.arange(n)
-    n = len(beam_slot)
-    q_pos = torch.tensor([lens[s] + generated for s in beam_slot])
-    gen_pos = torch.stack([torch.arange(lens[s], lens[s] + generated + 1) for s in beam_slot])
-    q = torch.randn(n, heads, dim, generator=gen)
-    gen_k, gen_v = torch.randn(2, n, generated + 1, kv_heads, dim, generator=gen).unbind(0)
-    return [t.cuda() for t in (q, kept_k, kept_v, gen_k, gen_v, ctx_rows, ctx_pos,
-                               torch.tensor(lens), gen_pos, torch.tensor(beam_slot), q_pos)]
-
-
-def _reference(q, kept_k, kept_v, gen_k, gen_v, ctx_rows, ctx_pos, lens, gen_pos, beam_slot,
-               q_pos, window, scale) -> torch.Tensor:
-    """Each beam by itself in float64: softmax over its context's keys and its own tokens."""
-    out = torch.empty(q.shape, dtype=torch.float64)
-    group = q.shape[1] // kept_k.shape[1]
-    for b in range(q.shape[0]):
-        s = int(beam_slot[b])
-        rows = ctx_rows[s, :int(lens[s])]
-        keys = torch.cat((kept_k[rows], gen_k[b])).double()
-        values = torch.cat((kept_v[rows], gen_v[b])).double()
-        pos = torch.cat((ctx_pos[s, :int(lens[s])], gen_pos[b]))
-        seen = (q_pos[b] - pos < window) if window else torch.ones_like(pos, dtype=torch.bool)
-        for h in range(q.shape[1]):
-            scores = keys[:, h // group] @ q[b, h].double() * scale
-            scores = scores.masked_fill(~seen, float("-inf"))
-            out[b, h] = torch.softmax(scores, 0) @ values[:, h // group]
-    return out
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(("heads", "kv_heads", "dim", "window"),
                          [(16, 8, 256, 64), (4, 1, 256, None), (32, 16, 128, 40),
                           (8, 2, 512, None)])
 def test_decode_attention_equals_reference(heads, kv_heads, dim, window, dtype):
-    args = _step(heads, kv_heads, dim, [70, 130, 9], [0, 0, 1, 2, 1, 0], 3, seed=heads + dim)
-    args = [t.to(dtype) if t.is_floating_point() else t for t in args]
-    out = torch.zeros_like(args[0])
-    decode_attention(*args, window, 0.0625, out)
-    want = _reference(*[t.cpu() for t in args], window, 0.0625)
-    err = float((out.double().cpu() - want).norm() / want.norm())
+    err = close_to_reference(heads, kv_heads, dim, window, dtype, "cuda")
     assert err < (1e-2 if dtype == torch.bfloat16 else 1e-5), err
 
 
+@pytest.mark.parametrize("beam_slot", STEPS)
 @pytest.mark.parametrize("window", [None, 50])
-def test_a_beams_bits_do_not_depend_on_its_step(window):
-    """A beam alone (its slot alone, its context at its own width) and among other beams and
-    slots with longer and shorter contexts: bit-identical."""
-    q, kept_k, kept_v, gen_k, gen_v, ctx_rows, ctx_pos, lens, gen_pos, beam_slot, q_pos = (
-        _step(16, 8, 256, [33, 300, 120, 7], [2, 1, 0, 2, 3, 1, 2], 4, seed=5))
-    args = (kept_k, kept_v)
-    out = torch.zeros_like(q)
-    decode_attention(q, *args, gen_k, gen_v, ctx_rows, ctx_pos, lens, gen_pos, beam_slot,
-                     q_pos, window, 0.0625, out)
-    for b in (0, 4, 6):
-        s = int(beam_slot[b])
-        n = int(lens[s])
-        alone = torch.zeros_like(q[b:b + 1])
-        decode_attention(q[b:b + 1], *args, gen_k[b:b + 1], gen_v[b:b + 1],
-                         ctx_rows[s:s + 1, :n], ctx_pos[s:s + 1, :n], lens[s:s + 1],
-                         gen_pos[b:b + 1], torch.zeros_like(beam_slot[:1]), q_pos[b:b + 1],
-                         window, 0.0625, alone)
-        assert torch.equal(alone[0], out[b]), b
+def test_a_slots_bits_do_not_depend_on_its_step(window, beam_slot):
+    """(A slot's beams are always decoded together, in their own order: a document alone or
+    packed holds all of them.)"""
+    slots_alone_as_in_their_step(window, beam_slot, "cuda")
 
 
 def _engine(tokenizer_dir: Path, scheme: str) -> Engine:

@@ -108,9 +108,10 @@ def test_gelu_mul_reads_once_or_chunk_by_chunk_to_the_same_bits(width, quant):
     assert torch.equal(once, chunked)
 
 
+@pytest.mark.parametrize("step", [False, True])   # a pass's tiles or a decoding step's
 @pytest.mark.parametrize("quant", [False, True])
 @pytest.mark.parametrize("rows,k,width", [(300, 640, 2048), (1000, 3840, 15360), (5, 256, 200)])
-def test_gate_up_act_gelu_equals_gemm_then_gelu_mul(rows, k, width, quant):
+def test_gate_up_act_gelu_equals_gemm_then_gelu_mul(rows, k, width, quant, step):
     """GELU * up in the GEMM's epilogue: the bits of the plain GEMM followed by gelu_mul,
     close to the torch ops, and a row's bits whatever rows share the call."""
     torch.manual_seed(0)
@@ -120,17 +121,17 @@ def test_gate_up_act_gelu_equals_gemm_then_gelu_mul(rows, k, width, quant):
     if quant:
         w8, w_scale = quantize_weight(w)
         x8, x_scale = quantize_rows_fp8(x)
-        fused = gate_up_act(w8, w_scale, x8, x_scale)
+        fused = gate_up_act(w8, w_scale, x8, x_scale, step=step)
         plain = gelu_mul(matmul(x8, w8, a_scale=x_scale, w_scale=w_scale,
-                                out_dtype=BF16), quant=True)
-        head = gate_up_act(w8, w_scale, x8[:3], x_scale[:3])
+                                out_dtype=BF16, step=step), quant=True)
+        head = gate_up_act(w8, w_scale, x8[:3], x_scale[:3], step=step)
         assert torch.equal(fused[1], plain[1]) and torch.equal(head[1], fused[1][:3])
         assert rel_err(fused[0].float() * fused[1][:, None], ref) < 0.1
         fused, plain, head = (t[0].view(torch.uint8) for t in (fused, plain, head))
     else:
-        fused = gate_up_act(w, None, x)
-        plain = gelu_mul(matmul(x, w), quant=False)
-        head = gate_up_act(w, None, x[:3])
+        fused = gate_up_act(w, None, x, step=step)
+        plain = gelu_mul(matmul(x, w, step=step), quant=False)
+        head = gate_up_act(w, None, x[:3], step=step)
         assert rel_err(fused, ref) < 2e-2
     assert torch.equal(fused, plain)
     assert torch.equal(head, fused[:3])
