@@ -5,8 +5,8 @@ K in the same BLOCK_K steps in the same order, so a row's bits never depend on h
 rows share the pass (cuBLAS picks its algorithm, and sometimes a split-K, from M). The
 config is fixed, never autotuned per shape: autotuning would make the choice, and so the
 bits, depend on the first shape a process happened to see. Extraction slots' decoding steps
-(a few hundred rows, where a pass has thousands) take tiles of their own, ``STEP_CONFIGS``:
-with a pass's tiles their GEMMs would run fewer programs than the GPU has SMs. Which table
+(a few hundred rows, where a pass has thousands) may take tiles of their own, ``STEP_CONFIGS``:
+with a pass's tiles their GEMMs may run fewer programs than the GPU has SMs. Which table
 a GEMM uses is fixed by the call site (a pass or a step), never by its row count.
 
 Scales (fp8 W8A8): ``a_scale`` per row (per token: a per-tensor scale computed per pass would
@@ -28,13 +28,9 @@ CONFIGS = {
     torch.float8_e4m3fn: (128, 256, 128, 8, 8, 3),
     torch.float32: (64, 64, 32, 8, 4, 2),
 }
-# the same for decoding steps' GEMMs (engine/decode.py)
-STEP_CONFIGS = {
-    torch.bfloat16: (64, 128, 64, 8, 4, 4),
-    torch.float16: (64, 128, 64, 8, 4, 4),
-    torch.float8_e4m3fn: (64, 128, 128, 8, 4, 4),
-    torch.float32: (64, 64, 32, 8, 4, 2),
-}
+# the same for decoding steps' GEMMs (engine/decode.py): a pass's tiles until
+# benchmarks/step_tiles.py has timed the candidates on a GPU
+STEP_CONFIGS = dict(CONFIGS)
 
 
 def config(dtype: torch.dtype, step: bool = False) -> tuple[int, ...]:
