@@ -9,7 +9,8 @@ quantised there for the down GEMM), the down GEMM, and again residual + the next
 pre-norm. Only the pass's real rows (``plan.rows``) are computed; attention sees the padded
 pass, whose padding rows are zeros and see only themselves. Every kernel computes a row from
 that row alone, so a row's bits never depend on the other rows. A decoding step's GEMMs
-(``plan.decoding``) take tiles of their own (kernels/triton_matmul.STEP_CONFIGS).
+(``plan.decoding``) take their tiles from a table of their own
+(kernels/triton_matmul.STEP_CONFIGS).
 """
 
 from __future__ import annotations
