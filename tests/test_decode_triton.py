@@ -69,8 +69,7 @@ def test_decode_attention_compiles_for_sm90(group, dim, windowed):
     for n_gen in ({}, {"n_gen": 1}):
         consts = dict(BEAMS=da.beams_per_program(group), GROUP=group,
                       GROUP_P2=triton.next_power_of_2(group), HEAD_DIM=dim, DIM_P2=dim,
-                      BLOCK=da.block_keys(dim), GEN_BLOCK=16, WINDOWED=windowed,
-                      DOT_PRECISION=da.IEEE, **n_gen)
+                      BLOCK=da.block_keys(dim), GEN_BLOCK=16, WINDOWED=windowed, **n_gen)
         _compile(da._decode_kernel, types, consts, 4)
 
 

@@ -414,17 +414,16 @@ def _with_kept_roots(kept: dict[int, tuple[torch.Tensor, torch.Tensor]] | None,
     if kept is None or all(root is None for root, _ in parts):
         return kept
     out = {}
-    for layer, pair in kept.items():
-        joined = []
-        for j in (0, 1):
-            pieces, at = [], 0
-            for root, rows in parts:
-                if root is not None:
-                    pieces.append(root.layers[layer][j])
-                pieces.append(pair[j][at:at + rows])
-                at += rows
-            joined.append(torch.cat(pieces))
-        out[layer] = (joined[0], joined[1])
+    for layer, (k, v) in kept.items():
+        keys, values, at = [], [], 0
+        for root, rows in parts:
+            if root is not None:
+                keys.append(root.layers[layer][0])
+                values.append(root.layers[layer][1])
+            keys.append(k[at:at + rows])
+            values.append(v[at:at + rows])
+            at += rows
+        out[layer] = (torch.cat(keys), torch.cat(values))
     return out
 
 

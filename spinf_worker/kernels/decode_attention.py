@@ -18,20 +18,20 @@ import triton
 import triton.language as tl
 
 BEAM_ROWS = 16           # query rows of one program: a slot's beams x a head group's heads
-IEEE = "ieee"            # fp32 inputs (the tests') multiplied exactly; bf16 as they are
 
 
 @triton.jit
-def _attend_block(q, k, v, key_ok, mine, m, total, acc, scale, DOT_PRECISION: tl.constexpr):
+def _attend_block(q, k, v, key_ok, mine, m, total, acc, scale):
     """Fold one block of keys into the running max, sum and weighted values (fp32) of the
-    rows ``mine``; other rows keep theirs untouched."""
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale      # [M, BLOCK]
+    rows ``mine``; other rows keep theirs untouched. ("ieee": fp32 inputs, the tests',
+    multiplied exactly; bf16 ones as they are.)"""
+    s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale      # [M, BLOCK]
     s = tl.where(key_ok & mine[:, None], s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)    # nothing seen yet: no NaN
     alpha = tl.exp(m - m_safe)
     p = tl.exp(s - m_safe[:, None])
-    pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
     total = tl.where(mine, total * alpha + tl.sum(p, axis=1), total)
     acc = tl.where(mine[:, None], acc * alpha[:, None] + pv, acc)
     return tl.where(mine, m_new, m), total, acc
@@ -44,8 +44,7 @@ def _decode_kernel(q_ptr, kk_ptr, kv_ptr, gk_ptr, gv_ptr, o_ptr, chunks_ptr, ctx
                    gv_sb, gv_st, gv_sh, o_st, o_sh, ctx_st, gen_pos_st, n_gen, scale, window,
                    BEAMS: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
                    HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr, BLOCK: tl.constexpr,
-                   GEN_BLOCK: tl.constexpr, WINDOWED: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr):
+                   GEN_BLOCK: tl.constexpr, WINDOWED: tl.constexpr):
     chunk = tl.program_id(0)             # up to BEAMS beams of one slot
     head = tl.program_id(1)              # key-value head; its GROUP query heads together
     first = tl.load(chunks_ptr + chunk * BEAMS)
@@ -82,8 +81,7 @@ def _decode_kernel(q_ptr, kk_ptr, kv_ptr, gk_ptr, gv_ptr, o_ptr, chunks_ptr, ctx
                         mask=tile_ok, other=0.0)
             v = tl.load(kv_ptr + rows[:, None] * kv_st + head * kv_sh + d[None, :],
                         mask=tile_ok, other=0.0)
-            m, total, acc = _attend_block(q, k, v, key_ok, row_ok, m, total, acc, scale,
-                                          DOT_PRECISION)
+            m, total, acc = _attend_block(q, k, v, key_ok, row_ok, m, total, acc, scale)
             at += BLOCK
         t_in = tl.arange(0, GEN_BLOCK)
         for b in range(BEAMS):                      # each beam's own tokens, this step's last
@@ -103,8 +101,8 @@ def _decode_kernel(q_ptr, kk_ptr, kv_ptr, gk_ptr, gv_ptr, o_ptr, chunks_ptr, ctx
                                 + d[None, :], mask=tile_ok, other=0.0)
                     v = tl.load(gv_ptr + own * gv_sb + t[:, None] * gv_st + head * gv_sh
                                 + d[None, :], mask=tile_ok, other=0.0)
-                    m, total, acc = _attend_block(q, k, v, key_ok, mine, m, total, acc, scale,
-                                                  DOT_PRECISION)
+                    m, total, acc = _attend_block(q, k, v, key_ok, mine, m, total, acc,
+                                                  scale)
                     t0 += GEN_BLOCK
         out = acc / tl.where(row_ok, total, 1.0)[:, None]
         tl.store(o_ptr + beam[:, None] * o_st + q_heads[:, None] * o_sh + d[None, :],
@@ -168,4 +166,4 @@ def decode_attention(q: torch.Tensor, kept_k: torch.Tensor, kept_v: torch.Tensor
         ctx_rows.stride(0), gen_pos.stride(0), gen_k.shape[1], scale, window or 0,
         BEAMS=beams, GROUP=group, GROUP_P2=triton.next_power_of_2(group), HEAD_DIM=dim,
         DIM_P2=triton.next_power_of_2(dim), BLOCK=block_keys(dim), GEN_BLOCK=16,
-        WINDOWED=window is not None, DOT_PRECISION=IEEE, num_warps=4)
+        WINDOWED=window is not None, num_warps=4)
