@@ -220,7 +220,8 @@ def split_service(args: argparse.Namespace, src: Path, tmp: Path, model_dir: Pat
     return SplitService(argparse.Namespace(
         redis_server=args.redis_server, api_workers=args.api_workers,
         model=args.model or str(model_dir), device=args.device,
-        load_format=args.load_format, quant=args.quant, docs=args.items * len(OPTIONS)),
+        load_format=args.load_format, quant=args.quant, docs=args.items * len(OPTIONS),
+        device_workers=1, switch_interval_ms=None, setting=[]),
         tmp, root=src)
 
 
