@@ -25,8 +25,11 @@ stream, evenly spaced), each followed by one question, with four one-token optio
    row per option: on a model whose LM head outweighs its body (the 270M's 262k x 640 against
    ~100M body parameters) that, not the service, caps the ratio.
 
-Items/s each (wall time from the first request to the last answer, after a warm-up request),
-and the largest |difference| of an option's log-likelihood between completions and the other
+Items/s each (wall time from the first request to the last answer, after a warm-up request;
+served, each way's requests are sent ``--rounds`` times and the last round is timed, the first
+kept as ``*_first_round_s``: the worker meets a way's pass shapes in the rounds before), and
+with ``--api-workers`` the worker's own account of each way's last round (its "pass done" log
+lines: passes, rows, the steps' milliseconds; ``*_worker_steps``), and the largest |difference| of an option's log-likelihood between completions and the other
 two. The figures go to stdout as a table and to ``<out>/<date>-completions-sharing-<commit>.json``.
 
     /work/main/.venv/bin/python benchmarks/completions_sharing.py --items 16
@@ -237,23 +240,34 @@ def serve(args: argparse.Namespace, src: Path, tmp: Path, model_dir: Path,
         service.command += ["--load-format", args.load_format] + (
             ["--quant", args.quant] if args.quant else [])
     service.start()
+    from service_gpu import utc_now, worker_steps
+
+    steps = {}
     try:
         service.wait_ready()
         with httpx.Client(base_url=service.url) as client:
             model = client.get("/v1/models").json()["data"][0]["id"]
-        completions, c_s = asyncio.run(timed_posts(service.url, "/v1/completions",
-                                                   completion_bodies(model, contexts),
-                                                   args.completion_concurrency
-                                                   or args.concurrency))
-        scored, s_s = asyncio.run(timed_posts(service.url, "/v1/score", score_bodies(contexts),
-                                              args.concurrency))
+        ways = {"completions": ("/v1/completions", completion_bodies(model, contexts),
+                                args.completion_concurrency or args.concurrency),
+                "score": ("/v1/score", score_bodies(contexts), args.concurrency)}
+        answers, seconds = {}, {}
+        for way, (path, bodies, concurrency) in ways.items():
+            # rounds before the last one: the worker meets the way's shapes (a service
+            # scores such requests all day; the last round is its steady state)
+            for _ in range(args.rounds):
+                since = utc_now()
+                answers[way], seconds[way] = asyncio.run(timed_posts(service.url, path, bodies,
+                                                                     concurrency))
+                seconds.setdefault(f"{way}_first", seconds[way])
+            if not isinstance(service, Service):
+                steps[way] = worker_steps(service.worker_log_lines(), since, utc_now())
     except BaseException:
         print(service.log_tail(30) if isinstance(service, Service)
               else service.tail("worker", 30), file=sys.stderr)
         raise
     finally:
         service.stop()
-    return model, completions, c_s, scored, s_s
+    return model, answers, seconds, steps
 
 
 def main() -> None:
@@ -291,6 +305,9 @@ def main() -> None:
                          "(default 0: one `spinf-serve serve`)")
     ap.add_argument("--redis-server", default="redis-server",
                     help="with --api-workers: the redis-server binary to run")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="served: each way's requests sent this many times, the last timed "
+                         "(the rounds before: the worker meets the way's shapes first)")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     commit = args.commit or sh(f"git rev-parse --short {args.rev}")
@@ -316,15 +333,20 @@ def main() -> None:
              concurrency=args.concurrency, api_workers=args.api_workers,
              completion_concurrency=args.completion_concurrency or args.concurrency)
     if served is not None:
-        model, completions, c_s, scored, s_s = served
-        c_scores = completion_scores(tok, contexts, completions)
-        s_scores = [o["logprob"] for body in scored for o in
+        model, answers, seconds, steps = served
+        c_scores = completion_scores(tok, contexts, answers["completions"])
+        s_scores = [o["logprob"] for body in answers["score"] for o in
                     body["results"][0]["queries"][0]["combinations"][0]["options"]]
-        r.update(model=model, completions_s=c_s, completions_items_per_s=args.items / c_s,
+        c_s, s_s = seconds["completions"], seconds["score"]
+        r.update(model=model, rounds=args.rounds, completions_s=c_s,
+                 completions_items_per_s=args.items / c_s,
+                 completions_first_round_s=seconds["completions_first"],
                  score_s=s_s, score_items_per_s=args.items / s_s,
+                 score_first_round_s=seconds["score_first"],
                  max_abs_completions_vs_score=max(abs(a - b) for a, b in
                                                   zip(c_scores, s_scores, strict=True)),
-                 completions_vs_score=s_s / c_s)
+                 completions_vs_score=s_s / c_s,
+                 **{f"{way}_worker_steps": way_steps for way, way_steps in steps.items()})
     if in_process:
         r.update({f"{way}_s": s for way, s in in_process.items()})
         r.update({f"{way}_items_per_s": args.items / s for way, s in in_process.items()},
