@@ -28,9 +28,10 @@ stream, evenly spaced), each followed by one question, with four one-token optio
 Items/s each (wall time from the first request to the last answer, after a warm-up request;
 served, each way's requests are sent ``--rounds`` times and the last round is timed, the first
 kept as ``*_first_round_s``: the worker meets a way's pass shapes in the rounds before), and
-with ``--api-workers`` the worker's own account of each way's last round (its "pass done" log
-lines: passes, rows, the steps' milliseconds; ``*_worker_steps``), and the largest |difference| of an option's log-likelihood between completions and the other
-two. The figures go to stdout as a table and to ``<out>/<date>-completions-sharing-<commit>.json``.
+each way's last round as the service saw it (``*_service``: its tiers' CPU seconds, and
+with ``--api-workers`` the worker's "pass done" log lines: passes and the steps'
+milliseconds), and the largest |difference| of an option's log-likelihood between
+completions and the other two. The figures go to stdout as a table and to ``<out>/<date>-completions-sharing-<commit>.json``.
 
     /work/main/.venv/bin/python benchmarks/completions_sharing.py --items 16
     python benchmarks/completions_sharing.py --device cuda          # on a GPU host: 500 items
@@ -240,7 +241,12 @@ def serve(args: argparse.Namespace, src: Path, tmp: Path, model_dir: Path,
         service.command += ["--load-format", args.load_format] + (
             ["--quant", args.quant] if args.quant else [])
     service.start()
-    from service_gpu import utc_now, worker_steps
+    from service_gpu import tier_cpu_s, utc_now, worker_steps
+
+    def pids(service) -> dict[str, int]:
+        """The service's processes by tier (``serve``: one for API and worker)."""
+        return {"serve": service.process.pid} if isinstance(service, Service) else {
+            name: pid for name, pid in service.pids().items() if name != "redis"}
 
     steps = {}
     try:
@@ -255,12 +261,14 @@ def serve(args: argparse.Namespace, src: Path, tmp: Path, model_dir: Path,
             # rounds before the last one: the worker meets the way's shapes (a service
             # scores such requests all day; the last round is its steady state)
             for _ in range(args.rounds):
-                since = utc_now()
+                since, cpu = utc_now(), tier_cpu_s(pids(service))
                 answers[way], seconds[way] = asyncio.run(timed_posts(service.url, path, bodies,
                                                                      concurrency))
                 seconds.setdefault(f"{way}_first", seconds[way])
+            cpu = {tier: round(s - cpu[tier], 2) for tier, s in tier_cpu_s(pids(service)).items()}
+            steps[way] = {"cpu_s": cpu}
             if not isinstance(service, Service):
-                steps[way] = worker_steps(service.worker_log_lines(), since, utc_now())
+                steps[way].update(worker_steps(service.worker_log_lines(), since, utc_now()))
     except BaseException:
         print(service.log_tail(30) if isinstance(service, Service)
               else service.tail("worker", 30), file=sys.stderr)
@@ -346,7 +354,7 @@ def main() -> None:
                  max_abs_completions_vs_score=max(abs(a - b) for a, b in
                                                   zip(c_scores, s_scores, strict=True)),
                  completions_vs_score=s_s / c_s,
-                 **{f"{way}_worker_steps": way_steps for way, way_steps in steps.items()})
+                 **{f"{way}_service": way_steps for way, way_steps in steps.items()})
     if in_process:
         r.update({f"{way}_s": s for way, s in in_process.items()})
         r.update({f"{way}_items_per_s": args.items / s for way, s in in_process.items()},
