@@ -28,8 +28,9 @@ CONFIGS = {
     torch.float8_e4m3fn: (128, 256, 128, 8, 8, 3),
     torch.float32: (64, 64, 32, 8, 4, 2),
 }
-# the same for decoding steps' GEMMs (engine/decode.py): a pass's tiles until
-# benchmarks/step_tiles.py has timed the candidates on a GPU
+# decoding steps' GEMMs (engine/decode.py): a pass's tiles, which benchmarks/step_tiles.py
+# found fastest on an H100 for the 12B shape's steps (within 4% of smaller tiles at 384 rows,
+# 30% ahead of them at 640; benchmarks/RESULTS.md, 2026-12-07)
 STEP_CONFIGS = dict(CONFIGS)
 
 
