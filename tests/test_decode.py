@@ -85,6 +85,23 @@ def test_greedy_generation_equals_transformers_greedy(engine_name, oracle_name, 
     assert answer.finish == ("length" if len(answer.tokens) == 6 else "stop")
 
 
+def test_generation_past_the_first_steps_buffers_equals_transformers_greedy(default_engine,
+                                                                           default_oracle):
+    """20 tokens: the steps' key and value buffers (engine/decode.DecodePlan) grow twice on
+    the way, the tokens already generated kept where they are. (The tiny random model ends
+    its answers at once: its special tokens together outweigh any one token.)"""
+    found, context = _decode(default_engine, "\n\nSummary:", stops=(), max_tokens=20,
+                             sample=Sampling())
+    (answer,) = found
+    ids = torch.tensor([context])
+    with torch.no_grad():
+        greedy = default_oracle.generate(ids, max_new_tokens=20, do_sample=False,
+                                         pad_token_id=0)[0, ids.shape[1]:].tolist()
+    assert len(answer.tokens) > 16 and answer.tokens == greedy[: len(answer.tokens)]
+    assert abs(answer.logprob - oracle_logprob(default_oracle, context + answer.tokens,
+                                               len(context))) <= 1e-4
+
+
 @pytest.mark.parametrize("engine_name, oracle_name", MODELS)
 def test_text_answers_carry_the_probability_that_they_end(engine_name, oracle_name, request):
     """P(answer) = P(its tokens) x P(the next token ends it: starts with a stop, or is

@@ -63,8 +63,9 @@ def test_decode_attention_compiles_for_sm90(group, dim, windowed):
 
     types = {name: "*bf16" for name in ("q_ptr", "kk_ptr", "kv_ptr", "gk_ptr", "gv_ptr",
                                         "o_ptr")}
-    types |= {name: "*i64" for name in ("ctx_rows_ptr", "ctx_pos_ptr", "ctx_len_ptr",
-                                        "gen_pos_ptr", "beam_slot_ptr", "q_pos_ptr")}
+    types |= {name: "*i64" for name in ("gen_rows_ptr", "ctx_rows_ptr", "ctx_pos_ptr",
+                                        "ctx_len_ptr", "gen_pos_ptr", "beam_slot_ptr",
+                                        "q_pos_ptr")}
     types |= {"chunks_ptr": "*i32", "scale": "fp32"}
     for n_gen in ({}, {"n_gen": 1}):
         consts = dict(BEAMS=da.beams_per_program(group), GROUP=group,

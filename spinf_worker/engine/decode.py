@@ -92,19 +92,24 @@ class DecodePlan:
     window: int
     beam_slot: torch.Tensor = None   # [beams]
     q_pos: torch.Tensor = None       # [beams]: positions of this step's tokens
-    gen_k: dict[int, torch.Tensor] = field(default_factory=dict)   # per layer [beams, t, Hkv, D]
+    # per layer [steps, rows, Hkv, D]: each step's generated keys (values), beam b's at row b
+    # of its step; capacity grown by doubling, so a step writes its own rows and copies none
+    gen_k: dict[int, torch.Tensor] = field(default_factory=dict)
     gen_v: dict[int, torch.Tensor] = field(default_factory=dict)
-    gen_pos: torch.Tensor = None     # [beams, t]
+    gen_rows: torch.Tensor = None    # [beams, t]: the rows of the steps holding its tokens
+    gen_pos: torch.Tensor = None     # [beams, t]: their positions
+    step_rows: torch.Tensor = None   # [beams, t + 1]: gen_rows and this step's own rows
     step_pos: torch.Tensor = None    # [beams, t + 1]: gen_pos and this step's q_pos
+    max_steps: int = 8               # the most steps decoded (the buffers grow no further)
     chunks: dict[int, torch.Tensor] = field(default_factory=dict)   # CUDA: beams by slot,
     # once a step for all layers (per chunk size: a model's layers may group heads apart)
 
     def attend(self, q, k, v, *, layer: int, sliding: bool, scale: float) -> torch.Tensor:
         n = self.beam_slot.shape[0]
         q, k, v = q[:n], k[:n], v[:n]
-        gk = torch.cat((self.gen_k[layer], k[:, None]), 1) if layer in self.gen_k else k[:, None]
-        gv = torch.cat((self.gen_v[layer], v[:, None]), 1) if layer in self.gen_v else v[:, None]
-        self.gen_k[layer], self.gen_v[layer] = gk, gv
+        t = self.gen_rows.shape[1]
+        gk, gv = self._reserve(layer, k, t + 1, n)
+        gk[t, :n], gv[t, :n] = k, v
         kept_k, kept_v = self.kept[layer]
         out = q.new_zeros(-(-n // ROW_TILE) * ROW_TILE, *q.shape[1:])
         gen_pos = self.step_pos
@@ -114,21 +119,23 @@ class DecodePlan:
             beams = beams_per_program(q.shape[1] // kept_k.shape[1])
             if beams not in self.chunks:
                 self.chunks[beams] = beam_chunks(self.beam_slot, beams)
-            decode_attention(q, kept_k, kept_v, gk, gv, self.ctx_rows, self.ctx_pos,
-                             self.ctx_len, gen_pos, self.beam_slot, self.q_pos,
+            decode_attention(q, kept_k, kept_v, gk, gv, self.step_rows, self.ctx_rows,
+                             self.ctx_pos, self.ctx_len, gen_pos, self.beam_slot, self.q_pos,
                              self.window if sliding else None, scale, out, self.chunks[beams])
             return out
         # A beam's products have a shape of its own: BRANCH_TILE beams at a time, over a context
         # padded to its slot's own width (context_width), so its bits never depend on the
         # other slots decoded beside it (their context lengths, their number).
         widths = context_width(self.ctx_len)[self.beam_slot]
+        steps = torch.arange(t + 1, device=q.device)
         for width in torch.unique(widths).tolist():
             chosen = torch.nonzero(widths == width).flatten()
             for lo in range(0, chosen.shape[0], BRANCH_TILE):
                 tile = chosen[lo:lo + BRANCH_TILE]
                 real = tile.shape[0]
                 tile = torch.cat((tile, tile[:1].expand(BRANCH_TILE - real)))
-                o = self._attend_tile(q[tile], kept_k, kept_v, gk[tile], gv[tile],
+                own = (steps[None, :], self.step_rows[tile])   # each beam's tokens in order
+                o = self._attend_tile(q[tile], kept_k, kept_v, gk[own], gv[own],
                                       gen_pos[tile], tile, width, sliding, scale)
                 out[tile[:real]] = o[:real]
         return out
@@ -153,16 +160,38 @@ class DecodePlan:
         s = s.masked_fill(~ok[:, None, None, :], float("-inf"))
         return torch.einsum("nkgl,nlkd->nkgd", torch.softmax(s, -1), values).reshape(q.shape)
 
+    def _reserve(self, layer: int, like: torch.Tensor, steps: int, rows: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's key and value buffers, grown (doubling the steps) to hold ``steps``
+        steps of ``rows`` rows; what they held is kept in place."""
+        old = self.gen_k.get(layer)
+        if old is not None and old.shape[0] >= steps and old.shape[1] >= rows:
+            return old, self.gen_v[layer]
+        have = (0, 0) if old is None else old.shape[:2]
+        grown_steps = max(steps, min(max(2 * have[0], 8), self.max_steps))
+        shape = (have[0] if steps <= have[0] else grown_steps, max(rows, have[1]),
+                 *like.shape[1:])
+        for store in (self.gen_k, self.gen_v):
+            grown = like.new_empty(shape)
+            if old is not None:
+                grown[:have[0], :have[1]] = store[layer]
+            store[layer] = grown
+        return self.gen_k[layer], self.gen_v[layer]
+
     def begin_step(self) -> None:
-        """Before a step's forward: the positions its beams attend to, once for all layers."""
+        """Before a step's forward: where its beams' tokens are and their positions, once
+        for all layers (this step's own token: row b of its step for beam b)."""
+        n = self.beam_slot.shape[0]
+        own = torch.arange(n, device=self.q_pos.device)[:, None]
+        self.step_rows = torch.cat((self.gen_rows, own), 1)
         self.step_pos = torch.cat((self.gen_pos, self.q_pos[:, None]), 1)
         self.chunks = {}
 
     def advance(self, parents: torch.Tensor) -> None:
-        """Keep the beams ``parents`` (indices into this step's beams), in that order."""
+        """Keep the beams ``parents`` (indices into this step's beams), in that order: by
+        their row lists, their keys and values staying where they are."""
+        self.gen_rows = self.step_rows[parents]
         self.gen_pos = self.step_pos[parents]
-        self.gen_k = {layer: t[parents] for layer, t in self.gen_k.items()}
-        self.gen_v = {layer: t[parents] for layer, t in self.gen_v.items()}
         self.beam_slot = self.beam_slot[parents]
         self.q_pos = self.q_pos[parents] + 1
 
@@ -336,7 +365,8 @@ class SlotDecoder:
         dev = next(self.model.parameters()).device
         rows, ok, pos = rows.to(dev), ok.to(dev), pos.to(dev)
         lengths = torch.tensor([j.context_rows.shape[0] for j in jobs], device=dev)
-        plan = DecodePlan(kept, rows, pos, ok, lengths, self.model.cfg.sliding_window)
+        plan = DecodePlan(kept, rows, pos, ok, lengths, self.model.cfg.sliding_window,
+                          max_steps=max(j.max_tokens for j in jobs))
         vocab = self._vocab(int(jobs[0].first_logprobs.shape[-1]), dev)
         found: list[list[Found]] = [[] for _ in jobs]
         starts = [b for s, job in enumerate(jobs) for b in self._starts(s, job)]
@@ -346,6 +376,7 @@ class SlotDecoder:
                                           found, vocab)]
         next_pos = [int(j.context_pos.max()) + 1 for j in jobs]
         plan.gen_pos = torch.zeros(len(beams), 0, dtype=torch.long, device=dev)
+        plan.gen_rows = torch.zeros(len(beams), 0, dtype=torch.long, device=dev)
         plan.beam_slot = _on_device([b.slot for b in beams], dev)
         plan.q_pos = _on_device([next_pos[b.slot] for b in beams], dev)
         while beams:

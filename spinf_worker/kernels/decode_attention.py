@@ -5,8 +5,9 @@ One program per (chunk of one slot's beams, key-value head): the slot's context 
 read once for all its beams (straight from the pass's kept K/V through the slot's row list,
 no per-beam copies), each block's scores and weighted values one ``tl.dot`` over the chunk's
 rows, in fixed blocks of keys with an online softmax in fp32: the context's blocks in
-order, then each beam's own generated tokens (a block updates only that beam's rows). A
-slot's beams are always decoded together (a document alone or packed holds all of them)
+order, then each beam's own generated tokens (a block updates only that beam's rows), read
+from the steps' key and value buffers through the beam's row list (a beam kept for the next
+step keeps its list; no keys are copied). A slot's beams are always decoded together (a document alone or packed holds all of them)
 and chunked in their own order, so a beam's result depends on its slot alone, never on how
 many beams or slots share the step, nor on the longest context among them.
 """
@@ -38,10 +39,10 @@ def _attend_block(q, k, v, key_ok, mine, m, total, acc, scale):
 
 
 @triton.jit
-def _decode_kernel(q_ptr, kk_ptr, kv_ptr, gk_ptr, gv_ptr, o_ptr, chunks_ptr, ctx_rows_ptr,
-                   ctx_pos_ptr, ctx_len_ptr, gen_pos_ptr, beam_slot_ptr, q_pos_ptr,
-                   q_st, q_sh, kk_st, kk_sh, kv_st, kv_sh, gk_sb, gk_st, gk_sh,
-                   gv_sb, gv_st, gv_sh, o_st, o_sh, ctx_st, gen_pos_st, n_gen, scale, window,
+def _decode_kernel(q_ptr, kk_ptr, kv_ptr, gk_ptr, gv_ptr, gen_rows_ptr, o_ptr, chunks_ptr,
+                   ctx_rows_ptr, ctx_pos_ptr, ctx_len_ptr, gen_pos_ptr, beam_slot_ptr, q_pos_ptr,
+                   q_st, q_sh, kk_st, kk_sh, kv_st, kv_sh, gk_st, gk_sr, gk_sh,
+                   gv_st, gv_sr, gv_sh, o_st, o_sh, ctx_st, gen_st, n_gen, scale, window,
                    BEAMS: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
                    HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr, BLOCK: tl.constexpr,
                    GEN_BLOCK: tl.constexpr, WINDOWED: tl.constexpr):
@@ -94,13 +95,15 @@ def _decode_kernel(q_ptr, kk_ptr, kv_ptr, gk_ptr, gv_ptr, o_ptr, chunks_ptr, ctx
                     gen_in = t < n_gen
                     key_ok = tl.broadcast_to(gen_in[None, :], (BEAMS * GROUP_P2, GEN_BLOCK))
                     if WINDOWED:
-                        pos = tl.load(gen_pos_ptr + own * gen_pos_st + t, mask=gen_in, other=0)
+                        pos = tl.load(gen_pos_ptr + own * gen_st + t, mask=gen_in, other=0)
                         key_ok = key_ok & (q_pos[:, None] - pos[None, :] < window)
+                    # the beam's token of step t: row gen_rows[own, t] of that step's keys
+                    at_row = tl.load(gen_rows_ptr + own * gen_st + t, mask=gen_in, other=0)
                     tile_ok = gen_in[:, None] & d_ok[None, :]
-                    k = tl.load(gk_ptr + own * gk_sb + t[:, None] * gk_st + head * gk_sh
-                                + d[None, :], mask=tile_ok, other=0.0)
-                    v = tl.load(gv_ptr + own * gv_sb + t[:, None] * gv_st + head * gv_sh
-                                + d[None, :], mask=tile_ok, other=0.0)
+                    k = tl.load(gk_ptr + t[:, None] * gk_st + at_row[:, None] * gk_sr
+                                + head * gk_sh + d[None, :], mask=tile_ok, other=0.0)
+                    v = tl.load(gv_ptr + t[:, None] * gv_st + at_row[:, None] * gv_sr
+                                + head * gv_sh + d[None, :], mask=tile_ok, other=0.0)
                     m, total, acc = _attend_block(q, k, v, key_ok, mine, m, total, acc,
                                                   scale)
                     t0 += GEN_BLOCK
@@ -136,15 +139,17 @@ def beam_chunks(beam_slot: torch.Tensor, beams: int) -> torch.Tensor:
 
 
 def decode_attention(q: torch.Tensor, kept_k: torch.Tensor, kept_v: torch.Tensor,
-                     gen_k: torch.Tensor, gen_v: torch.Tensor, ctx_rows: torch.Tensor,
-                     ctx_pos: torch.Tensor, ctx_len: torch.Tensor, gen_pos: torch.Tensor,
-                     beam_slot: torch.Tensor, q_pos: torch.Tensor, window: int | None,
-                     scale: float, out: torch.Tensor, chunks: torch.Tensor | None = None
-                     ) -> None:
+                     gen_k: torch.Tensor, gen_v: torch.Tensor, gen_rows: torch.Tensor,
+                     ctx_rows: torch.Tensor, ctx_pos: torch.Tensor, ctx_len: torch.Tensor,
+                     gen_pos: torch.Tensor, beam_slot: torch.Tensor, q_pos: torch.Tensor,
+                     window: int | None, scale: float, out: torch.Tensor,
+                     chunks: torch.Tensor | None = None) -> None:
     """Write each beam's attention into ``out`` [n, Hq, D]. q: [n, Hq, D]; kept_k/v: [R, Hkv, D]
-    (the pass's kept rows); gen_k/v: [n, T, Hkv, D] (the beam's tokens, this step's last);
-    ctx_rows / ctx_pos: [slots, L] (a slot's context: rows into kept_k/v and their positions,
-    its first ctx_len[slot] entries); gen_pos: [n, T]; beam_slot, q_pos: [n]. ``window``:
+    (the pass's kept rows); gen_k/v: [steps, rows, Hkv, D], each step's generated keys and
+    values by row; gen_rows / gen_pos: [n, T] (a beam's tokens, this step's last: the row of
+    each step that holds it, and its position); ctx_rows / ctx_pos: [slots, L] (a slot's
+    context: rows into kept_k/v and their positions, its first ctx_len[slot] entries);
+    beam_slot, q_pos: [n]. ``window``:
     the sliding window (None: a global layer). ``chunks``: ``beam_chunks(beam_slot,
     beams_per_program(group))``, computed once per step (here when not given)."""
     n, heads, dim = q.shape
@@ -155,15 +160,16 @@ def decode_attention(q: torch.Tensor, kept_k: torch.Tensor, kept_v: torch.Tensor
         chunks = beam_chunks(beam_slot, beams)
     q, kept_k, kept_v, gen_k, gen_v = (t if t.stride(-1) == 1 else t.contiguous()
                                        for t in (q, kept_k, kept_v, gen_k, gen_v))
-    ctx_rows, ctx_pos, gen_pos = (t.contiguous() for t in (ctx_rows, ctx_pos, gen_pos))
-    assert ctx_rows.stride(0) == ctx_pos.stride(0) and out.stride(-1) == 1
-    assert chunks.shape == (n, beams)
+    ctx_rows, ctx_pos, gen_rows, gen_pos = (t.contiguous()
+                                            for t in (ctx_rows, ctx_pos, gen_rows, gen_pos))
+    assert ctx_rows.stride(0) == ctx_pos.stride(0) and gen_rows.stride(0) == gen_pos.stride(0)
+    assert out.stride(-1) == 1 and chunks.shape == (n, beams)
     _decode_kernel[(n, kv_heads)](
-        q, kept_k, kept_v, gen_k, gen_v, out, chunks, ctx_rows, ctx_pos, ctx_len, gen_pos,
-        beam_slot, q_pos, q.stride(0), q.stride(1), kept_k.stride(0), kept_k.stride(1),
+        q, kept_k, kept_v, gen_k, gen_v, gen_rows, out, chunks, ctx_rows, ctx_pos, ctx_len,
+        gen_pos, beam_slot, q_pos, q.stride(0), q.stride(1), kept_k.stride(0), kept_k.stride(1),
         kept_v.stride(0), kept_v.stride(1), gen_k.stride(0), gen_k.stride(1), gen_k.stride(2),
         gen_v.stride(0), gen_v.stride(1), gen_v.stride(2), out.stride(0), out.stride(1),
-        ctx_rows.stride(0), gen_pos.stride(0), gen_k.shape[1], scale, window or 0,
+        ctx_rows.stride(0), gen_pos.stride(0), gen_rows.shape[1], scale, window or 0,
         BEAMS=beams, GROUP=group, GROUP_P2=triton.next_power_of_2(group), HEAD_DIM=dim,
         DIM_P2=triton.next_power_of_2(dim), BLOCK=block_keys(dim), GEN_BLOCK=16,
         WINDOWED=window is not None, num_warps=4)
