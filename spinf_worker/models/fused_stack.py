@@ -61,7 +61,8 @@ def fused_forward(layers, final_norm, x: torch.Tensor, rows: int, plan,
 
     def heads(n: int) -> torch.Tensor:
         t = torch.empty(rows, n, hd, dtype=x.dtype, device=x.device)
-        t[m:].zero_()
+        if m < rows:    # a pass's padding rows (a decoding step computes all of its rows)
+            t[m:].zero_()
         return t
 
     h = residual_norm(x, None, None, layers[0].input_layernorm.weight, eps, quant=quant,
