@@ -31,7 +31,8 @@ kept as ``*_first_round_s``: the worker meets a way's pass shapes in the rounds 
 each way's last round as the service saw it (``*_service``: its tiers' CPU seconds, and
 with ``--api-workers`` the worker's "pass done" log lines: passes and the steps'
 milliseconds), and the largest |difference| of an option's log-likelihood between
-completions and the other two. The figures go to stdout as a table and to ``<out>/<date>-completions-sharing-<commit>.json``.
+completions and the other two. The figures go to stdout as a table and to
+``<out>/<date>-completions-sharing-<commit>.json``.
 
     /work/main/.venv/bin/python benchmarks/completions_sharing.py --items 16
     python benchmarks/completions_sharing.py --device cuda          # on a GPU host: 500 items

@@ -168,9 +168,9 @@ class DecodePlan:
         if old is not None and old.shape[0] >= steps and old.shape[1] >= rows:
             return old, self.gen_v[layer]
         have = (0, 0) if old is None else old.shape[:2]
-        grown_steps = max(steps, min(max(2 * have[0], 8), self.max_steps))
-        shape = (have[0] if steps <= have[0] else grown_steps, max(rows, have[1]),
-                 *like.shape[1:])
+        if steps > have[0]:     # doubled, up to the most steps this decode can take
+            steps = max(steps, min(max(2 * have[0], 8), self.max_steps))
+        shape = (max(steps, have[0]), max(rows, have[1]), *like.shape[1:])
         for store in (self.gen_k, self.gen_v):
             grown = like.new_empty(shape)
             if old is not None:

@@ -7,8 +7,8 @@ no per-beam copies), each block's scores and weighted values one ``tl.dot`` over
 rows, in fixed blocks of keys with an online softmax in fp32: the context's blocks in
 order, then each beam's own generated tokens (a block updates only that beam's rows), read
 from the steps' key and value buffers through the beam's row list (a beam kept for the next
-step keeps its list; no keys are copied). A slot's beams are always decoded together (a document alone or packed holds all of them)
-and chunked in their own order, so a beam's result depends on its slot alone, never on how
+step keeps its list; no keys are copied). A slot's beams are always decoded together (a
+document alone or packed holds all of them) and chunked in their own order, so a beam's result depends on its slot alone, never on how
 many beams or slots share the step, nor on the longest context among them.
 """
 
